@@ -1,0 +1,51 @@
+# Two commands for a newcomer: `make train` and `make test`. Both install what they need.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+# CPU machines get this torch before the project is installed, so that pip does not pull the
+# multi-GB CUDA build; machines with an NVIDIA GPU keep (or get) the default CUDA build.
+TORCH_CPU_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+ARGS ?=
+STAMP := .make/setup.stamp
+
+.PHONY: setup train test test-gpu lint bench kernels gpu-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@mkdir -p .make
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
+		if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+			echo "setup: GPU found, installing the default (CUDA) torch"; $(PIP) install $(TORCH_PIP_ARGS) torch; \
+		else \
+			echo "setup: no GPU, installing the CPU build $(TORCH_CPU_SPEC)"; $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_CPU_SPEC)"; \
+		fi; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	@touch $(STAMP)
+
+train: setup
+	$(PYTHON) -m sparse_llm.train $(ARGS)
+
+test: setup
+	$(PYTHON) -m ruff check sparse_llm scripts tests
+	$(PYTHON) -m pytest -q -m "not gpu" $(ARGS)
+
+test-gpu: setup
+	$(PYTHON) -m pytest -q -m gpu $(ARGS)
+
+lint: setup
+	$(PYTHON) -m ruff check sparse_llm scripts tests
+	$(PYTHON) -m ruff format --check sparse_llm scripts tests
+
+bench: setup
+	$(PYTHON) scripts/benchmark_ffn.py $(ARGS)
+
+kernels:
+	bash scripts/compile_kernels.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf .make build *.egg-info .pytest_cache .ruff_cache
