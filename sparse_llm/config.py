@@ -87,10 +87,20 @@ class TrainConfig:
 
 
 @dataclass
+class ReinitConfig:
+    enabled: bool = False
+    every: int = 100  # steps between reinitialisations of dead units
+    reset_up_down: bool = False  # also re-draw the up_proj rows and down_proj columns of dead units
+
+
+@dataclass
 class SparsityConfig:
     l1_coeff: float = 0.0
     l1_warmup_start: int = 0  # coefficient ramps linearly from 0 at this step ...
     l1_warmup_end: int = 0  # ... to l1_coeff at this step, constant after
+    dead_window_tokens: int = 0  # a unit is dead after this many tokens without firing; 0: one global batch
+    reinit: ReinitConfig = field(default_factory=ReinitConfig)
+    plots: bool = True  # PNG plots of the sparsity curves in the run directory at the end
 
 
 @dataclass
@@ -116,6 +126,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # User hooks: entries like {_target_: my_pkg.MyCallback, some_arg: 1} (see training/callbacks.py)
+    callbacks: list[Any] = field(default_factory=list)
 
 
 def load_config(raw: DictConfig | dict[str, Any], world_size: int = 1) -> RunConfig:
@@ -126,7 +138,8 @@ def load_config(raw: DictConfig | dict[str, Any], world_size: int = 1) -> RunCon
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"config key '{key}': {err.msg if hasattr(err, 'msg') else err}") from None
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"config key '{key}': {reason}") from None
     validate(cfg, world_size)
     return cfg
 
@@ -196,6 +209,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'data.tokenizer': no tokenizer at {d.tokenizer!r}")
     if s.l1_coeff < 0:
         raise ConfigError(f"config key 'sparsity.l1_coeff': must be >= 0, got {s.l1_coeff}")
+    if s.dead_window_tokens < 0:
+        raise ConfigError("config key 'sparsity.dead_window_tokens': must be >= 0")
+    if s.reinit.enabled and s.reinit.every <= 0:
+        raise ConfigError("config key 'sparsity.reinit.every': must be > 0 when reinit is enabled")
     if s.l1_warmup_end < s.l1_warmup_start:
         raise ConfigError("config key 'sparsity.l1_warmup_end': must be >= sparsity.l1_warmup_start")
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():

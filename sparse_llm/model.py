@@ -1,0 +1,237 @@
+"""Llama-style decoder with ReLU-gated feed-forward blocks.
+
+Parameter names match transformers' `LlamaForCausalLM` (model.embed_tokens, model.layers.N.
+self_attn.q_proj, ..., mlp.gate_proj, ..., model.norm, lm_head), so a state dict exports to a
+Hugging Face checkpoint as it is. The FFN is the seam where sparse kernels plug in
+(`ffn_impl`); every layer also reports the sparsity statistics the recipe needs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sparse_llm.config import ModelConfig
+
+
+class FFNStats(NamedTuple):
+    """Per-layer FFN statistics of one forward pass, stacked over layers.
+
+    Kept as sums and histograms (not means) so that micro-batches and ranks reduce by addition.
+    """
+
+    l1: torch.Tensor  # [L] float32, differentiable: mean over tokens of sum over units of |h|
+    nnz_hist: torch.Tensor  # [L, H + 1] int64: how many tokens had k active units
+    fire_counts: torch.Tensor  # [L, H] int64: on how many tokens each unit fired (gate > 0)
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor | None  # [B, T, V]; None when a loss was asked for
+    loss: torch.Tensor | None  # mean next-token cross-entropy over the labels that are not -100
+    ffn_stats: FFNStats | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the scale, as transformers' LlamaRMSNorm does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE, laid out as in transformers (rotate_half convention)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.attn_impl = cfg.attn_impl
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.attn_impl == "flash":
+            from flash_attn import flash_attn_func  # optional extra; checked in build_model
+
+            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            ).transpose(1, 2)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class ReluGatedMLP(nn.Module):
+    """y = down(relu(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act="relu"."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.ffn_impl = cfg.ffn_impl
+
+    def forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        if self.ffn_impl != "dense" and not with_stats and not torch.is_grad_enabled():
+            # Inference through the sparse ops front (CUDA kernels or their reference).
+            from sparse_llm import ops
+
+            impl = "cuda" if self.ffn_impl == "cuda" else "reference"
+            y = ops.ffn_forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, impl=impl)
+            return y, ()
+        a = F.relu(self.gate_proj(x))
+        hidden = a * self.up_proj(x)
+        y = self.down_proj(hidden)
+        if not with_stats:
+            return y, ()
+        return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
+
+
+def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    active = a > 0
+    l1 = hidden.float().abs().sum(-1).mean()
+    nnz = active.sum(-1)
+    nnz_hist = torch.zeros(a.shape[-1] + 1, dtype=torch.int64, device=a.device)
+    nnz_hist.scatter_add_(0, nnz, torch.ones_like(nnz))
+    fire_counts = active.sum(0)
+    return l1, nnz_hist, fire_counts
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = ReluGatedMLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
+        return x + y, stats
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
+
+
+class SparseLlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (resolve it from the tokenizer first)")
+        self.config = cfg
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, with_stats: bool = False
+    ) -> CausalLMOutput:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(input_ids.shape[1], x.device, x.dtype)
+        per_layer = []
+        for layer in self.model.layers:
+            if self.activation_checkpointing and self.training:
+                x, stats = checkpoint(layer, x, cos, sin, with_stats, use_reentrant=False)
+            else:
+                x, stats = layer(x, cos, sin, with_stats)
+            per_layer.append(stats)
+        logits = self.lm_head(self.model.norm(x))
+        ffn_stats = None
+        if with_stats:
+            l1, nnz_hist, fire_counts = (torch.stack(t) for t in zip(*per_layer, strict=True))
+            ffn_stats = FFNStats(l1, nnz_hist, fire_counts)
+        if labels is None:
+            return CausalLMOutput(logits, None, ffn_stats)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return CausalLMOutput(None, loss, ffn_stats)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.model.embed_tokens.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 N + attention, as in the PaLM paper."""
+        cfg = self.config
+        # Parameters that do matmuls: all but the embedding lookup, with the head counted once
+        # whether or not it is tied to the embedding.
+        n = self.num_parameters(exclude_embeddings=True)
+        if cfg.tie_word_embeddings:
+            n += self.lm_head.weight.numel()
+        attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+        return 6 * n + attention
+
+
+def build_model(cfg: ModelConfig) -> SparseLlamaForCausalLM:
+    if cfg.attn_impl == "flash":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "model.attn_impl=flash needs the flash-attn package (pip install '.[flash]'); "
+                "use model.attn_impl=sdpa otherwise"
+            ) from None
+    return SparseLlamaForCausalLM(cfg)

@@ -1,0 +1,1 @@
+"""Training components: optimizer and schedule, checkpoints, metrics, callbacks, the train loop."""
