@@ -119,7 +119,9 @@ class ReluGatedMLP(nn.Module):
             from sparse_llm import ops
 
             impl = "cuda" if self.ffn_impl == "cuda" else "reference"
-            y = ops.ffn_forward(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, impl=impl)
+            y = ops.ffn_forward(
+                x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, impl=impl
+            )
             return y, ()
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)

@@ -1,0 +1,61 @@
+"""Entry point: `python -m sparse_llm.train key=value ...` (or the `sparse-llm-train` script).
+
+Hydra composes `configs/config.yaml` with the overrides; the result is validated against the
+schema before anything is built. The last line printed is `run_dir: <path>`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sparse_llm.config import ConfigError, load_config, to_yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def run(raw: DictConfig, run_dir: Path) -> Path:
+    """Validate, build and train; returns the run directory."""
+    from sparse_llm.training.callbacks import build_callbacks
+    from sparse_llm.training.trainer import Trainer
+
+    cfg = load_config(raw)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    callbacks = build_callbacks(cfg.callbacks)
+    trainer = Trainer(cfg, run_dir, callbacks)
+    if trainer.accelerator.is_main_process:
+        # Written after the trainer resolved derived values (vocab size), so it is the config that ran.
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    trainer.fit()
+    return run_dir
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def _hydra_main(raw: DictConfig) -> None:
+    # Inside a multirun every job gets its own output directory; a single run uses run_dir.
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    OmegaConf.set_struct(raw, False)
+    raw.run_dir = str(run_dir)
+    try:
+        run(raw, run_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"run_dir: {run_dir}", flush=True)
+
+
+def main() -> None:
+    if not CONFIG_DIR.is_dir():
+        sys.exit(
+            f"error: config directory {CONFIG_DIR} not found; "
+            "install the repo in editable mode (pip install -e .)"
+        )
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The train loop: build everything from a validated config, then step, evaluate, log, checkpoint.
+
+Components live in their own modules (model, data, optim, checkpoint, metrics, sparsity,
+callbacks); this file only wires them together in the order data flows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from sparse_llm.config import ConfigError, RunConfig, validate
+from sparse_llm.data import TokenStream, load_tokenizer, validation_batches
+from sparse_llm.model import FFNStats, SparseLlamaForCausalLM, build_model
+from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
+from sparse_llm.training import checkpoint as ckpt_io
+from sparse_llm.training.callbacks import Callback, CallbackList, DeadUnitReinitCallback
+from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from sparse_llm.training.optim import build_optimizer, build_scheduler
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the run stops without writing a checkpoint."""
+
+
+def _select_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config key 'train.device': cuda was asked for but no CUDA device is visible")
+    return name
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> None:
+        t = cfg.train
+        device = _select_device(t.device)
+        precision = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+        self.accelerator = Accelerator(
+            cpu=device == "cpu", mixed_precision="bf16" if precision == "bf16" else "no"
+        )
+        self.world_size = self.accelerator.num_processes
+        self.rank = self.accelerator.process_index
+        validate(cfg, self.world_size)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.device = self.accelerator.device
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.world_size)
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+
+        # Data first: a bad path or tokenizer fails here, before a model is allocated.
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        vocab = len(self.tokenizer)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = vocab
+        elif cfg.model.vocab_size < vocab:
+            raise ConfigError(
+                f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than "
+                f"the tokenizer's vocabulary ({vocab})"
+            )
+        self.train_stream = TokenStream(
+            cfg.data, self.tokenizer, t.seq_len, "train", self.rank, self.world_size
+        )
+        self.val_batches = validation_batches(
+            cfg.data,
+            self.tokenizer,
+            t.seq_len,
+            t.micro_batch_size,
+            t.eval_batches,
+            self.rank,
+            self.world_size,
+        )
+
+        torch.manual_seed(t.seed)
+        model = build_model(cfg.model)
+        model.activation_checkpointing = t.activation_checkpointing
+        optimizer = build_optimizer(model, t, fused=self.device.type == "cuda")
+        self.scheduler = build_scheduler(optimizer, t)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.forward = torch.compile(self.model) if t.compile else self.model
+
+        self.sparsity = SparsityMonitor(
+            num_layers=cfg.model.num_hidden_layers,
+            num_units=cfg.model.intermediate_size,
+            dead_window_tokens=cfg.sparsity.dead_window_tokens or self.tokens_per_step,
+        )
+        # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal.
+        self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
+        hooks = list(callbacks or [])
+        if cfg.sparsity.reinit.enabled:
+            hooks.append(DeadUnitReinitCallback(cfg.sparsity.reinit.every, cfg.sparsity.reinit.reset_up_down))
+        self.callbacks = CallbackList(hooks)
+        self.step = 0
+        self.tokens_seen = 0
+        self._last_ce = math.nan
+        self.logger = MetricsLogger(
+            run_dir, cfg.logger.wandb, asdict(cfg), enabled=self.accelerator.is_main_process
+        )
+        self.flops_per_token = self.unwrapped.flops_per_token(t.seq_len)
+        self.peak_flops = peak_flops(self.device)
+
+    @property
+    def unwrapped(self) -> SparseLlamaForCausalLM:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    # ----------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        t = self.cfg.train
+        self._maybe_resume()
+        self.callbacks.on_train_start(self)
+        main = self.accelerator.is_main_process
+        bar = tqdm(
+            total=t.max_steps,
+            initial=self.step,
+            unit="step",
+            disable=not (main and t.progress),
+            dynamic_ncols=True,
+        )
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.step < t.max_steps:
+            record = self._train_step()
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            window_tokens += self.tokens_per_step
+            bar.update(1)
+            is_last = self.step == t.max_steps
+            if self.step % t.log_every == 0 or is_last:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                record.update(self._throughput(window_tokens, elapsed))
+                record.update(self.sparsity.summary())
+                window_start, window_tokens = time.perf_counter(), 0
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            self.callbacks.on_step_end(self, self.step, record)
+            if (t.eval_every > 0 and self.step % t.eval_every == 0) or is_last:
+                evaluation = self.evaluate()
+                record.update(evaluation)
+                self.callbacks.on_eval(self, self.step, evaluation)
+                bar.write(f"step {self.step}: val_loss {evaluation['val_loss']:.4f}")
+            if "tokens_per_s" in record or "val_loss" in record:
+                self.logger.log(self.step, record)
+            if (t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0) or is_last:
+                path = self.save_checkpoint()
+                self.callbacks.on_checkpoint(self, self.step, path)
+        bar.close()
+        self._finish()
+
+    def _train_step(self) -> dict[str, Any]:
+        t = self.cfg.train
+        coeff = l1_coefficient(self.cfg.sparsity, self.step)
+        ce_sum = torch.zeros((), device=self.device)
+        l1_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum_steps):
+            batch = self.train_stream.next_batch(t.micro_batch_size).to(self.device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            last = micro == self.accum_steps - 1
+            # Gradients are all-reduced once, on the last micro-batch of the step.
+            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            with sync, self.accelerator.autocast():
+                out = self.forward(inputs, labels=labels, with_stats=True)
+                l1 = l1_penalty(out.ffn_stats)
+                loss = out.loss + coeff * l1 if coeff > 0 else out.loss
+                self.accelerator.backward(loss / self.accum_steps)
+            self.sparsity.update(FFNStats(*(s.detach() for s in out.ffn_stats)))
+            ce_sum += out.loss.detach()
+            l1_sum += l1.detach()
+        ce = self.accelerator.reduce(ce_sum / self.accum_steps, reduction="mean").item()
+        l1_mean = self.accelerator.reduce(l1_sum / self.accum_steps, reduction="mean").item()
+        if not math.isfinite(ce) or not math.isfinite(l1_mean):
+            raise TrainingDiverged(
+                f"loss became {ce} (L1 {l1_mean}) at step {self.step + 1}; stopping without a checkpoint. "
+                f"Last good checkpoint: {ckpt_io.latest_checkpoint(self.checkpoint_root) or 'none'}. "
+                "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
+            )
+        grad_norm = math.nan
+        if t.grad_clip > 0:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.grad_clip).item()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sparsity.end_step(self._all_reduce_sum, tokens=self.tokens_per_step)
+        self._last_ce = ce
+        return {
+            "loss": ce + coeff * l1_mean,
+            "ce": ce,
+            "l1": l1_mean,
+            "l1_coeff": coeff,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_seen": self.tokens_seen + self.tokens_per_step,
+        }
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.accelerator.reduce(tensor.to(self.device), reduction="sum")
+
+    def _throughput(self, tokens: int, seconds: float) -> dict[str, float]:
+        tokens_per_s = tokens / max(seconds, 1e-9)
+        out = {"tokens_per_s": tokens_per_s, "peak_mem_gib": peak_memory_gib(self.device)}
+        if self.peak_flops:
+            out["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        for key, value in self.train_stream.counters.items():
+            out[f"data/{key}"] = value
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for batch in self.val_batches:
+            batch = batch.to(self.device)
+            with self.accelerator.autocast():
+                total += self.forward(batch[:, :-1], labels=batch[:, 1:]).loss.float()
+        self.model.train()
+        val = self.accelerator.reduce(total / max(1, len(self.val_batches)), reduction="mean").item()
+        return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+
+    # ----------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        data_states = gather_object([self.train_stream.state_dict()])
+        path = self.checkpoint_root / ckpt_io.checkpoint_dir_name(self.step)
+        if self.accelerator.is_main_process:
+            tensors = {
+                "rng/torch_cpu": torch.get_rng_state(),
+                "rng/reinit": self.reinit_generator.get_state(),
+            }
+            if self.device.type == "cuda":
+                tensors["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device)
+            tensors.update({f"sparsity/{k}": v for k, v in self.sparsity.state_dict().items()})
+            state = {
+                "tokens_seen": self.tokens_seen,
+                "world_size": self.world_size,
+                "scheduler": self.scheduler.state_dict(),
+                "data": data_states,
+            }
+            model_state = ckpt_io.model_state_to_save(self.unwrapped)
+            checkpoint = ckpt_io.Checkpoint(
+                self.step, model_state, self.optimizer.state_dict(), tensors, state
+            )
+            path = ckpt_io.save_checkpoint(self.checkpoint_root, checkpoint, self.cfg.train.keep_last)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.train.resume
+        if self.accelerator.is_main_process:
+            ckpt_io.remove_stale_temporaries(self.checkpoint_root)
+        if resume == "none":
+            return
+        path = ckpt_io.latest_checkpoint(self.checkpoint_root) if resume == "auto" else Path(resume)
+        if path is None:
+            if self.accelerator.is_main_process:
+                print(f"resume=auto: no checkpoint in {self.checkpoint_root}, starting from scratch")
+            return
+        ckpt = ckpt_io.load_checkpoint(path)
+        if ckpt.state["world_size"] != self.world_size:
+            raise ConfigError(
+                f"config key 'train.resume': {path} was written by {ckpt.state['world_size']} processes, "
+                f"this run has {self.world_size}"
+            )
+        ckpt_io.load_model_state(self.unwrapped, ckpt.model)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        self.train_stream.load_state_dict(ckpt.state["data"][self.rank])
+        torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
+        self.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
+        if self.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:
+            torch.cuda.set_rng_state(ckpt.tensors["rng/torch_cuda"], self.device)
+        prefix = "sparsity/"
+        self.sparsity.load_state_dict(
+            {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
+        )
+        self.step = ckpt.step
+        self.tokens_seen = int(ckpt.state["tokens_seen"])
+        self.logger.truncate_after(self.step)
+        if self.accelerator.is_main_process:
+            print(f"resumed from {path} at step {self.step}")
+
+    def _finish(self) -> None:
+        self.callbacks.on_train_end(self)
+        if self.accelerator.is_main_process:
+            if self.cfg.train.export:
+                from sparse_llm.export import export_hf
+
+                export_hf(self.unwrapped, self.tokenizer, self.run_dir / "export")
+            self.sparsity.save_histograms(self.run_dir)
+            if self.cfg.sparsity.plots:
+                from sparse_llm.sparsity.plots import plot_run
+
+                plot_run(self.run_dir)
+        self.logger.finish()
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,77 @@
+"""Atomic checkpoints: complete ones are found, interrupted writes never are, old ones are pruned."""
+
+from pathlib import Path
+
+import torch
+
+from sparse_llm.config import ModelConfig
+from sparse_llm.model import build_model
+from sparse_llm.training import checkpoint as ckpt_io
+
+
+def make_checkpoint(step: int) -> ckpt_io.Checkpoint:
+    model = build_model(
+        ModelConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 50, (1, 5)), labels=torch.randint(0, 50, (1, 5))).loss.backward()
+    optimizer.step()
+    return ckpt_io.Checkpoint(
+        step=step,
+        model=ckpt_io.model_state_to_save(model),
+        optimizer=optimizer.state_dict(),
+        tensors={"rng/torch_cpu": torch.get_rng_state()},
+        state={"tokens_seen": step * 10, "data": [{"docs": step}]},
+    )
+
+
+def test_round_trip(tmp_path: Path):
+    ckpt = make_checkpoint(7)
+    path = ckpt_io.save_checkpoint(tmp_path, ckpt, keep_last=2)
+    loaded = ckpt_io.load_checkpoint(path)
+    assert loaded.step == 7 and loaded.state == {"tokens_seen": 70, "data": [{"docs": 7}]}
+    assert "lm_head.weight" not in loaded.model  # tied: stored once
+    for key, value in ckpt.model.items():
+        assert torch.equal(loaded.model[key], value)
+    state = loaded.optimizer["state"][0]
+    assert torch.equal(state["exp_avg"], ckpt.optimizer["state"][0]["exp_avg"])
+    assert torch.equal(loaded.tensors["rng/torch_cpu"], ckpt.tensors["rng/torch_cpu"])
+
+
+def test_interrupted_write_is_ignored(tmp_path: Path):
+    ckpt_io.save_checkpoint(tmp_path, make_checkpoint(10), keep_last=3)
+    # A crash mid-write leaves a temporary directory, or a step directory without its manifest.
+    (tmp_path / ".tmp-step_00000020-deadbeef").mkdir()
+    (tmp_path / ".tmp-step_00000020-deadbeef" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "step_00000030").mkdir()
+    assert ckpt_io.latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
+    ckpt_io.remove_stale_temporaries(tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_keep_last_k(tmp_path: Path):
+    for step in (1, 2, 3, 4):
+        ckpt_io.save_checkpoint(tmp_path, make_checkpoint(step), keep_last=2)
+    names = [p.name for p in ckpt_io.list_checkpoints(tmp_path)]
+    assert names == ["step_00000003", "step_00000004"]
+
+
+def test_load_model_state_restores_tied_weights():
+    cfg = ModelConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    source = build_model(cfg)
+    torch.manual_seed(1)
+    target = build_model(cfg)
+    ckpt_io.load_model_state(target, ckpt_io.model_state_to_save(source))
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+
+
+def test_optimizer_file_loads_without_unpickling_code(tmp_path: Path):
+    path = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(1), keep_last=1)
+    torch.load(path / "optimizer.pt", weights_only=True)
