@@ -1,0 +1,128 @@
+// Torch bindings of the TwELL inference kernels. Every buffer is a torch allocation made here or
+// passed in: the extension keeps no state between calls.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <tuple>
+
+#include "twell.cuh"
+
+namespace {
+
+using sparse_llm::kTwellSlots;
+
+const __nv_bfloat16* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr<at::BFloat16>());
+}
+__nv_bfloat16* bf16_mut_ptr(at::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()); }
+
+void check_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> twell_pack(const at::Tensor& g,
+                                                                                    int64_t heavy_threshold) {
+  check_matrix(g, "g");
+  TORCH_CHECK(g.size(1) % 8 == 0, "g: H must be a multiple of 8, got ", g.size(1));
+  TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t rows = g.size(0);
+  const int hidden = static_cast<int>(g.size(1));
+  const int n_tiles = sparse_llm::twell_n_tiles(hidden);
+  auto opts = g.options();
+  at::Tensor values = at::empty({rows, n_tiles, kTwellSlots}, opts);
+  at::Tensor cols = at::empty({rows, n_tiles, kTwellSlots}, opts.dtype(at::kByte));
+  at::Tensor counts = at::empty({rows, n_tiles}, opts.dtype(at::kInt));
+  at::Tensor row_nnz = at::empty({rows}, opts.dtype(at::kInt));
+  at::Tensor heavy = at::empty({rows}, opts.dtype(at::kBool));
+  check_cuda(sparse_llm::launch_twell_pack(bf16_ptr(g), rows, hidden, static_cast<int>(heavy_threshold),
+                                           bf16_mut_ptr(values), cols.data_ptr<uint8_t>(),
+                                           counts.data_ptr<int32_t>(), row_nnz.data_ptr<int32_t>(),
+                                           reinterpret_cast<uint8_t*>(heavy.data_ptr<bool>()),
+                                           c10::cuda::getCurrentCUDAStream().stream()),
+             "twell_pack");
+  return {values, cols, counts, row_nnz, heavy};
+}
+
+// Sparse path into y for the light rows; heavy rows of y are left as they are.
+void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wd_t, const at::Tensor& values,
+                       const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
+                       int64_t max_row_nnz, at::Tensor& y) {
+  check_matrix(x, "x");
+  check_matrix(wu, "wu");
+  check_matrix(wd_t, "wd_t");
+  check_matrix(y, "y");
+  const int64_t rows = x.size(0);
+  const int64_t dim = x.size(1);
+  TORCH_CHECK(wu.size(1) == dim && wd_t.size(1) == dim && wu.size(0) == wd_t.size(0),
+              "wu and wd_t must both be [H, D] with D = x.size(1)");
+  TORCH_CHECK(y.size(0) == rows && y.size(1) == dim, "y must be [M, D]");
+  const int n_tiles = sparse_llm::twell_n_tiles(static_cast<int>(wu.size(0)));
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kBFloat16 &&
+                  values.sizes() == at::IntArrayRef({rows, n_tiles, kTwellSlots}),
+              "values must be contiguous bf16 [M, n_tiles, slots]");
+  TORCH_CHECK(cols.is_contiguous() && cols.scalar_type() == at::kByte && cols.sizes() == values.sizes(),
+              "cols must be contiguous uint8 shaped like values");
+  TORCH_CHECK(counts.is_contiguous() && counts.scalar_type() == at::kInt &&
+                  counts.sizes() == at::IntArrayRef({rows, n_tiles}),
+              "counts must be contiguous int32 [M, n_tiles]");
+  TORCH_CHECK(heavy.is_contiguous() && heavy.scalar_type() == at::kBool && heavy.numel() == rows,
+              "heavy must be a contiguous bool [M]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(), n_tiles};
+  check_cuda(sparse_llm::launch_twell_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), view,
+                                             reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()), rows,
+                                             static_cast<int>(dim), static_cast<int>(max_row_nnz),
+                                             bf16_mut_ptr(y), c10::cuda::getCurrentCUDAStream().stream()),
+             "twell_updown");
+}
+
+at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wd_t, const at::Tensor& values,
+                        const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
+                        int64_t max_row_nnz) {
+  at::Tensor y = at::empty_like(x);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, max_row_nnz, y);
+  return y;
+}
+
+// The whole inference FFN: cuBLAS gate GEMM, TwELL pack, sparse up/down for the light rows and
+// dense GEMMs on the gathered heavy rows (exact for any pattern; the heavy-row count is read on
+// the host to size those GEMMs).
+at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd_t,
+                       int64_t heavy_threshold) {
+  check_matrix(x, "x");
+  check_matrix(wg, "wg");
+  TORCH_CHECK(wg.sizes() == wu.sizes(), "wg and wu must have the same shape [H, D]");
+  TORCH_CHECK(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
+              "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor g = at::mm(x, wg.t());
+  auto [values, cols, counts, row_nnz, heavy] = twell_pack(g, heavy_threshold);
+  at::Tensor y = at::empty_like(x);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, y);
+  const at::Tensor heavy_rows = at::nonzero(heavy).squeeze(1);
+  if (heavy_rows.numel() > 0) {
+    const at::Tensor a = at::relu(g.index_select(0, heavy_rows));
+    const at::Tensor u = at::mm(x.index_select(0, heavy_rows), wu.t());
+    y.index_copy_(0, heavy_rows, at::mm(a * u, wd_t));
+  }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sparse-llm TwELL inference kernels (Hopper)";
+  m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
+  m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
+  m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN");
+}

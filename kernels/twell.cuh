@@ -1,0 +1,48 @@
+// TwELL (tile-wise ELLPACK) format and the launchers of the inference kernels.
+// Plain CUDA C++: no torch headers, so every .cu compiles with `nvcc -c` alone.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace sparse_llm {
+
+// The H columns of a = relu(g) are split into tiles of kTwellTile columns (the gate GEMM's N tile);
+// each (row, tile) stores up to kTwellSlots non-zeros (compression factor C = 8) as
+// (value, column-in-tile) pairs plus its true count. A count above kTwellSlots marks an overflowed
+// tile: its row is routed to the exact dense path, nothing is dropped.
+constexpr int kTwellTile = 128;
+constexpr int kTwellSlots = 16;
+
+// Largest per-row non-zero budget of the sparse path (a kernel launch parameter, bounded so that
+// the per-block entry lists fit in shared memory).
+constexpr int kMaxLightRowNnz = 512;
+
+struct TwellView {
+  const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) undefined
+  const uint8_t* cols;          // [M, n_tiles, kTwellSlots]; column inside the tile
+  const int32_t* counts;        // [M, n_tiles]; true number of non-zeros of the tile
+  int n_tiles;
+};
+
+inline int twell_n_tiles(int hidden) { return (hidden + kTwellTile - 1) / kTwellTile; }
+
+// Packs a = relu(g) (g: [M, H] bf16, row-major) into TwELL. Writes row_nnz[M] (true non-zeros of
+// each row) and heavy[M] = 1 when the row overflows a tile or holds more than heavy_threshold
+// non-zeros (such rows take the dense path). Needs H % 4 == 0 and g 8-byte aligned.
+cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, int heavy_threshold,
+                              __nv_bfloat16* values, uint8_t* cols, int32_t* counts, int32_t* row_nnz,
+                              uint8_t* heavy, cudaStream_t stream);
+
+// y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0; rows with
+// heavy[r] != 0 are left untouched (the dense path writes them). x: [M, D], wu: [H, D],
+// wd_t: [H, D] (down_proj.weight transposed), y: [M, D], all bf16 row-major, 16-byte aligned,
+// D % 8 == 0, D <= kMaxDim; light rows hold at most max_row_nnz <= kMaxLightRowNnz non-zeros.
+constexpr int kMaxDim = 8192;
+cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
+                                TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
+                                int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
+
+}  // namespace sparse_llm

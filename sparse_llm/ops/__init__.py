@@ -1,0 +1,24 @@
+"""Sparse FFN ops: CUDA TwELL kernels for Hopper behind one front, with a PyTorch reference.
+
+Importable with torch alone; the CUDA extension builds on first use (or ahead of time with
+`python -m sparse_llm.ops.build`) and missing pieces fall back to the reference with a warning.
+"""
+
+from sparse_llm.ops import cuda_ops  # noqa: F401  (registers torch.ops.sparse_llm.*)
+from sparse_llm.ops.checks import check_ffn_inputs
+from sparse_llm.ops.ffn import DEFAULT_HEAVY_THRESHOLD, ffn_forward, twell_pack
+from sparse_llm.ops.reference import ffn_forward_reference
+from sparse_llm.ops.twell import SLOTS, TILE, TwellPacked, twell_pack_reference, twell_unpack
+
+__all__ = [
+    "DEFAULT_HEAVY_THRESHOLD",
+    "SLOTS",
+    "TILE",
+    "TwellPacked",
+    "check_ffn_inputs",
+    "ffn_forward",
+    "ffn_forward_reference",
+    "twell_pack",
+    "twell_pack_reference",
+    "twell_unpack",
+]

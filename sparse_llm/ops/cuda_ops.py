@@ -1,0 +1,48 @@
+"""The CUDA kernels as torch.library custom ops (with fake kernels, so torch.compile can trace them)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_llm.ops import _extension
+from sparse_llm.ops.twell import SLOTS, n_tiles
+
+
+def _ext():
+    ext = _extension.load()
+    if ext is None:
+        raise RuntimeError(f"sparse_llm CUDA extension unavailable: {_extension.unavailable_reason()}")
+    return ext
+
+
+@torch.library.custom_op("sparse_llm::twell_ffn_forward", mutates_args=())
+def twell_ffn_forward(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd_t: torch.Tensor, heavy_threshold: int
+) -> torch.Tensor:
+    """x: [M, D]; wg, wu, wd_t: [H, D] bf16 contiguous (wd_t = Wd^T). Exact on every pattern."""
+    return _ext().ffn_forward(x, wg, wu, wd_t, heavy_threshold)
+
+
+@twell_ffn_forward.register_fake
+def _(x, wg, wu, wd_t, heavy_threshold):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("sparse_llm::twell_pack", mutates_args=())
+def twell_pack(
+    g: torch.Tensor, heavy_threshold: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """relu(g) ([M, H] bf16) into TwELL: (values, cols, counts, row_nnz, heavy)."""
+    return tuple(_ext().twell_pack(g, heavy_threshold))
+
+
+@twell_pack.register_fake
+def _(g, heavy_threshold):
+    rows, tiles = g.shape[0], n_tiles(g.shape[1])
+    return (
+        g.new_empty(rows, tiles, SLOTS),
+        g.new_empty(rows, tiles, SLOTS, dtype=torch.uint8),
+        g.new_empty(rows, tiles, dtype=torch.int32),
+        g.new_empty(rows, dtype=torch.int32),
+        g.new_empty(rows, dtype=torch.bool),
+    )

@@ -1,0 +1,81 @@
+"""One front for the sparse FFN ops: picks the CUDA kernels or the PyTorch reference."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from sparse_llm.ops import _extension
+from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
+from sparse_llm.ops.reference import ffn_forward_reference
+from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
+
+Impl = Literal["auto", "cuda", "reference"]
+
+# Rows with more non-zeros than this take the dense path (Tensor Cores on the gathered rows);
+# the rest take the sparse gather path. A speed knob only: every value gives the exact answer.
+DEFAULT_HEAVY_THRESHOLD = 64
+
+
+def _use_cuda(impl: str, reason: str | None) -> bool:
+    if impl == "reference":
+        return False
+    if impl == "cuda":
+        if reason is not None:
+            raise ValueError(f"impl='cuda' cannot run: {reason}")
+        ext_reason = _extension.unavailable_reason()
+        if ext_reason is not None:
+            raise RuntimeError(f"impl='cuda' cannot run: {ext_reason}")
+        return True
+    if impl == "auto":
+        return reason is None and _extension.load() is not None
+    raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+
+
+def ffn_forward(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    impl: Impl = "auto",
+    *,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
+    wd_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = (relu(x Wg^T) * (x Wu^T)) Wd^T for x: [..., D], Wg, Wu: [H, D], Wd: [D, H].
+
+    impl="auto" runs the TwELL kernels for bf16 tensors on a Hopper GPU (with the extension
+    built), else the reference. `wd_t` may pass a cached contiguous Wd^T ([H, D]) to skip the
+    per-call transpose.
+    """
+    check_ffn_inputs(x, wg, wu, wd)
+    if not 0 <= heavy_threshold <= 512:
+        raise ValueError(f"heavy_threshold must be in [0, 512], got {heavy_threshold}")
+    if wd_t is not None and (tuple(wd_t.shape) != tuple(wd.shape[::-1]) or not wd_t.is_contiguous()):
+        raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
+    if not _use_cuda(impl, cuda_unsupported_reason(x, wg, wu, wd)):
+        return ffn_forward_reference(x, wg, wu, wd)
+    dim = x.shape[-1]
+    x2 = x.reshape(-1, dim).contiguous()
+    if wd_t is None:
+        wd_t = wd.t().contiguous()
+    y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd_t, heavy_threshold)
+    return y.view(x.shape)
+
+
+def twell_pack(
+    g: torch.Tensor, heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD, impl: Impl = "auto"
+) -> TwellPacked:
+    """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.twell); the CUDA slots past a tile's
+    count are undefined, the reference's are zero."""
+    if g.dim() != 2:
+        raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
+    reason = None
+    if g.device.type != "cuda" or g.dtype != torch.bfloat16:
+        reason = "the CUDA pack takes a bfloat16 CUDA tensor"
+    elif g.shape[1] % 8 or not g.is_contiguous():
+        reason = "the CUDA pack needs a contiguous g with H a multiple of 8"
+    if not _use_cuda(impl, reason):
+        return twell_pack_reference(g, heavy_threshold)
+    return TwellPacked(*torch.ops.sparse_llm.twell_pack(g, heavy_threshold))
