@@ -1,0 +1,207 @@
+"""Sparsity statistics of training: accumulate per step, reduce over ranks, summarise per log window.
+
+Per micro-batch the trainer calls `update(stats)`; after the step's last micro-batch,
+`end_step(all_reduce_sum)` sums the step over data-parallel ranks and feeds the dead-unit
+tracker; at log time `summary()` returns the metrics of the steps since the previous summary.
+Everything stays on the training device between log steps, so nothing here forces a host sync
+except `summary()` and `save_histograms()`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sparse_llm.model import FFNStats
+from sparse_llm.sparsity.dead import DeadUnitTracker
+
+NNZ_HIST_FILE = "nnz_hist.json"
+AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Sums:
+    """Additive statistics over some tokens: they combine across micro-batches, ranks and steps."""
+
+    def __init__(self, num_layers: int, num_units: int, device: torch.device | str) -> None:
+        # L1 is kept as sum over tokens (mean x tokens) in float64 so that micro-batches of any
+        # size weigh by their tokens and long windows do not lose precision.
+        self.l1_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self.nnz_hist = torch.zeros(num_layers, num_units + 1, dtype=torch.int64, device=device)
+        self.fire_counts = torch.zeros(num_layers, num_units, dtype=torch.int64, device=device)
+
+    def tokens(self) -> torch.Tensor:
+        return self.nnz_hist[0].sum()  # every token lands in exactly one bin of each layer
+
+    def zero_(self) -> None:
+        for t in (self.l1_sum, self.nnz_hist, self.fire_counts):
+            t.zero_()
+
+
+class SparsityMonitor:
+    def __init__(
+        self,
+        num_layers: int,
+        num_units: int,
+        dead_window_tokens: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """`num_units` is the FFN intermediate size H. `device=None`: keep the state where the
+        first `update()` finds the statistics (the training device), so steps never sync with
+        the host."""
+        self.num_layers = num_layers
+        self.num_units = num_units
+        self._device_fixed = device is not None
+        self.device = torch.device(device or "cpu")
+        self.tracker = DeadUnitTracker(num_layers, num_units, dead_window_tokens, self.device)
+        self._step = _Sums(num_layers, num_units, self.device)
+        self._window = _Sums(num_layers, num_units, self.device)
+        self._step_has_data = False
+        self._window_steps = 0
+        # Histogram of the last summarised window: what `save_histograms` falls back to when
+        # the run ends right after a log step.
+        self._last_window_hist: torch.Tensor | None = None
+
+    # --- per micro-batch / per step -------------------------------------------------------
+
+    def update(self, stats: FFNStats) -> None:
+        """Add one micro-batch's statistics (this rank only)."""
+        if not self._device_fixed:
+            self._move_to(stats.nnz_hist.device)
+        nnz_hist = stats.nnz_hist.detach().to(self.device)
+        if nnz_hist.shape != self._step.nnz_hist.shape:
+            raise ValueError(
+                f"FFN stats have histogram shape {tuple(nnz_hist.shape)}, monitor expects "
+                f"{tuple(self._step.nnz_hist.shape)} (layers, intermediate size + 1)"
+            )
+        tokens = nnz_hist[0].sum()
+        self._step.l1_sum.add_(stats.l1.detach().to(self.device, torch.float64) * tokens)
+        self._step.nnz_hist.add_(nnz_hist)
+        self._step.fire_counts.add_(stats.fire_counts.detach().to(self.device))
+        self._step_has_data = True
+
+    def _move_to(self, device: torch.device) -> None:
+        self._device_fixed = True
+        if device == self.device:
+            return
+        self.device = device
+        self.tracker.tokens_since_fired = self.tracker.tokens_since_fired.to(device)
+        for sums in (self._step, self._window):
+            for name in ("l1_sum", "nnz_hist", "fire_counts"):
+                setattr(sums, name, getattr(sums, name).to(device))
+
+    def end_step(self, all_reduce_sum: AllReduceSum) -> None:
+        """Close an optimizer step: sum it over ranks, update the dead-unit tracker, add it to the window.
+
+        Every rank must call this once per step (it runs collectives through `all_reduce_sum`).
+        """
+        if not self._step_has_data:
+            raise RuntimeError("SparsityMonitor.end_step() called without any update() in this step")
+        # Two collectives per step: the integer statistics packed together, and the L1 sums.
+        counts = torch.cat((self._step.nnz_hist, self._step.fire_counts), dim=1)
+        counts = all_reduce_sum(counts)
+        l1_sum = all_reduce_sum(self._step.l1_sum)
+        nnz_hist, fire_counts = counts.split((self.num_units + 1, self.num_units), dim=1)
+
+        self.tracker.update(fire_counts, nnz_hist[0].sum())
+        self._window.l1_sum.add_(l1_sum)
+        self._window.nnz_hist.add_(nnz_hist)
+        self._window.fire_counts.add_(fire_counts)
+        self._window_steps += 1
+        self._step.zero_()
+        self._step_has_data = False
+
+    # --- dead units -------------------------------------------------------------------------
+
+    def dead_mask(self) -> torch.Tensor:
+        return self.tracker.dead_mask()
+
+    def reset_units(self, units: torch.Tensor) -> None:
+        """Restart the dead counters of `units` (after `reinit_dead_units` revived them)."""
+        self.tracker.reset(units)
+
+    # --- logging ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, float]:
+        """Metrics over the steps since the previous summary (global over ranks); resets the window."""
+        if self._window_steps == 0:
+            raise RuntimeError("SparsityMonitor.summary() called with no completed step since the last one")
+        hist = self._window.nnz_hist.to("cpu", copy=True)  # the window is zeroed below
+        tokens = hist[0].sum().item()
+        counts = torch.arange(self.num_units + 1, dtype=torch.float64)
+        per_layer = {
+            "l0": (hist.double() * counts).sum(-1) / tokens,
+            "l1": self._window.l1_sum.cpu() / tokens,
+            "dead": self.tracker.dead_fraction().cpu().double(),
+            "nnz_p50": _percentile(hist, 50).double(),
+            "nnz_p99": _percentile(hist, 99).double(),
+            "nnz_max": _max_nonzero_bin(hist).double(),
+        }
+        per_layer["sparsity"] = 1.0 - per_layer["l0"] / self.num_units
+
+        metrics: dict[str, float] = {}
+        for name in ("sparsity", "l0", "l1", "dead", "nnz_p50", "nnz_p99"):
+            metrics[f"{name}/mean"] = per_layer[name].mean().item()
+        metrics["nnz_max/max"] = per_layer["nnz_max"].max().item()
+        width = max(2, len(str(self.num_layers - 1)))
+        for name, values in per_layer.items():
+            for layer, value in enumerate(values.tolist()):
+                metrics[f"{name}/layer_{layer:0{width}d}"] = value
+
+        self._last_window_hist = hist
+        self._window.zero_()
+        self._window_steps = 0
+        return metrics
+
+    def save_histograms(self, run_dir: Path) -> Path:
+        """Write `<run_dir>/nnz_hist.json`, the per-layer distribution of non-zeros per token
+        that `plots.plot_run` draws.
+
+        Uses the current log window, or the last summarised one if the window is empty (the run
+        ended on a log step). Call on the main process at the end of training.
+        """
+        if self._window_steps:
+            hist = self._window.nnz_hist.to("cpu", copy=True)
+        elif self._last_window_hist is not None:
+            hist = self._last_window_hist
+        else:
+            raise RuntimeError("SparsityMonitor.save_histograms(): no step has been recorded")
+        last = int(_max_nonzero_bin(hist).max())
+        payload = {
+            "num_units": self.num_units,
+            "tokens": int(hist[0].sum()),
+            # counts[layer][k] = tokens with k active units; bins above the longest list are 0.
+            "counts": hist[:, : last + 1].tolist(),
+        }
+        path = Path(run_dir) / NNZ_HIST_FILE
+        path.write_text(json.dumps(payload))
+        return path
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only (safetensors). The log window is not saved: the first log after a resume
+        covers fewer steps, nothing else changes."""
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.tracker.load_state_dict(state)
+
+
+def _percentile(hist: torch.Tensor, q: int) -> torch.Tensor:
+    """Exact q-th percentile per row of an integer histogram (numpy's 'inverted_cdf').
+
+    The smallest k whose cumulative count reaches q% of the tokens; integer arithmetic, so
+    there is no rounding at the boundaries.
+    """
+    cumulative = hist.cumsum(-1)
+    total = cumulative[:, -1:]
+    return (cumulative * 100 < q * total).sum(-1)
+
+
+def _max_nonzero_bin(hist: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest k with a non-zero count (0 for an empty row)."""
+    bins = torch.arange(hist.shape[-1], device=hist.device)
+    return torch.where(hist > 0, bins, 0).amax(-1)

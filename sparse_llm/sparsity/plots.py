@@ -1,0 +1,132 @@
+"""PNG plots of a run's sparsity curves, and comparisons across runs.
+
+Uses matplotlib's object API with the Agg canvas (no pyplot): no global backend switch and no
+figure registry, so it is safe to call from the trainer at the end of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from sparse_llm.sparsity.monitor import NNZ_HIST_FILE
+from sparse_llm.sparsity.runs import read_metrics, series
+
+SPARSITY_PNG = "sparsity_per_layer.png"
+DEAD_PNG = "dead_per_layer.png"
+NNZ_HIST_PNG = "nnz_hist_per_layer.png"
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write the per-layer sparsity, dead-fraction and non-zero-distribution plots of a run.
+
+    Reads `<run_dir>/metrics.jsonl` (and `nnz_hist.json` if the monitor saved one); returns
+    the PNGs written, skipping any plot whose data the run does not have.
+    """
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    written = [
+        path
+        for path in (
+            _plot_layers(records, "sparsity", "sparsity (1 - L0 / H)", run_dir / SPARSITY_PNG),
+            _plot_layers(records, "dead", "dead fraction of units", run_dir / DEAD_PNG),
+        )
+        if path is not None
+    ]
+    if (run_dir / NNZ_HIST_FILE).is_file():
+        written.append(_plot_nnz_hist(run_dir / NNZ_HIST_FILE, run_dir / NNZ_HIST_PNG))
+    return written
+
+
+def plot_runs_overlay(
+    run_dirs: Sequence[Path],
+    out_path: Path,
+    labels: Sequence[str] | None = None,
+    key: str = "sparsity/mean",
+) -> Path:
+    """One curve of `key` per run (e.g. L1 on vs L1 = 0 for the README); labels default to run names."""
+    labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
+    fig, ax = _figure()
+    for run_dir, label in zip(run_dirs, labels, strict=True):
+        steps, values = series(read_metrics(Path(run_dir)), key)
+        ax.plot(steps, values, label=label)
+    ax.set(xlabel="step", ylabel=key, title=f"{key} by run")
+    ax.legend()
+    return _save(fig, out_path)
+
+
+def plot_val_ce_vs_sparsity(points: Sequence[tuple[str, float, float]], out_path: Path) -> Path:
+    """Scatter of (label, sparsity, val CE) points, each annotated with its label."""
+    fig, ax = _figure()
+    for label, sparsity, val_ce in points:
+        ax.scatter([sparsity], [val_ce], color="tab:blue")
+        ax.annotate(label, (sparsity, val_ce), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if not points:
+        ax.text(0.5, 0.5, "no run has both val_loss and sparsity", ha="center", transform=ax.transAxes)
+    ax.set(xlabel="final sparsity/mean", ylabel="final validation CE", title="validation CE vs sparsity")
+    return _save(fig, out_path)
+
+
+def _plot_layers(records: list[dict[str, Any]], name: str, ylabel: str, out_path: Path) -> Path | None:
+    pattern = re.compile(rf"^{name}/layer_(\d+)$")
+    layer_keys = sorted(
+        {k for r in records for k in r if pattern.match(k)}, key=lambda k: int(k.rsplit("_", 1)[1])
+    )
+    if not layer_keys:
+        return None
+    fig, ax = _figure()
+    colors = _layer_colors(len(layer_keys))
+    for key, color in zip(layer_keys, colors, strict=True):
+        ax.plot(*series(records, key), color=color, linewidth=1, label=key.split("/")[1])
+    ax.plot(*series(records, f"{name}/mean"), color="black", linewidth=2.5, label="mean")
+    ax.set(xlabel="step", ylabel=ylabel, title=f"{name} per layer")
+    ax.legend(fontsize=7, ncol=max(1, len(layer_keys) // 12))
+    return _save(fig, out_path)
+
+
+def _plot_nnz_hist(hist_path: Path, out_path: Path) -> Path:
+    data = json.loads(hist_path.read_text())
+    counts: list[list[int]] = data["counts"]
+    fig, ax = _figure()
+    for layer, (row, color) in enumerate(zip(counts, _layer_colors(len(counts)), strict=True)):
+        total = sum(row)
+        # Log y: the tail (a few tokens with hundreds of units) is what the kernels must handle.
+        points = [(k, c / total) for k, c in enumerate(row) if c]
+        ax.plot(
+            [k for k, _ in points], [s for _, s in points], color=color, linewidth=1, label=f"layer {layer}"
+        )
+    ax.set_yscale("log")
+    ax.set(
+        xlabel=f"active units per token (of {data['num_units']})",
+        ylabel="share of tokens",
+        title=f"non-zeros per token, last log window ({data['tokens']} tokens)",
+    )
+    ax.legend(fontsize=7, ncol=max(1, len(counts) // 12))
+    return _save(fig, out_path)
+
+
+def _figure() -> tuple[Figure, Any]:
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _layer_colors(n: int) -> list[Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    return [cmap(i / max(1, n - 1)) for i in range(n)]
+
+
+def _save(fig: Figure, out_path: Path) -> Path:
+    out_path = Path(out_path)
+    fig.savefig(out_path, dpi=120)
+    return out_path

@@ -1,0 +1,71 @@
+"""Targeted re-initialisation of dead FFN units (DESIGN.md section 2).
+
+A dead unit's gate row gets a fresh draw from the model's init distribution, and the AdamW
+moments of exactly the re-drawn rows/columns are zeroed, so stale moments do not push the new
+weights straight back. Everything else, parameters and optimizer state, stays bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparse_llm.model import SparseLlamaForCausalLM
+
+
+@torch.no_grad()
+def reinit_dead_units(
+    model: SparseLlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    dead: torch.Tensor,
+    std: float,
+    reset_up_down: bool,
+    generator: torch.Generator,
+) -> int:
+    """Re-draw the gate rows (and optionally up rows / down columns) of `dead` [L, H] units.
+
+    Draws come from `generator` in a fixed order (layer by layer: gate, up, down), so ranks
+    holding identically seeded generators and the same mask stay identical replicas.
+    Returns the number of units revived.
+    """
+    layers = model.model.layers
+    hidden = layers[0].mlp.gate_proj.weight.shape[0]
+    if dead.shape != (len(layers), hidden):
+        raise ValueError(f"dead mask has shape {tuple(dead.shape)}, expected ({len(layers)}, {hidden})")
+    dead = dead.cpu()
+    revived = 0
+    for layer, mask in zip(layers, dead, strict=True):
+        units = mask.nonzero().squeeze(1)
+        if units.numel() == 0:
+            continue
+        revived += units.numel()
+        mlp = layer.mlp
+        _redraw(mlp.gate_proj, units, 0, optimizer, std, generator)
+        if reset_up_down:
+            _redraw(mlp.up_proj, units, 0, optimizer, std, generator)
+            _redraw(mlp.down_proj, units, 1, optimizer, std, generator)
+    return revived
+
+
+def _redraw(
+    linear: nn.Linear,
+    units: torch.Tensor,
+    dim: int,
+    optimizer: torch.optim.Optimizer,
+    std: float,
+    generator: torch.Generator,
+) -> None:
+    """Fresh normal(0, std) values for slices `units` along `dim` of the weight; zero their moments."""
+    weight = linear.weight
+    shape = list(weight.shape)
+    shape[dim] = units.numel()
+    # Drawn in float32 on the generator's device, then cast: the same values whatever the
+    # parameter's dtype or device, which keeps the draw identical across ranks and precisions.
+    values = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32) * std
+    index = units.to(weight.device)
+    weight.index_copy_(dim, index, values.to(weight.device, weight.dtype))
+    # Per-element state (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad) has the parameter's
+    # shape; scalars like `step` do not and stay. No state yet (before the first step): nothing to do.
+    for value in optimizer.state.get(weight, {}).values():
+        if torch.is_tensor(value) and value.shape == weight.shape:
+            value.index_fill_(dim, index.to(value.device), 0)

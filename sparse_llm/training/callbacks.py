@@ -1,0 +1,137 @@
+"""User hooks into the training loop, and the built-in dead-unit re-initialisation.
+
+Config entries under `callbacks:` name a Callback subclass and its arguments:
+
+    callbacks:
+      - _target_: my_pkg.hooks.SaveSamples
+        every: 500
+
+Callbacks run on every data-parallel rank (a callback that writes files should check the
+rank itself). The trainer object they receive exposes: `model` (the unwrapped
+SparseLlamaForCausalLM), `optimizer` (torch AdamW), `cfg` (RunConfig), `step` (completed
+optimizer steps), `sparsity` (SparsityMonitor), `run_dir` (Path) and `reinit_generator`
+(torch.Generator seeded identically on all ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sparse_llm.config import ConfigError, RunConfig
+from sparse_llm.sparsity.reinit import reinit_dead_units
+
+
+class Callback:
+    """Base class: override the hooks you need; all default to doing nothing."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        pass
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """After optimizer step `step` (1-based); add entries to `metrics` to have them logged."""
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_checkpoint(self, trainer: Any, step: int, path: Path) -> None:
+        pass
+
+    def on_train_end(self, trainer: Any) -> None:
+        pass
+
+
+class CallbackList(Callback):
+    """Dispatches every hook to its callbacks, in order."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def on_train_start(self, trainer: Any) -> None:
+        for callback in self.callbacks:
+            callback.on_train_start(trainer)
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(trainer, step, metrics)
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        for callback in self.callbacks:
+            callback.on_eval(trainer, step, metrics)
+
+    def on_checkpoint(self, trainer: Any, step: int, path: Path) -> None:
+        for callback in self.callbacks:
+            callback.on_checkpoint(trainer, step, path)
+
+    def on_train_end(self, trainer: Any) -> None:
+        for callback in self.callbacks:
+            callback.on_train_end(trainer)
+
+
+class DeadUnitReinitCallback(Callback):
+    """Every `every` steps, re-initialise the units the sparsity monitor reports dead.
+
+    Runs on all ranks: the dead mask is global (reduced over ranks) and the draws come from
+    the trainer's identically seeded generator, so replicas stay identical.
+    """
+
+    def __init__(self, every: int, reset_up_down: bool = False) -> None:
+        if every <= 0:
+            raise ValueError(f"DeadUnitReinitCallback: every must be > 0, got {every}")
+        self.every = every
+        self.reset_up_down = reset_up_down
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if step % self.every:
+            return
+        dead = trainer.sparsity.dead_mask()
+        revived = reinit_dead_units(
+            trainer.model,
+            trainer.optimizer,
+            dead,
+            std=trainer.model.config.initializer_range,
+            reset_up_down=self.reset_up_down,
+            generator=trainer.reinit_generator,
+        )
+        trainer.sparsity.reset_units(dead)
+        metrics["reinit/revived"] = float(revived)
+        width = max(2, len(str(dead.shape[0] - 1)))
+        for layer, count in enumerate(dead.sum(-1).tolist()):
+            metrics[f"reinit/revived/layer_{layer:0{width}d}"] = float(count)
+
+
+def default_callbacks(cfg: RunConfig) -> list[Callback]:
+    """The built-in callbacks the config switches on (currently: dead-unit reinit)."""
+    reinit = cfg.sparsity.reinit
+    if not reinit.enabled:
+        return []
+    return [DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down)]
+
+
+def build_callbacks(entries: list[Any]) -> list[Callback]:
+    """Instantiate `callbacks:` config entries; errors name the entry (`callbacks[i]`) and its target."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    callbacks: list[Callback] = []
+    for i, entry in enumerate(entries):
+        key = f"callbacks[{i}]"
+        if not isinstance(entry, Mapping) or "_target_" not in entry:
+            raise ConfigError(f"config key '{key}': expected a mapping with a _target_ key, got {entry!r}")
+        target = entry["_target_"]
+        try:
+            callback = instantiate(entry)
+        except InstantiationException as err:
+            # Hydra's own message hides the cause (a missing module, a wrong argument) behind
+            # "set HYDRA_FULL_ERROR"; report the cause itself.
+            cause = err.__cause__ or err
+            reason = " ".join(f"{type(cause).__name__}: {cause}".split())
+            raise ConfigError(f"config key '{key}': cannot instantiate {target!r}: {reason}") from err
+        if not isinstance(callback, Callback):
+            raise ConfigError(
+                f"config key '{key}': {target!r} gave a {type(callback).__name__}, "
+                f"not a sparse_llm.training.callbacks.Callback"
+            )
+        callbacks.append(callback)
+    return callbacks

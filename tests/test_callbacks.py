@@ -1,0 +1,153 @@
+"""Callback API: dispatch, building from config entries, and the built-in dead-unit reinit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparse_llm.config import ConfigError, ModelConfig, RunConfig
+from sparse_llm.model import FFNStats, build_model
+from sparse_llm.sparsity import SparsityMonitor
+from sparse_llm.training.callbacks import (
+    Callback,
+    CallbackList,
+    DeadUnitReinitCallback,
+    build_callbacks,
+    default_callbacks,
+)
+
+H, LAYERS = 64, 2
+
+
+class Recorder(Callback):
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def on_step_end(self, trainer, step, metrics):
+        self.log.append((self.name, "step", step))
+        metrics[self.name] = step
+
+    def on_checkpoint(self, trainer, step, path):
+        self.log.append((self.name, "ckpt", path))
+
+
+class NotACallback:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+
+
+def test_callback_list_dispatches_in_order_and_base_hooks_are_noops():
+    log: list = []
+    callbacks = CallbackList([Recorder("a", log), Callback(), Recorder("b", log)])
+    metrics: dict = {}
+    callbacks.on_train_start(None)
+    callbacks.on_step_end(None, 3, metrics)
+    callbacks.on_eval(None, 3, {})
+    callbacks.on_checkpoint(None, 3, Path("ckpt"))
+    callbacks.on_train_end(None)
+    assert log == [
+        ("a", "step", 3),
+        ("b", "step", 3),
+        ("a", "ckpt", Path("ckpt")),
+        ("b", "ckpt", Path("ckpt")),
+    ]
+    assert metrics == {"a": 3, "b": 3}
+
+
+def test_build_callbacks_instantiates_targets():
+    entries = [
+        {
+            "_target_": "sparse_llm.training.callbacks.DeadUnitReinitCallback",
+            "every": 5,
+            "reset_up_down": True,
+        },
+        {"_target_": "test_callbacks.Recorder", "name": "r", "log": []},
+    ]
+    built = build_callbacks(entries)
+    assert isinstance(built[0], DeadUnitReinitCallback) and built[0].every == 5 and built[0].reset_up_down
+    assert isinstance(built[1], Recorder)
+    assert build_callbacks([]) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"_target_": "no_such_pkg.Thing"}, r"callbacks\[1\].*no_such_pkg.Thing"),
+        ({"_target_": "sparse_llm.training.callbacks.NoSuchCallback"}, r"callbacks\[1\].*NoSuchCallback"),
+        ({"_target_": "test_callbacks.NotACallback"}, r"callbacks\[1\].*NotACallback.*not a .*Callback"),
+        ({"every": 3}, r"callbacks\[1\].*_target_"),
+        (
+            {"_target_": "sparse_llm.training.callbacks.DeadUnitReinitCallback", "bogus": 1},
+            r"callbacks\[1\].*bogus",
+        ),
+    ],
+)
+def test_build_callbacks_errors_name_the_entry(entry, message):
+    good = {"_target_": "sparse_llm.training.callbacks.Callback"}
+    with pytest.raises(ConfigError, match=message):
+        build_callbacks([good, entry])
+
+
+def test_default_callbacks_follow_the_reinit_config():
+    cfg = RunConfig()
+    assert default_callbacks(cfg) == []
+    cfg.sparsity.reinit.enabled, cfg.sparsity.reinit.every = True, 7
+    (callback,) = default_callbacks(cfg)
+    assert isinstance(callback, DeadUnitReinitCallback) and callback.every == 7
+
+
+def make_trainer():
+    """A stand-in with the attributes the trainer exposes to callbacks."""
+    torch.manual_seed(0)
+    cfg = RunConfig(
+        model=ModelConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=H,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+        )
+    )
+    model = build_model(cfg.model)
+    return SimpleNamespace(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        cfg=cfg,
+        step=0,
+        sparsity=SparsityMonitor(LAYERS, H, dead_window_tokens=10),
+        run_dir=Path("."),
+        reinit_generator=torch.Generator().manual_seed(0),
+    )
+
+
+def test_dead_unit_reinit_callback():
+    trainer = make_trainer()
+    # Units 3 (layer 0) and 9, 10 (layer 1) never fire for 10 tokens: dead.
+    fire = torch.ones(LAYERS, H, dtype=torch.int64)
+    fire[0, 3] = fire[1, 9] = fire[1, 10] = 0
+    hist = torch.zeros(LAYERS, H + 1, dtype=torch.int64)
+    hist[:, 5] = 10
+    trainer.sparsity.update(FFNStats(torch.zeros(LAYERS), hist, fire))
+    trainer.sparsity.end_step(lambda t: t)
+    gate0 = trainer.model.model.layers[0].mlp.gate_proj.weight.detach().clone()
+
+    callback = DeadUnitReinitCallback(every=2)
+    metrics: dict = {}
+    callback.on_step_end(trainer, 1, metrics)  # not a reinit step
+    assert metrics == {}
+    assert trainer.sparsity.dead_mask().sum() == 3
+
+    callback.on_step_end(trainer, 2, metrics)
+    assert metrics == {"reinit/revived": 3.0, "reinit/revived/layer_00": 1.0, "reinit/revived/layer_01": 2.0}
+    assert not trainer.sparsity.dead_mask().any()  # counters restarted
+    gate0_after = trainer.model.model.layers[0].mlp.gate_proj.weight.detach()
+    assert not torch.equal(gate0_after[3], gate0[3])
+    assert torch.equal(gate0_after[:3], gate0[:3]) and torch.equal(gate0_after[4:], gate0[4:])
+
+
+def test_dead_unit_reinit_callback_rejects_bad_interval():
+    with pytest.raises(ValueError, match="every"):
+        DeadUnitReinitCallback(every=0)
