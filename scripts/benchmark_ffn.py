@@ -1,0 +1,232 @@
+"""Benchmark one inference FFN layer: dense eager, dense torch.compile and the TwELL kernels.
+
+The workload is DESIGN.md section 5 (sparse_llm.ops.workload). Each timed call reads one of
+several input sets in turn (x and all three weights), so no call finds its weights in L2 from
+the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
+
+    python scripts/benchmark_ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from sparse_llm import ops
+from sparse_llm.ops import _extension
+from sparse_llm.ops.workload import make_workload
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nnz", type=float, nargs="+", default=[15, 30, 60, 120], help="mean non-zeros per token")
+    p.add_argument("--M", type=int, nargs="+", default=[16384, 65536], help="tokens")
+    p.add_argument("--D", type=int, default=2048)
+    p.add_argument("--H", type=int, default=5632)
+    p.add_argument(
+        "--heavy-threshold",
+        type=int,
+        nargs="+",
+        default=[ops.DEFAULT_HEAVY_THRESHOLD],
+        help="heavy-row thresholds to time; the first is the one in the main table",
+    )
+    p.add_argument("--sets", type=int, default=3, help="input sets rotated through the timed calls")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    return p.parse_args()
+
+
+def median_ms(fn: Callable, sets: Sequence[tuple], warmup: int, reps: int) -> float:
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+    ]
+    for i, (start, end) in enumerate(events):
+        args = sets[i % len(sets)]
+        start.record()
+        fn(*args)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    ref = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Callable) -> dict:
+    ext = _extension.load()
+    sets = []
+    for k in range(args.sets):
+        w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
+        sets.append((w.x, w.wg, w.wu, w.wd, w.wd.t().contiguous()))
+    dense = [s[:4] for s in sets]
+    row: dict = {"M": m, "nnz_target": nnz}
+
+    x, wg, wu, wd = dense[0]
+    threshold = args.heavy_threshold[0]
+    g = x @ wg.T
+    packed = ops.twell_pack(g, threshold, impl="cuda")
+    row_nnz = packed.row_nnz.double()
+    row["nnz_measured"] = row_nnz.mean().item()
+    row["nnz_p50"] = row_nnz.median().item()
+    row["nnz_p99"] = row_nnz.quantile(0.99).item()
+    row["nnz_max"] = row_nnz.max().item()
+    row["heavy_rows"] = packed.heavy.double().mean().item()
+    row["heavy_nnz_share"] = (row_nnz[packed.heavy].sum() / row_nnz.sum()).item()
+
+    row["err_dense_bf16"] = rel_err64(ops.ffn_forward_reference(x, wg, wu, wd), x, wg, wu, wd)
+    row["err_ours"] = rel_err64(
+        ops.ffn_forward(x, wg, wu, wd, impl="cuda", heavy_threshold=threshold), x, wg, wu, wd
+    )
+    del g, packed
+
+    row["ms_dense_eager"] = median_ms(ops.ffn_forward_reference, dense, args.warmup, args.reps)
+    row["ms_dense_compiled"] = median_ms(dense_compiled, dense, args.warmup, args.reps)
+    row["ms_ours"] = {}
+    for t in args.heavy_threshold:
+        row["ms_ours"][t] = median_ms(
+            lambda x, wg, wu, wd, t=t: ops.ffn_forward(x, wg, wu, wd, impl="cuda", heavy_threshold=t),
+            dense,
+            args.warmup,
+            args.reps,
+        )
+    row["ms_ours_cached_wdT"] = median_ms(
+        lambda x, wg, wu, wd, wd_t: ops.ffn_forward(
+            x, wg, wu, wd, impl="cuda", heavy_threshold=threshold, wd_t=wd_t
+        ),
+        sets,
+        args.warmup,
+        args.reps,
+    )
+    # Parts of our forward, each timed alone on the same rotating inputs.
+    row["ms_gate_gemm"] = median_ms(lambda x, wg, *_: x @ wg.T, sets, args.warmup, args.reps)
+    gates = [(s[0] @ s[1].T,) for s in sets]
+    row["ms_pack"] = median_ms(lambda g: ext.twell_pack(g, threshold), gates, args.warmup, args.reps)
+    packs = [(*s, *ext.twell_pack(gk[0], threshold)) for s, gk in zip(sets, gates, strict=True)]
+    row["ms_sparse_updown"] = median_ms(
+        lambda x, wg, wu, wd, wd_t, values, cols, counts, row_nnz, heavy: ext.twell_updown(
+            x, wu, wd_t, values, cols, counts, heavy, threshold
+        ),
+        packs,
+        args.warmup,
+        args.reps,
+    )
+    row["ms_transpose_wd"] = median_ms(
+        lambda x, wg, wu, wd, wd_t: wd.t().contiguous(), sets, args.warmup, args.reps
+    )
+    ours = row["ms_ours"][threshold]
+    row["speedup_vs_eager"] = row["ms_dense_eager"] / ours
+    row["speedup_vs_compiled"] = row["ms_dense_compiled"] / ours
+    return row
+
+
+def markdown(meta: dict, rows: list[dict], thresholds: list[int]) -> str:
+    t0 = thresholds[0]
+    lines = [
+        f"# FFN inference forward: {meta['device']}",
+        "",
+        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, D={meta['D']}, H={meta['H']}, "
+        f"median of {meta['reps']} CUDA-event timings over {meta['sets']} rotating input sets, "
+        f"heavy-row threshold {t0}.",
+        "",
+        "| M | nnz/token (target / measured / p99) | heavy rows | dense eager ms | dense compiled ms "
+        "| ours ms | ours, cached Wd^T ms | vs eager | vs compiled | err ours | err dense bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['M']} | {r['nnz_target']:g} / {r['nnz_measured']:.1f} / {r['nnz_p99']:.0f} "
+            f"| {100 * r['heavy_rows']:.1f}% | {r['ms_dense_eager']:.3f} | {r['ms_dense_compiled']:.3f} "
+            f"| {r['ms_ours'][t0]:.3f} | {r['ms_ours_cached_wdT']:.3f} | {r['speedup_vs_eager']:.2f}x "
+            f"| {r['speedup_vs_compiled']:.2f}x | {r['err_ours']:.2e} | {r['err_dense_bf16']:.2e} |"
+        )
+    lines += [
+        "",
+        "Parts of ours, each timed alone (ms); sparse up/down covers the light rows only.",
+        "",
+        "| M | nnz | gate GEMM | pack | sparse up/down | Wd^T |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['M']} | {r['nnz_target']:g} | {r['ms_gate_gemm']:.3f} | {r['ms_pack']:.3f} "
+            f"| {r['ms_sparse_updown']:.3f} | {r['ms_transpose_wd']:.3f} |"
+        )
+    if len(thresholds) > 1:
+        lines += ["", "Ours (ms) by heavy-row threshold:", ""]
+        lines.append("| M | nnz | " + " | ".join(str(t) for t in thresholds) + " |")
+        lines.append("|---|---|" + "---|" * len(thresholds))
+        for r in rows:
+            cells = " | ".join(f"{r['ms_ours'][t]:.3f}" for t in thresholds)
+            lines.append(f"| {r['M']} | {r['nnz_target']:g} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available() or _extension.load() is None:
+        raise SystemExit(
+            f"benchmark_ffn: needs a Hopper GPU and the extension ({_extension.unavailable_reason()})"
+        )
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default, stated
+    dense_compiled = torch.compile(ops.ffn_forward_reference, dynamic=False)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "D": args.D,
+        "H": args.H,
+        "reps": args.reps,
+        "sets": args.sets,
+        "heavy_thresholds": args.heavy_threshold,
+    }
+    rows = []
+    for m in args.M:
+        for nnz in args.nnz:
+            rows.append(bench_one(m, nnz, args, dense_compiled))
+            r = rows[-1]
+            print(
+                f"M={m} nnz={nnz:g}: eager {r['ms_dense_eager']:.3f} compiled {r['ms_dense_compiled']:.3f} "
+                f"ours {r['ms_ours']} ms, err {r['err_ours']:.2e} (dense {r['err_dense_bf16']:.2e})",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    text = markdown(meta, rows, args.heavy_threshold)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    if args.md:
+        args.md.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
