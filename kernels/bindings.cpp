@@ -94,17 +94,29 @@ at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Ten
   return y;
 }
 
+at::Tensor transpose(const at::Tensor& t) {
+  check_matrix(t, "t");
+  const c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options());
+  check_cuda(sparse_llm::launch_transpose_bf16(bf16_ptr(t), t.size(0), t.size(1), bf16_mut_ptr(out),
+                                               c10::cuda::getCurrentCUDAStream().stream()),
+             "transpose");
+  return out;
+}
+
 // The whole inference FFN: cuBLAS gate GEMM, TwELL pack, sparse up/down for the light rows and
 // dense GEMMs on the gathered heavy rows (exact for any pattern; the heavy-row count is read on
 // the host to size those GEMMs).
-at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd_t,
-                       int64_t heavy_threshold) {
+at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                       const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
   check_matrix(x, "x");
   check_matrix(wg, "wg");
+  check_matrix(wd, "wd");
   TORCH_CHECK(wg.sizes() == wu.sizes(), "wg and wu must have the same shape [H, D]");
   TORCH_CHECK(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
               "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
   const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor wd_t = cached_wd_t.has_value() ? *cached_wd_t : transpose(wd);
   const at::Tensor g = at::mm(x, wg.t());
   auto [values, cols, counts, row_nnz, heavy] = twell_pack(g, heavy_threshold);
   at::Tensor y = at::empty_like(x);
@@ -124,5 +136,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparse-llm TwELL inference kernels (Hopper)";
   m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
   m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
-  m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN");
+  m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
+  m.def("transpose", &transpose, "bf16 matrix transpose");
 }

@@ -45,4 +45,8 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
                                 TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
                                 int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
 
+// dst[c, r] = src[r, c] for a row-major bf16 src of [rows, cols] (rows / 64 <= 65535).
+cudaError_t launch_transpose_bf16(const __nv_bfloat16* src, int64_t rows, int64_t cols, __nv_bfloat16* dst,
+                                  cudaStream_t stream);
+
 }  // namespace sparse_llm

@@ -162,6 +162,7 @@ def test_auto_picks_cuda_and_matches():
 @needs_hopper
 def test_opcheck_and_torch_compile():
     x, wg, wu, wd = _pattern("random", 100, 128, 256, seed=3)
-    torch.library.opcheck(torch.ops.sparse_llm.twell_ffn_forward, (x, wg, wu, wd.t().contiguous(), 16))
+    for wd_t in (None, wd.t().contiguous()):
+        torch.library.opcheck(torch.ops.sparse_llm.twell_ffn_forward, (x, wg, wu, wd, wd_t, 16))
     compiled = torch.compile(lambda *a: ops.ffn_forward(*a, impl="cuda"), fullgraph=True)
     torch.testing.assert_close(compiled(x, wg, wu, wd), ops.ffn_forward(x, wg, wu, wd, impl="cuda"))

@@ -146,7 +146,7 @@ def test_fake_kernel_gives_shapes():
     with FakeTensorMode():
         x = torch.empty(5, 16, dtype=torch.bfloat16)
         w = torch.empty(24, 16, dtype=torch.bfloat16)
-        y = torch.ops.sparse_llm.twell_ffn_forward(x, w, w, w, 8)
+        y = torch.ops.sparse_llm.twell_ffn_forward(x, w, w, w.t(), None, 8)
         packed = torch.ops.sparse_llm.twell_pack(torch.empty(5, 200, dtype=torch.bfloat16), 8)
     assert y.shape == (5, 16)
     assert packed[0].shape == (5, 2, SLOTS) and packed[4].dtype == torch.bool

@@ -43,8 +43,10 @@ def build_dir() -> Path:
     return root / f"twell_{_source_hash()}"
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """Why the extension cannot be built or run here, or None (no build is attempted)."""
+    """Why the extension cannot be built or run here, or None (no build is attempted; cached:
+    the ninja probe starts a process)."""
     from torch.utils import cpp_extension
 
     if not torch.cuda.is_available():
@@ -90,3 +92,9 @@ def load() -> ModuleType | None:
             reason = f"building the CUDA extension failed ({first_line})"
     warnings.warn(f"sparse_llm.ops: {reason}; using the PyTorch reference path", stacklevel=3)
     return None
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """True when the extension is loaded (built on first call); a constant under torch.compile."""
+    return load() is not None

@@ -17,14 +17,20 @@ def _ext():
 
 @torch.library.custom_op("sparse_llm::twell_ffn_forward", mutates_args=())
 def twell_ffn_forward(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd_t: torch.Tensor, heavy_threshold: int
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wd_t: torch.Tensor | None,
+    heavy_threshold: int,
 ) -> torch.Tensor:
-    """x: [M, D]; wg, wu, wd_t: [H, D] bf16 contiguous (wd_t = Wd^T). Exact on every pattern."""
-    return _ext().ffn_forward(x, wg, wu, wd_t, heavy_threshold)
+    """x: [M, D]; wg, wu: [H, D]; wd: [D, H]; bf16 contiguous. wd_t: Wd^T ([H, D]) if the caller
+    keeps one, else the op transposes Wd. Exact on every pattern."""
+    return _ext().ffn_forward(x, wg, wu, wd, wd_t, heavy_threshold)
 
 
 @twell_ffn_forward.register_fake
-def _(x, wg, wu, wd_t, heavy_threshold):
+def _(x, wg, wu, wd, wd_t, heavy_threshold):
     return x.new_empty(x.shape)
 
 

@@ -24,12 +24,11 @@ def _use_cuda(impl: str, reason: str | None) -> bool:
     if impl == "cuda":
         if reason is not None:
             raise ValueError(f"impl='cuda' cannot run: {reason}")
-        ext_reason = _extension.unavailable_reason()
-        if ext_reason is not None:
-            raise RuntimeError(f"impl='cuda' cannot run: {ext_reason}")
+        if not _extension.available():
+            raise RuntimeError(f"impl='cuda' cannot run: {_extension.unavailable_reason()}")
         return True
     if impl == "auto":
-        return reason is None and _extension.load() is not None
+        return reason is None and _extension.available()
     raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
 
 
@@ -56,11 +55,8 @@ def ffn_forward(
         raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
     if not _use_cuda(impl, cuda_unsupported_reason(x, wg, wu, wd)):
         return ffn_forward_reference(x, wg, wu, wd)
-    dim = x.shape[-1]
-    x2 = x.reshape(-1, dim).contiguous()
-    if wd_t is None:
-        wd_t = wd.t().contiguous()
-    y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd_t, heavy_threshold)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd, wd_t, heavy_threshold)
     return y.view(x.shape)
 
 
