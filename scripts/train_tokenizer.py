@@ -15,10 +15,13 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from sparse_llm.config import DataConfig
 from sparse_llm.data.documents import USABLE, classify, split_of
 from sparse_llm.data.sources import EMBEDDED_TEXT_FIELD, stdlib_files
 from sparse_llm.data.tokenizer import EMBEDDED_TOKENIZER_DIR, EOS_TOKEN
+
+# Documents hashed below this are left out of training. Splits are monotone in the fraction, so
+# every validation set with data.val_fraction <= HOLDOUT stays unseen by the tokenizer too.
+HOLDOUT = 0.02
 
 
 def training_texts(val_fraction: float) -> Iterator[str]:
@@ -53,7 +56,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--val-fraction", type=float, default=DataConfig.val_fraction)
+    parser.add_argument("--val-fraction", type=float, default=HOLDOUT)
     parser.add_argument("--out", type=Path, default=EMBEDDED_TOKENIZER_DIR)
     args = parser.parse_args()
     tokenizer = train(args.vocab_size, args.val_fraction)

@@ -172,6 +172,11 @@ def test_two_ranks_cover_every_document_once(tok, tmp_path, n_files):
         assert docs and len(set(docs)) == len(docs)
     assert not set(per_rank[0]) & set(per_rank[1])
     assert sorted(per_rank[0] + per_rank[1]) == sorted(train_texts(texts))
+    # A cap on rows means the same rows for any rank count.
+    capped = [t for p in paths for t in (json.loads(line)["text"] for line in p.read_text().splitlines())][:9]
+    cfg = files_cfg(paths, max_documents=9)
+    per_rank = [one_epoch(tok, TokenStream(cfg, tok, SEQ, rank=r, world_size=2)) for r in range(2)]
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(train_texts(capped))
 
 
 # -- resume --------------------------------------------------------------------------------------
@@ -205,6 +210,8 @@ def test_resume_is_exact_across_epochs_files(tok, tmp_path):
     assert_resumes_exactly(
         lambda: TokenStream(files_cfg(paths), tok, SEQ, rank=1, world_size=2), 20, 2, [0, 5, 13, 19], epochs=1
     )
+    capped = files_cfg(paths, max_documents=7)
+    assert_resumes_exactly(lambda: TokenStream(capped, tok, SEQ, "train", 1, 2), 12, 2, [0, 4, 9], epochs=1)
 
 
 def test_resume_is_exact_embedded(tok):
@@ -317,5 +324,5 @@ def test_data_presets_match_the_schema(preset):
     raw = OmegaConf.load(REPO / "configs" / "data" / f"{preset}.yaml")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), raw))
     assert cfg.name == preset
-    if preset == "embedded":
-        assert cfg == DataConfig()
+    if preset == "embedded":  # the default group: the schema's defaults but a larger held-out set
+        assert cfg == DataConfig(val_fraction=cfg.val_fraction)

@@ -58,6 +58,10 @@ def _read_text_files(paths: list[str]) -> Iterator[dict[str, str | None]]:
         yield {EMBEDDED_TEXT_FIELD: text}
 
 
+def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
+    yield from dataset
+
+
 def resolve_paths(patterns: list[str]) -> list[str]:
     """Expand `data.paths` (files or globs, `**` allowed) into a de-duplicated ordered file list."""
     if not patterns:
@@ -122,7 +126,10 @@ def open_source(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> tuple[da
     elif cfg.source in ("files", "hub"):
         dataset = _files_dataset(cfg) if cfg.source == "files" else _hub_dataset(cfg)
         if cfg.max_documents > 0:
-            dataset = dataset.take(cfg.max_documents)
+            # One shard forces row round-robin across ranks: with whole files per rank, `take`
+            # would cap each rank separately and the capped set would depend on the rank count.
+            capped = dataset.take(cfg.max_documents)
+            dataset = datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"dataset": capped})
         text_field = cfg.text_field
     else:
         raise ValueError(f"data.source: {cfg.source!r} is not one of embedded, files, hub")
