@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -464,6 +465,13 @@ def test_plot_runs_overlay(tmp_path):
 # --- sweep summary -------------------------------------------------------------------------
 
 
+def script_env() -> dict[str, str]:
+    """This environment, with the repository importable (as `pip install -e .` would make it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
+    return env
+
+
 def test_summarize_sweep_script(tmp_path):
     sweep = tmp_path / "sweep"
     write_run(sweep / "0", 3e-4)
@@ -475,11 +483,11 @@ def test_summarize_sweep_script(tmp_path):
         [sys.executable, str(REPO / "scripts" / "summarize_sweep.py"), str(sweep), "--out", str(out)],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        env=script_env(),
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "| l1_coeff |" in result.stdout.replace("| run | l1_coeff", "| l1_coeff")
+    assert result.stdout.startswith("| run | l1_coeff | val CE | sparsity | dead | tokens/s |")
     rows = json.loads((out / "sweep_summary.json").read_text())
     assert [r["l1_coeff"] for r in rows] == [0.0, 2e-5, 3e-4]
     first = rows[0]
@@ -500,7 +508,7 @@ def test_summarize_sweep_without_runs(tmp_path):
         [sys.executable, str(REPO / "scripts" / "summarize_sweep.py"), str(tmp_path)],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        env=script_env(),
         check=False,
     )
     assert result.returncode == 2

@@ -22,24 +22,6 @@ NNZ_HIST_FILE = "nnz_hist.json"
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _Sums:
-    """Additive statistics over some tokens: they combine across micro-batches, ranks and steps."""
-
-    def __init__(self, num_layers: int, num_units: int, device: torch.device | str) -> None:
-        # L1 is kept as sum over tokens (mean x tokens) in float64 so that micro-batches of any
-        # size weigh by their tokens and long windows do not lose precision.
-        self.l1_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
-        self.nnz_hist = torch.zeros(num_layers, num_units + 1, dtype=torch.int64, device=device)
-        self.fire_counts = torch.zeros(num_layers, num_units, dtype=torch.int64, device=device)
-
-    def tokens(self) -> torch.Tensor:
-        return self.nnz_hist[0].sum()  # every token lands in exactly one bin of each layer
-
-    def zero_(self) -> None:
-        for t in (self.l1_sum, self.nnz_hist, self.fire_counts):
-            t.zero_()
-
-
 class SparsityMonitor:
     def __init__(
         self,
@@ -56,13 +38,22 @@ class SparsityMonitor:
         self._device_fixed = device is not None
         self.device = torch.device(device or "cpu")
         self.tracker = DeadUnitTracker(num_layers, num_units, dead_window_tokens, self.device)
-        self._step = _Sums(num_layers, num_units, self.device)
-        self._window = _Sums(num_layers, num_units, self.device)
+        # Additive statistics, so they combine across micro-batches, ranks and steps. L1 is kept
+        # as a sum over tokens (mean x tokens) in float64: micro-batches weigh by their tokens and
+        # long windows keep their precision.
+        self._step_l1 = self._zeros(num_layers, dtype=torch.float64)
+        self._step_hist = self._zeros(num_layers, num_units + 1)
+        self._step_fire = self._zeros(num_layers, num_units)
+        self._window_l1 = self._zeros(num_layers, dtype=torch.float64)
+        self._window_hist = self._zeros(num_layers, num_units + 1)
         self._step_has_data = False
         self._window_steps = 0
         # Histogram of the last summarised window: what `save_histograms` falls back to when
         # the run ends right after a log step.
         self._last_window_hist: torch.Tensor | None = None
+
+    def _zeros(self, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     # --- per micro-batch / per step -------------------------------------------------------
 
@@ -71,15 +62,15 @@ class SparsityMonitor:
         if not self._device_fixed:
             self._move_to(stats.nnz_hist.device)
         nnz_hist = stats.nnz_hist.detach().to(self.device)
-        if nnz_hist.shape != self._step.nnz_hist.shape:
+        if nnz_hist.shape != self._step_hist.shape:
             raise ValueError(
                 f"FFN stats have histogram shape {tuple(nnz_hist.shape)}, monitor expects "
-                f"{tuple(self._step.nnz_hist.shape)} (layers, intermediate size + 1)"
+                f"{tuple(self._step_hist.shape)} (layers, intermediate size + 1)"
             )
-        tokens = nnz_hist[0].sum()
-        self._step.l1_sum.add_(stats.l1.detach().to(self.device, torch.float64) * tokens)
-        self._step.nnz_hist.add_(nnz_hist)
-        self._step.fire_counts.add_(stats.fire_counts.detach().to(self.device))
+        tokens = nnz_hist[0].sum()  # every token lands in exactly one bin of each layer
+        self._step_l1.add_(stats.l1.detach().to(self.device, torch.float64) * tokens)
+        self._step_hist.add_(nnz_hist)
+        self._step_fire.add_(stats.fire_counts.detach().to(self.device))
         self._step_has_data = True
 
     def _move_to(self, device: torch.device) -> None:
@@ -88,9 +79,8 @@ class SparsityMonitor:
             return
         self.device = device
         self.tracker.tokens_since_fired = self.tracker.tokens_since_fired.to(device)
-        for sums in (self._step, self._window):
-            for name in ("l1_sum", "nnz_hist", "fire_counts"):
-                setattr(sums, name, getattr(sums, name).to(device))
+        for name in ("_step_l1", "_step_hist", "_step_fire", "_window_l1", "_window_hist"):
+            setattr(self, name, getattr(self, name).to(device))
 
     def end_step(self, all_reduce_sum: AllReduceSum) -> None:
         """Close an optimizer step: sum it over ranks, update the dead-unit tracker, add it to the window.
@@ -100,17 +90,17 @@ class SparsityMonitor:
         if not self._step_has_data:
             raise RuntimeError("SparsityMonitor.end_step() called without any update() in this step")
         # Two collectives per step: the integer statistics packed together, and the L1 sums.
-        counts = torch.cat((self._step.nnz_hist, self._step.fire_counts), dim=1)
-        counts = all_reduce_sum(counts)
-        l1_sum = all_reduce_sum(self._step.l1_sum)
+        counts = all_reduce_sum(torch.cat((self._step_hist, self._step_fire), dim=1))
+        l1_sum = all_reduce_sum(self._step_l1)
         nnz_hist, fire_counts = counts.split((self.num_units + 1, self.num_units), dim=1)
 
         self.tracker.update(fire_counts, nnz_hist[0].sum())
-        self._window.l1_sum.add_(l1_sum)
-        self._window.nnz_hist.add_(nnz_hist)
-        self._window.fire_counts.add_(fire_counts)
+        self._window_l1.add_(l1_sum)
+        self._window_hist.add_(nnz_hist)
         self._window_steps += 1
-        self._step.zero_()
+        # Zeroed only now: with an identity reduction, l1_sum is _step_l1 itself.
+        for t in (self._step_l1, self._step_hist, self._step_fire):
+            t.zero_()
         self._step_has_data = False
 
     # --- dead units -------------------------------------------------------------------------
@@ -128,12 +118,12 @@ class SparsityMonitor:
         """Metrics over the steps since the previous summary (global over ranks); resets the window."""
         if self._window_steps == 0:
             raise RuntimeError("SparsityMonitor.summary() called with no completed step since the last one")
-        hist = self._window.nnz_hist.to("cpu", copy=True)  # the window is zeroed below
+        hist = self._window_hist.to("cpu", copy=True)  # the window is zeroed below
         tokens = hist[0].sum().item()
         counts = torch.arange(self.num_units + 1, dtype=torch.float64)
         per_layer = {
             "l0": (hist.double() * counts).sum(-1) / tokens,
-            "l1": self._window.l1_sum.cpu() / tokens,
+            "l1": self._window_l1.cpu() / tokens,
             "dead": self.tracker.dead_fraction().cpu().double(),
             "nnz_p50": _percentile(hist, 50).double(),
             "nnz_p99": _percentile(hist, 99).double(),
@@ -151,7 +141,8 @@ class SparsityMonitor:
                 metrics[f"{name}/layer_{layer:0{width}d}"] = value
 
         self._last_window_hist = hist
-        self._window.zero_()
+        self._window_l1.zero_()
+        self._window_hist.zero_()
         self._window_steps = 0
         return metrics
 
@@ -163,7 +154,7 @@ class SparsityMonitor:
         ended on a log step). Call on the main process at the end of training.
         """
         if self._window_steps:
-            hist = self._window.nnz_hist.to("cpu", copy=True)
+            hist = self._window_hist.to("cpu", copy=True)
         elif self._last_window_hist is not None:
             hist = self._last_window_hist
         else:
