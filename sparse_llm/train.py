@@ -24,7 +24,6 @@ def run(raw: DictConfig, run_dir: Path) -> Path:
     from sparse_llm.training.trainer import Trainer
 
     cfg = load_config(raw)
-    run_dir.mkdir(parents=True, exist_ok=True)
     callbacks = build_callbacks(cfg.callbacks)
     trainer = Trainer(cfg, run_dir, callbacks)
     if trainer.accelerator.is_main_process:

@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 
 from sparse_llm.config import ConfigError, RunConfig, validate
 from sparse_llm.data import TokenStream, load_tokenizer, validation_batches
-from sparse_llm.model import FFNStats, SparseLlamaForCausalLM, build_model
+from sparse_llm.model import FFNStats, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
-from sparse_llm.training.callbacks import Callback, CallbackList, DeadUnitReinitCallback
+from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 
@@ -53,6 +53,7 @@ class Trainer:
         validate(cfg, self.world_size)
         self.cfg = cfg
         self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.device = self.accelerator.device
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.world_size)
         self.tokens_per_step = t.global_batch_size * t.seq_len
@@ -85,8 +86,11 @@ class Trainer:
         model.activation_checkpointing = t.activation_checkpointing
         optimizer = build_optimizer(model, t, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(optimizer, t)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
+        # the prepared ones may be wrapped for data parallelism and mixed precision.
+        self.model, self.optimizer = model, optimizer
+        self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
+        self.forward = torch.compile(self.prepared_model) if t.compile else self.prepared_model
 
         self.sparsity = SparsityMonitor(
             num_layers=cfg.model.num_hidden_layers,
@@ -95,22 +99,15 @@ class Trainer:
         )
         # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal.
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
-        hooks = list(callbacks or [])
-        if cfg.sparsity.reinit.enabled:
-            hooks.append(DeadUnitReinitCallback(cfg.sparsity.reinit.every, cfg.sparsity.reinit.reset_up_down))
-        self.callbacks = CallbackList(hooks)
+        self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
         self.step = 0
         self.tokens_seen = 0
         self._last_ce = math.nan
         self.logger = MetricsLogger(
             run_dir, cfg.logger.wandb, asdict(cfg), enabled=self.accelerator.is_main_process
         )
-        self.flops_per_token = self.unwrapped.flops_per_token(t.seq_len)
+        self.flops_per_token = self.model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(self.device)
-
-    @property
-    def unwrapped(self) -> SparseLlamaForCausalLM:
-        return self.accelerator.unwrap_model(self.model)
 
     @property
     def checkpoint_root(self) -> Path:
@@ -169,7 +166,7 @@ class Trainer:
             inputs, labels = batch[:, :-1], batch[:, 1:]
             last = micro == self.accum_steps - 1
             # Gradients are all-reduced once, on the last micro-batch of the step.
-            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.prepared_model)
             with sync, self.accelerator.autocast():
                 out = self.forward(inputs, labels=labels, with_stats=True)
                 l1 = l1_penalty(out.ffn_stats)
@@ -188,12 +185,12 @@ class Trainer:
             )
         grad_norm = math.nan
         if t.grad_clip > 0:
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.grad_clip).item()
+            grad_norm = self.accelerator.clip_grad_norm_(self.prepared_model.parameters(), t.grad_clip).item()
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        self.prepared_optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.sparsity.end_step(self._all_reduce_sum, tokens=self.tokens_per_step)
+        self.prepared_optimizer.zero_grad(set_to_none=True)
+        self.sparsity.end_step(self._all_reduce_sum)
         self._last_ce = ce
         return {
             "loss": ce + coeff * l1_mean,
@@ -221,13 +218,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        self.model.eval()
+        self.prepared_model.eval()
         total = torch.zeros((), device=self.device)
         for batch in self.val_batches:
             batch = batch.to(self.device)
             with self.accelerator.autocast():
                 total += self.forward(batch[:, :-1], labels=batch[:, 1:]).loss.float()
-        self.model.train()
+        self.prepared_model.train()
         val = self.accelerator.reduce(total / max(1, len(self.val_batches)), reduction="mean").item()
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
 
@@ -249,7 +246,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "data": data_states,
             }
-            model_state = ckpt_io.model_state_to_save(self.unwrapped)
+            model_state = ckpt_io.model_state_to_save(self.model)
             checkpoint = ckpt_io.Checkpoint(
                 self.step, model_state, self.optimizer.state_dict(), tensors, state
             )
@@ -274,7 +271,7 @@ class Trainer:
                 f"config key 'train.resume': {path} was written by {ckpt.state['world_size']} processes, "
                 f"this run has {self.world_size}"
             )
-        ckpt_io.load_model_state(self.unwrapped, ckpt.model)
+        ckpt_io.load_model_state(self.model, ckpt.model)
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self.train_stream.load_state_dict(ckpt.state["data"][self.rank])
@@ -298,7 +295,7 @@ class Trainer:
             if self.cfg.train.export:
                 from sparse_llm.export import export_hf
 
-                export_hf(self.unwrapped, self.tokenizer, self.run_dir / "export")
+                export_hf(self.model, self.tokenizer, self.run_dir / "export")
             self.sparsity.save_histograms(self.run_dir)
             if self.cfg.sparsity.plots:
                 from sparse_llm.sparsity.plots import plot_run

@@ -1,0 +1,182 @@
+"""End-to-end training on CPU: loss falls, resume is bitwise, bad states never become checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sparse_llm.config import RunConfig, load_config
+from sparse_llm.model import build_model
+from sparse_llm.training import checkpoint as ckpt_io
+from sparse_llm.training.callbacks import Callback
+from sparse_llm.training.trainer import Trainer, TrainingDiverged
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_run_config(run_dir: Path, **train_overrides) -> RunConfig:
+    train = dict(
+        seq_len=32,
+        global_batch_size=4,
+        micro_batch_size=2,
+        max_steps=6,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        eval_every=0,
+        eval_batches=2,
+        checkpoint_every=0,
+        export=False,
+        progress=False,
+    )
+    train.update(train_overrides)
+    return load_config(
+        {
+            "run_dir": str(run_dir),
+            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            "data": dict(max_documents=300),
+            "train": train,
+            "sparsity": dict(l1_coeff=1e-3, plots=False),
+            "logger": {"wandb": {"mode": "disabled"}},
+        }
+    )
+
+
+def train(cfg: RunConfig, callbacks: list[Callback] | None = None) -> Trainer:
+    trainer = Trainer(cfg, Path(cfg.run_dir), callbacks)
+    trainer.fit()
+    return trainer
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class SimulatedKill(Exception):
+    pass
+
+
+class KillAfterCheckpoint(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_checkpoint(self, trainer, step, path):
+        if step == self.step:
+            raise SimulatedKill
+
+
+def test_short_run_loss_falls(tmp_path: Path):
+    cfg = tiny_run_config(
+        tmp_path, max_steps=60, eval_every=30, lr=1e-2, seq_len=64, global_batch_size=8, micro_batch_size=4
+    )
+    trainer = train(cfg)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 61))
+    last = sum(r["ce"] for r in records[-5:]) / 5
+    assert last < records[0]["ce"] - 1.0
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0]
+    for key in ("loss", "tokens_per_s", "l1", "lr", "sparsity/mean", "l0/mean", "dead/mean"):
+        assert key in records[-1]
+    assert trainer.step == 60
+    assert ckpt_io.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
+
+
+def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path):
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    straight = train(tiny_run_config(straight_dir, max_steps=8, checkpoint_every=4))
+    with pytest.raises(SimulatedKill):
+        train(tiny_run_config(resumed_dir, max_steps=8, checkpoint_every=4), [KillAfterCheckpoint(4)])
+    assert [r["step"] for r in read_metrics(resumed_dir)] == [1, 2, 3, 4]
+    resumed = train(tiny_run_config(resumed_dir, max_steps=8, checkpoint_every=4, resume="auto"))
+
+    a, b = read_metrics(straight_dir), read_metrics(resumed_dir)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce", "l1", "lr", "grad_norm", "tokens_seen", "sparsity/mean", "dead/mean"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    for (name, pa), pb in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+    assert straight.train_stream.state_dict() == resumed.train_stream.state_dict()
+
+
+def test_resume_ignores_an_interrupted_checkpoint_write(tmp_path: Path):
+    train(tiny_run_config(tmp_path, max_steps=4, checkpoint_every=2))
+    root = tmp_path / "checkpoints"
+    partial = root / ".tmp-step_00000006-0badc0de"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    (root / "step_00000008").mkdir()  # renamed but never completed: no manifest
+    trainer = Trainer(tiny_run_config(tmp_path, max_steps=6, resume="auto"), tmp_path)
+    trainer._maybe_resume()
+    assert trainer.step == 4
+    assert not partial.exists()
+
+
+class PoisonWeightsAfterCheckpoint(Callback):
+    def on_checkpoint(self, trainer, step, path):
+        if step == 2:
+            with torch.no_grad():
+                trainer.model.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+
+
+def test_nan_loss_stops_without_writing_a_checkpoint(tmp_path: Path):
+    cfg = tiny_run_config(tmp_path, max_steps=6, checkpoint_every=1)
+    with pytest.raises(TrainingDiverged, match="step 3"):
+        train(cfg, [PoisonWeightsAfterCheckpoint()])
+    names = [p.name for p in ckpt_io.list_checkpoints(tmp_path / "checkpoints")]
+    assert names[-1] == "step_00000002"
+
+
+def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
+    trainer = train(tiny_run_config(tmp_path, max_steps=2, export=True))
+    export = tmp_path / "export"
+    hf_model = AutoModelForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = torch.tensor([tokenizer("def main():\n    return 42\n")["input_ids"]])
+    ours = build_model(trainer.cfg.model).eval()
+    ckpt = ckpt_io.load_checkpoint(ckpt_io.latest_checkpoint(tmp_path / "checkpoints"))
+    ckpt_io.load_model_state(ours, ckpt.model)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+    assert hf_model.config.hidden_act == "relu"
+    assert tokenizer.eos_token_id == trainer.tokenizer.eos_token_id
+
+
+def test_command_line_run_and_config_error(tmp_path: Path):
+    run_dir = tmp_path / "cli"
+    overrides = [
+        f"run_dir={run_dir}",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "train.seq_len=16",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+        "train.eval_batches=1",
+        "train.progress=false",
+        "data.max_documents=100",
+        "logger=none",
+    ]
+    cmd = [sys.executable, "-m", "sparse_llm.train"]
+    done = subprocess.run(cmd + overrides, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == f"run_dir: {run_dir}"
+    assert (run_dir / "export" / "config.json").is_file()
+    assert (run_dir / "config.yaml").is_file()
+
+    bad = subprocess.run(
+        [*cmd, *overrides, "train.global_batch_size=3"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2
+    assert "train.global_batch_size" in bad.stderr
