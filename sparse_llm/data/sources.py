@@ -1,8 +1,9 @@
 """Raw document sources (embedded stdlib, local files, hub) as streaming `datasets` iterables.
 
-Each source is an `IterableDataset` with one shard per file, cut down to one data-parallel
-rank's share. Its examples are raw rows; deciding what is a usable document happens downstream.
-The order of rows is fixed (no shuffling), so `IterableDataset.state_dict()` resumes exactly.
+Each source is an `IterableDataset` (one shard per file; one in all under a `max_documents` cap),
+cut down to one data-parallel rank's share. Its examples are raw rows; deciding what is a usable
+document happens downstream. The order of rows is fixed (no shuffling), so
+`IterableDataset.state_dict()` resumes exactly.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ EMBEDDED_TEXT_FIELD = "text"
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages"}  # third-party code, differs per machine
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-
-datasets.disable_progress_bars()
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,6 +58,7 @@ def _read_text_files(paths: list[str]) -> Iterator[dict[str, str | None]]:
 
 
 def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
+    """Generator that re-exposes a dataset as a single shard."""
     yield from dataset
 
 
