@@ -105,8 +105,8 @@ at::Tensor transpose(const at::Tensor& t) {
 }
 
 // The whole inference FFN: cuBLAS gate GEMM, TwELL pack, sparse up/down for the light rows and
-// dense GEMMs on the gathered heavy rows (exact for any pattern; the heavy-row count is read on
-// the host to size those GEMMs).
+// dense GEMMs on the gathered heavy rows: exact for any pattern. The heavy-row count sizes those
+// GEMMs, so the host reads it, while the sparse kernel keeps the GPU busy.
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                        const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
   check_matrix(x, "x");
@@ -116,16 +116,39 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   TORCH_CHECK(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
               "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
   const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t rows = x.size(0);
+  const int hidden = static_cast<int>(wg.size(0));
+  at::Tensor y = at::empty_like(x);
+  if (rows == 0) return y;
   const at::Tensor wd_t = cached_wd_t.has_value() ? *cached_wd_t : transpose(wd);
   const at::Tensor g = at::mm(x, wg.t());
   auto [values, cols, counts, row_nnz, heavy] = twell_pack(g, heavy_threshold);
-  at::Tensor y = at::empty_like(x);
+
+  const at::Tensor pos = at::cumsum(heavy, 0, at::kInt);
+  at::Tensor heavy_list = at::empty({rows}, x.options().dtype(at::kLong));
+  check_cuda(sparse_llm::launch_compact_rows(reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()),
+                                             pos.data_ptr<int32_t>(), rows, heavy_list.data_ptr<int64_t>(), stream),
+             "compact_rows");
+  at::Tensor n_host = at::empty({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  n_host.copy_(pos.narrow(0, rows - 1, 1), /*non_blocking=*/true);
+  cudaEvent_t count_ready;
+  check_cuda(cudaEventCreateWithFlags(&count_ready, cudaEventDisableTiming), "cudaEventCreate");
+  check_cuda(cudaEventRecord(count_ready, stream), "cudaEventRecord");
+
   twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, y);
-  const at::Tensor heavy_rows = at::nonzero(heavy).squeeze(1);
-  if (heavy_rows.numel() > 0) {
-    const at::Tensor a = at::relu(g.index_select(0, heavy_rows));
-    const at::Tensor u = at::mm(x.index_select(0, heavy_rows), wu.t());
-    y.index_copy_(0, heavy_rows, at::mm(a * u, wd_t));
+
+  const cudaError_t synced = cudaEventSynchronize(count_ready);
+  cudaEventDestroy(count_ready);
+  check_cuda(synced, "cudaEventSynchronize");
+  const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
+  if (n_heavy > 0) {
+    const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
+    at::Tensor h = at::mm(x.index_select(0, heavy_rows), wu.t());  // u, then h in place
+    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
+                                                bf16_mut_ptr(h), stream),
+               "gate_mul_rows");
+    y.index_copy_(0, heavy_rows, at::mm(h, wd_t));
   }
   return y;
 }

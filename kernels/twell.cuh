@@ -45,6 +45,15 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
                                 TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
                                 int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
 
+// list[0 .. count) = the rows with heavy[row] != 0, in order, given inclusive_pos = cumsum(heavy).
+cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
+                                cudaStream_t stream);
+
+// u[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < n: the dense path's gate on gathered rows.
+// g: [M, H], u: [n, H], bf16 row-major, H % 8 == 0, 16-byte aligned.
+cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, int64_t n, int hidden,
+                                 __nv_bfloat16* u, cudaStream_t stream);
+
 // dst[c, r] = src[r, c] for a row-major bf16 src of [rows, cols] (rows / 64 <= 65535).
 cudaError_t launch_transpose_bf16(const __nv_bfloat16* src, int64_t rows, int64_t cols, __nv_bfloat16* dst,
                                   cudaStream_t stream);

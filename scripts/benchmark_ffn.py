@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours per case")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     return p.parse_args()
@@ -61,6 +62,19 @@ def median_ms(fn: Callable, sets: Sequence[tuple], warmup: int, reps: int) -> fl
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def print_profile(fn: Callable, iters: int = 5) -> None:
+    """Per-kernel CUDA time of `iters` calls (torch.profiler), to see where a forward spends it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
@@ -139,8 +153,14 @@ def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Call
         args.reps,
     )
     row["ms_transpose_wd"] = median_ms(
-        lambda x, wg, wu, wd, wd_t: wd.t().contiguous(), sets, args.warmup, args.reps
+        lambda x, wg, wu, wd, wd_t: ext.transpose(wd), sets, args.warmup, args.reps
     )
+    # What the parts leave: the heavy rows' dense path, the host read of their count, glue.
+    row["ms_rest"] = (
+        row["ms_ours_cached_wdT"] - row["ms_gate_gemm"] - row["ms_pack"] - row["ms_sparse_updown"]
+    )
+    if args.profile:
+        print_profile(lambda: ops.ffn_forward(*dense[0], impl="cuda", heavy_threshold=threshold))
     ours = row["ms_ours"][threshold]
     row["speedup_vs_eager"] = row["ms_dense_eager"] / ours
     row["speedup_vs_compiled"] = row["ms_dense_compiled"] / ours
