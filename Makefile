@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 ARGS ?=
 STAMP := .make/setup.stamp
 
-.PHONY: setup train test test-gpu lint bench kernels gpu-check clean
+.PHONY: setup train test test-gpu lint bench sweep-summary kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ lint: setup
 
 bench: setup
 	$(PYTHON) scripts/benchmark_ffn.py $(ARGS)
+
+# Summarise an L1 sweep (hydra multirun): make sweep-summary SWEEP=runs/sweeps/<date>
+sweep-summary: setup
+	$(PYTHON) scripts/summarize_sweep.py $(SWEEP)
 
 kernels:
 	bash scripts/compile_kernels.sh

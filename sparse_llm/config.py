@@ -53,8 +53,8 @@ class DataConfig:
     hub_split: str = "train"
     text_field: str = "text"
     tokenizer: str = "embedded"  # "embedded", a local directory, or a hub id
-    val_fraction: float = 0.005  # share of documents held out for validation (by content hash)
-    max_documents: int = 0  # 0: no limit (embedded source: cap on files read)
+    val_fraction: float = 0.02  # share of documents held out for validation (by content hash)
+    max_documents: int = 0  # > 0: read only the first N documents (rows) of the source
 
 
 @dataclass

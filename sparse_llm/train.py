@@ -21,6 +21,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def run(raw: DictConfig, run_dir: Path) -> Path:
     """Validate, build and train; returns the run directory."""
     from sparse_llm.training.callbacks import build_callbacks
+    from sparse_llm.training.run_info import write_run_info
     from sparse_llm.training.trainer import Trainer
 
     cfg = load_config(raw)
@@ -29,6 +30,7 @@ def run(raw: DictConfig, run_dir: Path) -> Path:
     if trainer.accelerator.is_main_process:
         # Written after the trainer resolved derived values (vocab size), so it is the config that ran.
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_run_info(run_dir, trainer.device, trainer.world_size)
     trainer.fit()
     return run_dir
 

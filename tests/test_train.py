@@ -151,6 +151,22 @@ def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
     assert tokenizer.eos_token_id == trainer.tokenizer.eos_token_id
 
 
+TINY_CLI_OVERRIDES = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "train.seq_len=16",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=2",
+    "train.max_steps=2",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "data.max_documents=100",
+    "logger=none",
+]
+
+
 def test_command_line_run_and_config_error(tmp_path: Path):
     run_dir = tmp_path / "cli"
     overrides = [
@@ -180,3 +196,28 @@ def test_command_line_run_and_config_error(tmp_path: Path):
     )
     assert bad.returncode == 2
     assert "train.global_batch_size" in bad.stderr
+
+
+def test_l1_sweep_multirun_and_summary(tmp_path: Path):
+    sweep_dir = tmp_path / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_llm.train",
+        "-m",
+        "sparsity.l1_coeff=0,1e-2",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    done = subprocess.run(cmd + TINY_CLI_OVERRIDES, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").is_file()) == ["0", "1"]
+    summary = subprocess.run(
+        [sys.executable, "scripts/summarize_sweep.py", str(sweep_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert summary.returncode == 0, summary.stderr
+    rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
+    assert [row["l1_coeff"] for row in rows] == [0.0, 0.01]
+    assert (sweep_dir / "sweep_val_ce_vs_sparsity.png").stat().st_size > 0

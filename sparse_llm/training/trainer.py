@@ -148,7 +148,7 @@ class Trainer:
                 record.update(evaluation)
                 self.callbacks.on_eval(self, self.step, evaluation)
                 bar.write(f"step {self.step}: val_loss {evaluation['val_loss']:.4f}")
-            if "tokens_per_s" in record or "val_loss" in record:
+            if any(key in record for key in ("tokens_per_s", "val_loss", "reinit/revived")):
                 self.logger.log(self.step, record)
             if (t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0) or is_last:
                 path = self.save_checkpoint()

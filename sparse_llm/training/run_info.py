@@ -1,0 +1,42 @@
+"""What a run ran on (device, software, commit), written next to its metrics so numbers stay traceable."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_commit(repo: Path | None = None) -> str:
+    repo = repo or Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def collect_run_info(device: torch.device, world_size: int) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "world_size": world_size,
+        "device": platform.processor() or platform.machine(),
+    }
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def write_run_info(run_dir: Path, device: torch.device, world_size: int) -> None:
+    (run_dir / "run_info.json").write_text(json.dumps(collect_run_info(device, world_size), indent=1) + "\n")
