@@ -39,11 +39,12 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
 // y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0; rows with
 // heavy[r] != 0 are left untouched (the dense path writes them). x: [M, D], wu: [H, D],
 // wd_t: [H, D] (down_proj.weight transposed), y: [M, D], all bf16 row-major, 16-byte aligned,
-// D % 8 == 0, D <= kMaxDim; light rows hold at most max_row_nnz <= kMaxLightRowNnz non-zeros.
+// D % 8 == 0, D <= kMaxDim, H <= 2^20; light rows hold at most max_row_nnz <= kMaxLightRowNnz
+// non-zeros. h_work: fp32 workspace shaped like twell.values ([M, n_tiles, kTwellSlots]).
 constexpr int kMaxDim = 8192;
 cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
-                                TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
-                                int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
+                                TwellView twell, const uint8_t* heavy, int64_t rows, int dim, int max_row_nnz,
+                                float* h_work, __nv_bfloat16* y, cudaStream_t stream);
 
 // list[0 .. count) = the rows with heavy[row] != 0, in order, given inclusive_pos = cumsum(heavy).
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
