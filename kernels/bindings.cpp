@@ -79,12 +79,10 @@ void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tens
               "heavy must be a contiguous bool [M]");
   const c10::cuda::CUDAGuard guard(x.device());
   sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(), n_tiles};
-  at::Tensor h_work = at::empty(values.sizes(), values.options().dtype(at::kFloat));
   check_cuda(sparse_llm::launch_twell_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), view,
                                              reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()), rows,
                                              static_cast<int>(dim), static_cast<int>(max_row_nnz),
-                                             h_work.data_ptr<float>(), bf16_mut_ptr(y),
-                                             c10::cuda::getCurrentCUDAStream().stream()),
+                                             bf16_mut_ptr(y), c10::cuda::getCurrentCUDAStream().stream()),
              "twell_updown");
 }
 

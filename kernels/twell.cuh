@@ -21,7 +21,7 @@ constexpr int kTwellSlots = 16;
 constexpr int kMaxLightRowNnz = 512;
 
 struct TwellView {
-  const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) undefined
+  const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) hold 0
   const uint8_t* cols;          // [M, n_tiles, kTwellSlots]; column inside the tile
   const int32_t* counts;        // [M, n_tiles]; true number of non-zeros of the tile
   int n_tiles;
@@ -31,7 +31,7 @@ inline int twell_n_tiles(int hidden) { return (hidden + kTwellTile - 1) / kTwell
 
 // Packs a = relu(g) (g: [M, H] bf16, row-major) into TwELL. Writes row_nnz[M] (true non-zeros of
 // each row) and heavy[M] = 1 when the row overflows a tile or holds more than heavy_threshold
-// non-zeros (such rows take the dense path). Needs H % 4 == 0 and g 8-byte aligned.
+// non-zeros (such rows take the dense path). Needs H % 8 == 0 and g 16-byte aligned.
 cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, int heavy_threshold,
                               __nv_bfloat16* values, uint8_t* cols, int32_t* counts, int32_t* row_nnz,
                               uint8_t* heavy, cudaStream_t stream);
@@ -39,12 +39,11 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
 // y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0; rows with
 // heavy[r] != 0 are left untouched (the dense path writes them). x: [M, D], wu: [H, D],
 // wd_t: [H, D] (down_proj.weight transposed), y: [M, D], all bf16 row-major, 16-byte aligned,
-// D % 8 == 0, D <= kMaxDim, H <= 2^20; light rows hold at most max_row_nnz <= kMaxLightRowNnz
-// non-zeros. h_work: fp32 workspace shaped like twell.values ([M, n_tiles, kTwellSlots]).
+// D % 8 == 0, D <= kMaxDim; light rows hold at most max_row_nnz <= kMaxLightRowNnz non-zeros.
 constexpr int kMaxDim = 8192;
 cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
-                                TwellView twell, const uint8_t* heavy, int64_t rows, int dim, int max_row_nnz,
-                                float* h_work, __nv_bfloat16* y, cudaStream_t stream);
+                                TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
+                                int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
 
 // list[0 .. count) = the rows with heavy[row] != 0, in order, given inclusive_pos = cumsum(heavy).
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,

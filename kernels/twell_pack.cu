@@ -1,76 +1,100 @@
-// Pack relu(g) into TwELL: one warp per row, 4 columns per lane per tile, a warp scan places the
-// non-zeros of each tile; four tiles are loaded at once to keep enough bytes in flight.
+// Pack relu(g) into TwELL. One warp per row; a half-warp covers one 128-column tile with 16-byte
+// loads (8 columns per lane), a segmented warp scan places the non-zeros, and the slots are staged
+// in shared memory (zero-filled) so that values, columns and counts leave in 16-byte stores.
 #include "twell.cuh"
 
 namespace sparse_llm {
 namespace {
 
 constexpr int kPackWarps = 8;
-constexpr int kTilesInFlight = 4;
+constexpr int kChunkTiles = 64;   // tiles staged per warp at a time (a row is done in chunks)
+constexpr int kLoadsInFlight = 4;  // 16-byte loads per lane before the first use (8 tiles)
 constexpr unsigned kFullMask = 0xffffffffu;
 
-__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int n = __shfl_up_sync(kFullMask, v, off);
-    if (lane >= off) v += n;
-  }
-  return v;
-}
+struct WarpStage {
+  __nv_bfloat16 values[kChunkTiles * kTwellSlots];
+  uint8_t cols[kChunkTiles * kTwellSlots];
+  int32_t counts[kChunkTiles];
+};
+
+static_assert(sizeof(WarpStage) % 16 == 0, "staging rows must stay 16-byte aligned");
 
 __global__ void __launch_bounds__(kPackWarps * 32)
     twell_pack_kernel(const __nv_bfloat16* __restrict__ g, int64_t rows, int hidden, int n_tiles,
                       int heavy_threshold, __nv_bfloat16* __restrict__ values, uint8_t* __restrict__ cols,
-                      int32_t* __restrict__ counts, int32_t* __restrict__ row_nnz,
-                      uint8_t* __restrict__ heavy) {
+                      int32_t* __restrict__ counts, int32_t* __restrict__ row_nnz, uint8_t* __restrict__ heavy) {
+  __shared__ __align__(16) WarpStage stages[kPackWarps];
   const int lane = threadIdx.x % 32;
+  const int half = lane / 16;       // which of the two tiles of a load the lane covers
+  const int sub = lane % 16;        // 8-column group inside the tile
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kPackWarps + threadIdx.x / 32;
   if (row >= rows) return;
+  WarpStage& st = stages[threadIdx.x / 32];
   const __nv_bfloat16* g_row = g + row * hidden;
   int total = 0;
   int max_tile = 0;
 
-  for (int t0 = 0; t0 < n_tiles; t0 += kTilesInFlight) {
-    uint2 raw[kTilesInFlight];
-#pragma unroll
-    for (int k = 0; k < kTilesInFlight; ++k) {
-      const int col = (t0 + k) * kTwellTile + lane * 4;
-      raw[k] = make_uint2(0u, 0u);  // padding columns read as zero: never a non-zero
-      if (t0 + k < n_tiles && col < hidden) raw[k] = __ldcs(reinterpret_cast<const uint2*>(g_row + col));
+  for (int c0 = 0; c0 < n_tiles; c0 += kChunkTiles) {
+    const int chunk = min(kChunkTiles, n_tiles - c0);
+    for (int i = lane; i < chunk * kTwellSlots / 8; i += 32) {
+      reinterpret_cast<uint4*>(st.values)[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (i < chunk * kTwellSlots / 16) reinterpret_cast<uint4*>(st.cols)[i] = make_uint4(0u, 0u, 0u, 0u);
     }
+    __syncwarp();
+    for (int p0 = 0; p0 < chunk; p0 += 2 * kLoadsInFlight) {
+      uint4 raw[kLoadsInFlight];
 #pragma unroll
-    for (int k = 0; k < kTilesInFlight; ++k) {
-      const int t = t0 + k;
-      if (t >= n_tiles) break;
-      __nv_bfloat16 v[4];
-      __nv_bfloat162 lo = *reinterpret_cast<__nv_bfloat162*>(&raw[k].x);
-      __nv_bfloat162 hi = *reinterpret_cast<__nv_bfloat162*>(&raw[k].y);
-      v[0] = lo.x;
-      v[1] = lo.y;
-      v[2] = hi.x;
-      v[3] = hi.y;
-      int mask = 0;
+      for (int k = 0; k < kLoadsInFlight; ++k) {
+        const int t = c0 + p0 + 2 * k + half;
+        const int col = t * kTwellTile + sub * 8;
+        raw[k] = make_uint4(0u, 0u, 0u, 0u);  // columns past H read as zero: never a non-zero
+        if (p0 + 2 * k + half < chunk && col < hidden)
+          raw[k] = __ldcs(reinterpret_cast<const uint4*>(g_row + col));
+      }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mask |= (__bfloat162float(v[i]) > 0.0f) << i;
-      const int mine = __popc(mask);
-      const int incl = warp_inclusive_scan(mine, lane);
-      const int tile_count = __shfl_sync(kFullMask, incl, 31);
-      int pos = incl - mine;
-      const int64_t slot0 = (row * n_tiles + t) * kTwellSlots;
+      for (int k = 0; k < kLoadsInFlight; ++k) {
+        const int local_t = p0 + 2 * k + half;  // tile inside the chunk (may be past its end: all zero)
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw[k]);
+        int mask = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if ((mask >> i) & 1) {
-          if (pos < kTwellSlots) {
-            values[slot0 + pos] = v[i];
-            cols[slot0 + pos] = static_cast<uint8_t>(lane * 4 + i);
+        for (int i = 0; i < 8; ++i) mask |= (__bfloat162float(v[i]) > 0.0f) << i;
+        const int mine = __popc(mask);
+        int incl = mine;
+#pragma unroll
+        for (int off = 1; off < 16; off <<= 1) {
+          const int n = __shfl_up_sync(kFullMask, incl, off, 16);
+          if (sub >= off) incl += n;
+        }
+        const int tile_count = __shfl_sync(kFullMask, incl, 15, 16);
+        if (local_t < chunk) {
+          int pos = incl - mine;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if (((mask >> i) & 1) && pos < kTwellSlots) {
+              st.values[local_t * kTwellSlots + pos] = v[i];
+              st.cols[local_t * kTwellSlots + pos] = static_cast<uint8_t>(sub * 8 + i);
+            }
+            pos += (mask >> i) & 1;
           }
-          ++pos;
+          if (sub == 0) st.counts[local_t] = tile_count;
+          total += sub == 0 ? tile_count : 0;
+          max_tile = max(max_tile, tile_count);
         }
       }
-      if (lane == 0) counts[row * n_tiles + t] = tile_count;
-      total += tile_count;
-      max_tile = max(max_tile, tile_count);
     }
+    __syncwarp();
+    const int64_t slot0 = (row * n_tiles + c0) * kTwellSlots;  // 16-byte aligned: 16 slots per tile
+    for (int i = lane; i < chunk * kTwellSlots / 8; i += 32)
+      reinterpret_cast<uint4*>(values + slot0)[i] = reinterpret_cast<const uint4*>(st.values)[i];
+    for (int i = lane; i < chunk * kTwellSlots / 16; i += 32)
+      reinterpret_cast<uint4*>(cols + slot0)[i] = reinterpret_cast<const uint4*>(st.cols)[i];
+    for (int i = lane; i < chunk; i += 32) counts[row * n_tiles + c0 + i] = st.counts[i];
+    __syncwarp();
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    total += __shfl_xor_sync(kFullMask, total, off);
+    max_tile = max(max_tile, __shfl_xor_sync(kFullMask, max_tile, off));
   }
   if (lane == 0) {
     row_nnz[row] = total;
@@ -84,6 +108,7 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
                               __nv_bfloat16* values, uint8_t* cols, int32_t* counts, int32_t* row_nnz,
                               uint8_t* heavy, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
+  if (hidden % 8 != 0) return cudaErrorInvalidValue;
   const int64_t blocks = (rows + kPackWarps - 1) / kPackWarps;
   twell_pack_kernel<<<static_cast<unsigned>(blocks), kPackWarps * 32, 0, stream>>>(
       g, rows, hidden, twell_n_tiles(hidden), heavy_threshold, values, cols, counts, row_nnz, heavy);

@@ -63,8 +63,7 @@ def ffn_forward(
 def twell_pack(
     g: torch.Tensor, heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD, impl: Impl = "auto"
 ) -> TwellPacked:
-    """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.twell); the CUDA slots past a tile's
-    count are undefined, the reference's are zero."""
+    """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.twell)."""
     if g.dim() != 2:
         raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
     reason = None

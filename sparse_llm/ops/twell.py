@@ -18,7 +18,7 @@ SLOTS = 16  # stored non-zeros per (row, tile): TILE / C with compression factor
 
 
 class TwellPacked(NamedTuple):
-    values: torch.Tensor  # [M, n_tiles, SLOTS], dtype of g; slots past min(count, SLOTS) are undefined
+    values: torch.Tensor  # [M, n_tiles, SLOTS], dtype of g; slots past min(count, SLOTS) hold 0
     cols: torch.Tensor  # [M, n_tiles, SLOTS] uint8, column inside the tile
     counts: torch.Tensor  # [M, n_tiles] int32, true non-zeros of the tile (may exceed SLOTS)
     row_nnz: torch.Tensor  # [M] int32, true non-zeros of the row
@@ -30,7 +30,7 @@ def n_tiles(hidden: int) -> int:
 
 
 def twell_pack_reference(g: torch.Tensor, heavy_threshold: int) -> TwellPacked:
-    """Pack relu(g) ([M, H]) into TwELL; unused slots are zero here (undefined in the CUDA kernel)."""
+    """Pack relu(g) ([M, H]) into TwELL (unused slots hold zero, as in the CUDA kernel)."""
     if g.dim() != 2:
         raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
     if heavy_threshold < 0:
