@@ -114,6 +114,12 @@ def test_every_heavy_threshold_is_exact(heavy_threshold):
 
 
 @needs_hopper
+def test_empty_batch():
+    x, wg, wu, wd = _pattern("random", 0, 64, 128, seed=4)
+    assert ops.ffn_forward(x, wg, wu, wd, impl="cuda").shape == (0, 64)
+
+
+@needs_hopper
 def test_largest_dim_and_leading_batch_dims():
     x, wg, wu, wd = _pattern("random", 300, 8192, 256, seed=5)
     _check_exact(x.view(3, 100, 8192), wg, wu, wd)

@@ -44,9 +44,14 @@ def ffn_forward(
 ) -> torch.Tensor:
     """y = (relu(x Wg^T) * (x Wu^T)) Wd^T for x: [..., D], Wg, Wu: [H, D], Wd: [D, H].
 
-    impl="auto" runs the TwELL kernels for bf16 tensors on a Hopper GPU (with the extension
-    built), else the reference. `wd_t` may pass a cached contiguous Wd^T ([H, D]) to skip the
-    per-call transpose.
+    impl="auto" runs the TwELL kernels when they can take the inputs, else the reference;
+    impl="cuda" raises instead of falling back. The kernels take: bfloat16 tensors on a Hopper GPU
+    (sm_90), D a multiple of 8 in [8, 8192], H a multiple of 8, contiguous weights (x of any
+    layout and leading shape, any M >= 0). The result equals the dense computation up to bf16
+    rounding for every input (heavy rows take an exact dense path; nothing is dropped).
+    `heavy_threshold` (0..512) only moves work between the two paths. `wd_t` may pass a cached
+    contiguous Wd^T ([H, D]) to skip the per-call transpose. The CUDA path reads the number of
+    heavy rows on the host once per call, so it cannot be captured in a CUDA graph.
     """
     check_ffn_inputs(x, wg, wu, wd)
     if not 0 <= heavy_threshold <= 512:
