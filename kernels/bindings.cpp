@@ -142,8 +142,9 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
   if (synced == cudaSuccess && n_heavy > 0) {
     // The heavy rows run on a side stream, concurrently with the sparse kernel: that one is bound
-    // by L2 gathers, these GEMMs by the Tensor Cores. They write disjoint rows of y.
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, x.device().index());
+    // by L2 gathers, these GEMMs by the Tensor Cores (high priority: their CTAs take SMs as the
+    // sparse kernel's CTAs retire). They write disjoint rows of y.
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, x.device().index());
     check_cuda(cudaStreamWaitEvent(side.stream(), count_ready, 0), "cudaStreamWaitEvent");
     for (const at::Tensor& t : {x, g, wu, wd_t, heavy_list, y}) t.record_stream(side);
     {
