@@ -21,11 +21,13 @@ from sparse_llm.config import ModelConfig
 class FFNStats(NamedTuple):
     """Per-layer FFN statistics of one forward pass, stacked over layers.
 
-    Kept as sums and histograms (not means) so that micro-batches and ranks reduce by addition.
+    Counts, not means, so that micro-batches and ranks reduce by addition. The per-token counts
+    are binned into a histogram by the sparsity monitor, outside any compiled graph: binning
+    (a scatter) inside an Inductor graph corrupted the counts on GPU (torch 2.11).
     """
 
     l1: torch.Tensor  # [L] float32, differentiable: mean over tokens of sum over units of |h|
-    nnz_hist: torch.Tensor  # [L, H + 1] int64: how many tokens had k active units
+    nnz_per_token: torch.Tensor  # [L, M] int64: how many units were active for each token
     fire_counts: torch.Tensor  # [L, H] int64: on how many tokens each unit fired (gate > 0)
 
 
@@ -134,11 +136,7 @@ class ReluGatedMLP(nn.Module):
 def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     active = a > 0
     l1 = hidden.float().abs().sum(-1).mean()
-    nnz = active.sum(-1)
-    nnz_hist = torch.zeros(a.shape[-1] + 1, dtype=torch.int64, device=a.device)
-    nnz_hist.scatter_add_(0, nnz, torch.ones_like(nnz))
-    fire_counts = active.sum(0)
-    return l1, nnz_hist, fire_counts
+    return l1, active.sum(-1), active.sum(0)
 
 
 class DecoderLayer(nn.Module):
@@ -202,8 +200,7 @@ class SparseLlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         ffn_stats = None
         if with_stats:
-            l1, nnz_hist, fire_counts = (torch.stack(t) for t in zip(*per_layer, strict=True))
-            ffn_stats = FFNStats(l1, nnz_hist, fire_counts)
+            ffn_stats = FFNStats(*(torch.stack(t) for t in zip(*per_layer, strict=True)))
         if labels is None:
             return CausalLMOutput(logits, None, ffn_stats)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)

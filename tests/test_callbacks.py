@@ -19,6 +19,13 @@ from sparse_llm.training.callbacks import (
     default_callbacks,
 )
 
+
+def counts_from_hist(hist: torch.Tensor) -> torch.Tensor:
+    """Per-token non-zero counts [L, M] having the histogram `hist` [L, H + 1]."""
+    bins = torch.arange(hist.shape[1])
+    return torch.stack([torch.repeat_interleave(bins, row) for row in hist])
+
+
 H, LAYERS = 64, 2
 
 
@@ -130,7 +137,7 @@ def test_dead_unit_reinit_callback():
     fire[0, 3] = fire[1, 9] = fire[1, 10] = 0
     hist = torch.zeros(LAYERS, H + 1, dtype=torch.int64)
     hist[:, 5] = 10
-    trainer.sparsity.update(FFNStats(torch.zeros(LAYERS), hist, fire))
+    trainer.sparsity.update(FFNStats(torch.zeros(LAYERS), counts_from_hist(hist), fire))
     trainer.sparsity.end_step(lambda t: t)
     gate0 = trainer.model.model.layers[0].mlp.gate_proj.weight.detach().clone()
 

@@ -20,6 +20,13 @@ from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty, rei
 from sparse_llm.sparsity.plots import plot_run, plot_runs_overlay
 from sparse_llm.sparsity.sweep import SweepError, summarize_sweep
 
+
+def counts_from_hist(hist: torch.Tensor) -> torch.Tensor:
+    """Per-token non-zero counts [L, M] having the histogram `hist` [L, H + 1]."""
+    bins = torch.arange(hist.shape[1])
+    return torch.stack([torch.repeat_interleave(bins, row) for row in hist])
+
+
 REPO = Path(__file__).resolve().parents[1]
 H, LAYERS = 64, 2
 
@@ -156,7 +163,9 @@ def test_l1_is_token_weighted_across_micro_batches():
     for l1, tokens in ((1.0, 1), (4.0, 3)):
         hist = torch.zeros(1, 5, dtype=torch.int64)
         hist[0, 0] = tokens
-        monitor.update(FFNStats(torch.tensor([l1]), hist, torch.zeros(1, 4, dtype=torch.int64)))
+        monitor.update(
+            FFNStats(torch.tensor([l1]), counts_from_hist(hist), torch.zeros(1, 4, dtype=torch.int64))
+        )
     monitor.end_step(identity)
     assert monitor.summary()["l1/mean"] == pytest.approx((1.0 * 1 + 4.0 * 3) / 4)
 
@@ -171,7 +180,7 @@ def test_summary_window_resets_and_empty_window_raises():
         hist = torch.zeros(1, 5, dtype=torch.int64)
         hist[0, active] = 10
         fired = torch.full((1, 4), 10 if active else 0, dtype=torch.int64)
-        monitor.update(FFNStats(torch.zeros(1), hist, fired))
+        monitor.update(FFNStats(torch.zeros(1), counts_from_hist(hist), fired))
         monitor.end_step(identity)
         assert monitor.summary()["l0/mean"] == active
 
@@ -185,7 +194,7 @@ def synthetic_stats(fired_units: list[int], tokens: int, units: int = 4) -> FFNS
     hist = torch.zeros(1, units + 1, dtype=torch.int64)
     hist[0, 0] = tokens - len(fired_units)
     hist[0, 1] = len(fired_units)
-    return FFNStats(torch.zeros(1), hist, fire)
+    return FFNStats(torch.zeros(1), counts_from_hist(hist), fire)
 
 
 def test_dead_counter_semantics():

@@ -60,14 +60,17 @@ class SparsityMonitor:
     def update(self, stats: FFNStats) -> None:
         """Add one micro-batch's statistics (this rank only)."""
         if not self._device_fixed:
-            self._move_to(stats.nnz_hist.device)
-        nnz_hist = stats.nnz_hist.detach().to(self.device)
-        if nnz_hist.shape != self._step_hist.shape:
+            self._move_to(stats.nnz_per_token.device)
+        nnz = stats.nnz_per_token.detach().to(self.device, torch.int64)
+        if nnz.dim() != 2 or nnz.shape[0] != self.num_layers or stats.fire_counts.shape[-1] != self.num_units:
             raise ValueError(
-                f"FFN stats have histogram shape {tuple(nnz_hist.shape)}, monitor expects "
-                f"{tuple(self._step_hist.shape)} (layers, intermediate size + 1)"
+                f"FFN stats have per-token counts of shape {tuple(nnz.shape)} and fire counts of shape "
+                f"{tuple(stats.fire_counts.shape)}; the monitor expects ({self.num_layers}, tokens) and "
+                f"({self.num_layers}, {self.num_units})"
             )
-        tokens = nnz_hist[0].sum()  # every token lands in exactly one bin of each layer
+        # Binned here, eagerly (scatter_add_ does not sync with the host, unlike bincount).
+        nnz_hist = torch.zeros_like(self._step_hist).scatter_add_(1, nnz, torch.ones_like(nnz))
+        tokens = nnz.shape[1]
         self._step_l1.add_(stats.l1.detach().to(self.device, torch.float64) * tokens)
         self._step_hist.add_(nnz_hist)
         self._step_fire.add_(stats.fire_counts.detach().to(self.device))
