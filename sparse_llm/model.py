@@ -117,20 +117,27 @@ class ReluGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         if self.ffn_impl != "dense" and not with_stats and not torch.is_grad_enabled():
-            # Inference through the sparse ops front (CUDA kernels or their reference).
-            from sparse_llm import ops
-
-            impl = "cuda" if self.ffn_impl == "cuda" else "reference"
-            y = ops.ffn_forward(
-                x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, impl=impl
-            )
-            return y, ()
+            return self._sparse_forward(x), ()
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
         if not with_stats:
             return y, ()
         return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
+
+    def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference through the sparse ops front: the CUDA kernels (`cuda`, falling back to the
+        reference with a warning where they cannot run) or the PyTorch reference (`reference`)."""
+        from sparse_llm import ops
+
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            # Custom ops sit outside autocast: cast as autocast would for the dense matmuls.
+            dtype = torch.get_autocast_dtype(x.device.type)
+        wg, wu, wd = (w.to(dtype) for w in weights)
+        impl = "auto" if self.ffn_impl == "cuda" else "reference"
+        return ops.ffn_forward(x.to(dtype), wg, wu, wd, impl=impl)
 
 
 def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:

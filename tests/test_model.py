@@ -86,3 +86,20 @@ def test_activation_checkpointing_gives_same_gradients():
 def test_flash_attention_without_package_is_a_clear_error():
     with pytest.raises(ValueError, match="flash-attn"):
         build_model(small_config(attn_impl="flash"))
+
+
+@pytest.mark.parametrize("ffn_impl", ["reference", "cuda"])
+def test_sparse_ffn_impls_match_dense_logits_without_grad(ffn_impl):
+    dense_cfg = small_config()
+    torch.manual_seed(3)
+    dense = build_model(dense_cfg).eval()
+    sparse = build_model(small_config(ffn_impl=ffn_impl)).eval()
+    sparse.load_state_dict(dense.state_dict())
+    ids = torch.randint(0, dense_cfg.vocab_size, (2, 13))
+    with torch.no_grad():
+        # On a machine without a Hopper GPU, `cuda` falls back to the reference (with a warning).
+        torch.testing.assert_close(sparse(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+    # With gradients (training), every impl runs the dense FFN until the training kernels exist.
+    out = sparse(ids, labels=ids, with_stats=True)
+    out.loss.backward()
+    assert sparse.model.layers[0].mlp.gate_proj.weight.grad is not None

@@ -31,3 +31,20 @@ def test_compiled_stats_match_eager(grad):
     assert torch.equal(compiled.nnz_per_token.sum(-1), compiled.fire_counts.sum(-1))
     assert (compiled.nnz_per_token - eager.nnz_per_token).abs().max().item() <= 8
     torch.testing.assert_close(compiled.l1, eager.l1, rtol=2e-2, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_ffn_impl_matches_dense_logits():
+    torch.manual_seed(0)
+    dense_cfg = ModelConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
+    )
+    dense = build_model(dense_cfg).cuda().eval()
+    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"})).cuda().eval()
+    sparse.load_state_dict(dense.state_dict())
+    ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = dense(ids).logits.float()
+        got = sparse(ids).logits.float()
+    error = (got - expected).norm() / expected.norm()
+    assert error < 2e-2, error
