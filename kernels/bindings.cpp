@@ -1,7 +1,7 @@
 // Torch bindings of the TwELL inference kernels. Every buffer is a torch allocation made here or
 // passed in: the extension keeps no state between calls.
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <tuple>
@@ -139,31 +139,17 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, y);
 
   const cudaError_t synced = cudaEventSynchronize(count_ready);
-  const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
-  if (synced == cudaSuccess && n_heavy > 0) {
-    // The heavy rows run on a side stream, concurrently with the sparse kernel: that one is bound
-    // by L2 gathers, these GEMMs by the Tensor Cores (high priority: their CTAs take SMs as the
-    // sparse kernel's CTAs retire). They write disjoint rows of y.
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, x.device().index());
-    check_cuda(cudaStreamWaitEvent(side.stream(), count_ready, 0), "cudaStreamWaitEvent");
-    for (const at::Tensor& t : {x, g, wu, wd_t, heavy_list, y}) t.record_stream(side);
-    {
-      const c10::cuda::CUDAStreamGuard on_side(side);
-      const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
-      at::Tensor h = at::mm(x.index_select(0, heavy_rows), wu.t());  // u, then h in place
-      check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
-                                                  bf16_mut_ptr(h), side.stream()),
-                 "gate_mul_rows");
-      y.index_copy_(0, heavy_rows, at::mm(h, wd_t));
-    }
-    cudaEvent_t heavy_done;
-    check_cuda(cudaEventCreateWithFlags(&heavy_done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(heavy_done, side.stream()), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(stream, heavy_done, 0), "cudaStreamWaitEvent");
-    cudaEventDestroy(heavy_done);
-  }
   cudaEventDestroy(count_ready);
   check_cuda(synced, "cudaEventSynchronize");
+  const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
+  if (n_heavy > 0) {
+    const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
+    at::Tensor h = at::mm(x.index_select(0, heavy_rows), wu.t());  // u, then h in place
+    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
+                                                bf16_mut_ptr(h), stream),
+               "gate_mul_rows");
+    y.index_copy_(0, heavy_rows, at::mm(h, wd_t));
+  }
   return y;
 }
 

@@ -12,7 +12,6 @@ namespace {
 
 constexpr int kRowsPerCta = 8;
 constexpr int kThreads = 256;
-static_assert(kRowsPerCta % 2 == 0, "the down projection takes rows in pairs");
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 8;                   // bf16 per 16-byte access
 constexpr int kUpLoads = 8;                 // 16-byte wu loads in flight per lane
@@ -125,51 +124,42 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // (3) y[r, cols] = sum_e h_e * wd_t[unit_e, cols]; 8 columns per thread, two rows at a time so
-  // that 2 * kDownUnroll gathers are in flight per thread.
-  for (int r0 = 0; r0 < kRowsPerCta; r0 += 2) {
-    const int len[2] = {row_len[r0], row_len[r0 + 1]};
-    if (len[0] < 0 && len[1] < 0) continue;
-    const int n = max(len[0], len[1]);
+  // (3) y[r, cols] = sum_e h_e * wd_t[unit_e, cols]; 8 columns per thread.
+  for (int r = 0; r < kRowsPerCta; ++r) {
+    const int len = row_len[r];
+    if (len < 0) continue;
+    const int64_t row = row0 + r;
+    const int* units = ent_unit + r * max_row_nnz;
+    const float* hs = ent_h + r * max_row_nnz;
     for (int v = threadIdx.x; v < vecs_per_row; v += kThreads) {
-      float acc[2][kChunk] = {};
-      for (int e0 = 0; e0 < n; e0 += kDownUnroll) {
-        uint4 w[2][kDownUnroll];
+      float acc[kChunk] = {};
+      int e = 0;
+      for (; e + kDownUnroll <= len; e += kDownUnroll) {
+        uint4 w[kDownUnroll];
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
+        for (int k = 0; k < kDownUnroll; ++k)
+          w[k] = __ldg(reinterpret_cast<const uint4*>(wd_t + static_cast<int64_t>(units[e + k]) * dim) + v);
 #pragma unroll
-          for (int k = 0; k < kDownUnroll; ++k) {
-            const int e = e0 + k;
-            w[p][k] = make_uint4(0u, 0u, 0u, 0u);
-            if (e < len[p]) {
-              const int unit = ent_unit[(r0 + p) * max_row_nnz + e];
-              w[p][k] = __ldg(reinterpret_cast<const uint4*>(wd_t + static_cast<int64_t>(unit) * dim) + v);
-            }
-          }
-        }
+        for (int k = 0; k < kDownUnroll; ++k) {
+          float f[kChunk];
+          bf16x8_to_float(w[k], f);
+          const float h = hs[e + k];
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-#pragma unroll
-          for (int k = 0; k < kDownUnroll; ++k) {
-            const int e = e0 + k;
-            if (e >= len[p]) continue;
-            const float h = ent_h[(r0 + p) * max_row_nnz + e];
-            float f[kChunk];
-            bf16x8_to_float(w[p][k], f);
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) acc[p][i] = fmaf(h, f[i], acc[p][i]);
-          }
+          for (int i = 0; i < kChunk; ++i) acc[i] = fmaf(h, f[i], acc[i]);
         }
       }
+      for (; e < len; ++e) {
+        float f[kChunk];
+        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(wd_t + static_cast<int64_t>(units[e]) * dim) + v), f);
+        const float h = hs[e];
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        if (len[p] < 0) continue;
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[p][2 * i], acc[p][2 * i + 1]);
-        reinterpret_cast<uint4*>(y + (row0 + r0 + p) * dim)[v] = out;
+        for (int i = 0; i < kChunk; ++i) acc[i] = fmaf(h, f[i], acc[i]);
       }
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      reinterpret_cast<uint4*>(y + row * dim)[v] = out;
     }
   }
 }
