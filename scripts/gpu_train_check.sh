@@ -5,7 +5,8 @@
 #   l1noreinit       with dead-unit reinit, without it, and the L1 = 0 twin. Each run's metrics,
 #   l1zero           config, run info and plots come back as one tarball to compare here with
 #                    scripts/compare_runs.py.
-# Usage: bash scripts/gpu_train_check.sh bench1b l1zero l1reinit
+#   gputest          model-level GPU tests (compiled statistics match eager, ffn_impl=cuda logits)
+# Usage: bash scripts/gpu_train_check.sh gputest bench1b l1zero l1reinit
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_train_out}
@@ -36,6 +37,9 @@ sparsity_run() {  # name, extra overrides...
 
 for part in "$@"; do
   case "$part" in
+    gputest)  # model-level GPU tests (compiled statistics, ffn_impl=cuda logits)
+      python3 -m pytest -q -m gpu tests/test_model_gpu.py 2>&1 | tee "$OUT/model_gpu_tests.log" | tail -n 5
+      ;;
     bench1b)
       $TRAIN experiment=bench_1b run_dir=$RUNS/bench_1b train.max_steps=40 2>&1 | tail -n 5
       python3 scripts/summarize_run.py $RUNS/bench_1b --name train_1b_dense --out "$OUT" --skip 2
