@@ -15,7 +15,7 @@ Impl = Literal["auto", "cuda", "reference"]
 
 # Rows with more non-zeros than this take the dense path (Tensor Cores on the gathered rows);
 # the rest take the sparse gather path. A speed knob only: every value gives the exact answer.
-DEFAULT_HEAVY_THRESHOLD = 96
+DEFAULT_HEAVY_THRESHOLD = 64
 
 
 def _use_cuda(impl: str, reason: str | None) -> bool:
