@@ -50,7 +50,7 @@ def export_hf(
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config = to_hf_config(model.config, tokenizer)
     hf_config.architectures = ["LlamaForCausalLM"]
-    hf_config.torch_dtype = dtype
+    hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
     state = {name: tensor.to(dtype) for name, tensor in model_state_to_save(model).items()}
     save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
