@@ -23,7 +23,7 @@ fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step "pytest -m gpu"
-  $PY -m pytest -m gpu -q -rs -s tests/test_ops_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+  $PY -m pytest -m gpu -v -rs -s tests/test_ops_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 fi
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
