@@ -16,14 +16,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
+from sparse_llm.ops.activation_counts import activation_counts
 
 
 class FFNStats(NamedTuple):
     """Per-layer FFN statistics of one forward pass, stacked over layers.
 
     Counts, not means, so that micro-batches and ranks reduce by addition. The per-token counts
-    are binned into a histogram by the sparsity monitor, outside any compiled graph: binning
-    (a scatter) inside an Inductor graph corrupted the counts on GPU (torch 2.11).
+    are binned into a histogram by the sparsity monitor, outside any compiled graph; the counts
+    themselves come from an op Inductor does not fuse (see ops/activation_counts.py).
     """
 
     l1: torch.Tensor  # [L] float32, differentiable: mean over tokens of sum over units of |h|
@@ -141,9 +142,9 @@ class ReluGatedMLP(nn.Module):
 
 
 def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    active = a > 0
     l1 = hidden.float().abs().sum(-1).mean()
-    return l1, active.sum(-1), active.sum(0)
+    nnz_per_token, fire_counts = activation_counts(a.detach())
+    return l1, nnz_per_token, fire_counts
 
 
 class DecoderLayer(nn.Module):

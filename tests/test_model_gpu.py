@@ -1,8 +1,8 @@
 """GPU: the compiled model reports the same FFN statistics as eager mode.
 
-Regression test: with the non-zero histogram binned inside the compiled graph, Inductor
-(torch 2.11, H200) returned corrupted fire counts (a tenth of the true total, blocks of units
-always zero), which made healthy units look dead.
+Regression test: with the counts computed inside the compiled graph, Inductor (torch 2.11,
+H200) returned corrupted fire counts at the token counts of real training (64 x 1024 tokens,
+12 layers): garbage totals, blocks of units always zero, healthy units reported dead.
 """
 
 import pytest
@@ -17,19 +17,19 @@ from sparse_llm.model import build_model
 def test_compiled_stats_match_eager(grad):
     torch.manual_seed(0)
     cfg = ModelConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4
+        vocab_size=4096, hidden_size=768, intermediate_size=2112, num_hidden_layers=12, num_attention_heads=12
     )
     model = build_model(cfg).cuda()
-    ids = torch.randint(0, cfg.vocab_size, (8, 512), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (64, 1024), device="cuda")
     with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16):
         eager = model(ids, labels=ids, with_stats=True).ffn_stats
         compiled = torch.compile(model)(ids, labels=ids, with_stats=True).ffn_stats
     # bf16 rounding may flip a handful of near-zero gates between the two graphs, nothing more.
     total = eager.fire_counts.sum().item()
     assert abs(compiled.fire_counts.sum().item() - total) <= 1e-4 * total
-    assert (compiled.fire_counts - eager.fire_counts).abs().max().item() <= 8
+    assert (compiled.fire_counts - eager.fire_counts).abs().max().item() <= 64
     assert torch.equal(compiled.nnz_per_token.sum(-1), compiled.fire_counts.sum(-1))
-    assert (compiled.nnz_per_token - eager.nnz_per_token).abs().max().item() <= 8
+    assert (compiled.nnz_per_token - eager.nnz_per_token).abs().max().item() <= 16
     torch.testing.assert_close(compiled.l1, eager.l1, rtol=2e-2, atol=0)
 
 
