@@ -61,8 +61,8 @@ def test_wrong_type_is_named():
         (["train.global_batch_size=12", "train.micro_batch_size=8"], "train.global_batch_size"),
         (["model.num_attention_heads=3"], "model.num_attention_heads"),
         (["model.ffn_impl=sparse"], "model.ffn_impl"),
-        (["data.source=files"], "data.paths"),
-        (["data.source=files", "data.paths=[/nonexistent/*.jsonl]"], "data.paths"),
+        (["data=files", "data.paths=[]"], "data.paths"),
+        (["data=files", "data.paths=[/nonexistent/*.jsonl]"], "data.paths"),
         (["data.tokenizer=/nonexistent/tokenizer"], "data.tokenizer"),
         (["data.source=hub"], "data.hub_id"),
         (["train.seq_len=4096"], "train.seq_len"),
@@ -85,5 +85,5 @@ def test_global_batch_must_divide_by_world_size():
 
 def test_local_file_paths_are_accepted(tmp_path: Path):
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
-    cfg = load_config(composed("data.source=files", f"data.paths=[{tmp_path}/*.jsonl]"))
+    cfg = load_config(composed("data=files", f"data.paths=[{tmp_path}/*.jsonl]"))
     assert cfg.data.paths == [f"{tmp_path}/*.jsonl"]
