@@ -169,21 +169,7 @@ TINY_CLI_OVERRIDES = [
 
 def test_command_line_run_and_config_error(tmp_path: Path):
     run_dir = tmp_path / "cli"
-    overrides = [
-        f"run_dir={run_dir}",
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_hidden_layers=1",
-        "model.num_attention_heads=2",
-        "train.seq_len=16",
-        "train.global_batch_size=2",
-        "train.micro_batch_size=2",
-        "train.max_steps=2",
-        "train.eval_batches=1",
-        "train.progress=false",
-        "data.max_documents=100",
-        "logger=none",
-    ]
+    overrides = [f"run_dir={run_dir}", *TINY_CLI_OVERRIDES]
     cmd = [sys.executable, "-m", "sparse_llm.train"]
     done = subprocess.run(cmd + overrides, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
