@@ -4,6 +4,10 @@ Parameter names match transformers' `LlamaForCausalLM` (model.embed_tokens, mode
 self_attn.q_proj, ..., mlp.gate_proj, ..., model.norm, lm_head), so a state dict exports to a
 Hugging Face checkpoint as it is. The FFN is the seam where sparse kernels plug in
 (`ffn_impl`); every layer also reports the sparsity statistics the recipe needs.
+
+Incremental decoding (sparse_llm.inference) passes a `KVCache`, per-row `position_ids` and a
+padding `attention_mask` to `forward`; without them (training, evaluation) the forward is the
+plain causal one, unchanged.
 """
 
 from __future__ import annotations
@@ -59,11 +63,55 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self,
+        seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """cos, sin of shape [T, head_dim], or [B, 1, T, head_dim] for per-row `position_ids` [B, T]."""
+        if position_ids is not None:
+            freqs = position_ids.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(device)
+            emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
         positions = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding, preallocated for `max_len` positions.
+
+    Column s of the cache holds the token at input column s (padding included); which columns a
+    row may attend to is the caller's padding mask. `length` columns are filled.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, batch_size, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's k, v ([B, kv_heads, T, head_dim]) after the filled columns; return all."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +136,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.attn_impl = cfg.attn_impl
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.attn_impl == "flash":
+        if cache is not None:
+            # Inference: attend over the cached columns too. `attn_mask` (bool, [B, 1, T, S]) is
+            # given when rows are padded or queries start after cached columns; None means plain
+            # causal attention over the T new columns only (a prefill into an empty cache).
+            is_causal = cache.length == 0 and attn_mask is None
+            k, v = cache.update(layer_idx, k, v)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            ).transpose(1, 2)
+        elif self.attn_impl == "flash":
             from flash_attn import flash_attn_func  # optional extra; checked in build_model
 
             out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
@@ -156,9 +226,19 @@ class DecoderLayer(nn.Module):
         self.mlp = ReluGatedMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_stats: bool
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        with_stats: bool,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        if cache is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask)
         y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
         return x + y, stats
 
@@ -194,7 +274,31 @@ class SparseLlamaForCausalLM(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, with_stats: bool = False
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        with_stats: bool = False,
+        *,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,
+    ) -> CausalLMOutput:
+        """Training and evaluation pass `input_ids` (and `labels`) only.
+
+        Incremental decoding passes `cache` (filled in place, its length advanced by T),
+        `position_ids` ([B, T] RoPE positions; default: cache.length + 0..T-1 for every row) and
+        `attention_mask` ([B, cache.length + T], 1 for real tokens, 0 for padding; default: all
+        real). `last_logits_only` computes the logits of the last column only ([B, 1, V]).
+        """
+        if cache is None:
+            if position_ids is not None or attention_mask is not None:
+                raise ValueError("position_ids and attention_mask are only taken together with a KVCache")
+            return self._forward(input_ids, labels, with_stats, last_logits_only)
+        return self._forward_cached(input_ids, cache, position_ids, attention_mask, last_logits_only)
+
+    def _forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None, with_stats: bool, last_logits_only: bool
     ) -> CausalLMOutput:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(input_ids.shape[1], x.device, x.dtype)
@@ -205,6 +309,8 @@ class SparseLlamaForCausalLM(nn.Module):
             else:
                 x, stats = layer(x, cos, sin, with_stats)
             per_layer.append(stats)
+        if last_logits_only:
+            x = x[:, -1:]
         logits = self.lm_head(self.model.norm(x))
         ffn_stats = None
         if with_stats:
@@ -213,6 +319,45 @@ class SparseLlamaForCausalLM(nn.Module):
             return CausalLMOutput(logits, None, ffn_stats)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         return CausalLMOutput(None, loss, ffn_stats)
+
+    @torch.no_grad()
+    def _forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        last_logits_only: bool,
+    ) -> CausalLMOutput:
+        b, t = input_ids.shape
+        past, total = cache.length, cache.length + t
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(past, total, device=device).expand(b, t)
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, total):
+            raise ValueError(
+                f"attention_mask must be [B, cache.length + T] = {(b, total)}, got {tuple(attention_mask.shape)}"
+            )
+        attn_mask = None
+        if attention_mask is not None or (past > 0 and t > 1):
+            # Query i (cache column past + i) sees key columns <= past + i that are real tokens,
+            # and always itself, so that a padding query never has an empty (NaN) softmax row.
+            cols = torch.arange(total, device=device)
+            query_cols = cols[past:, None]
+            attn_mask = cols[None, :] <= query_cols  # [T, S]
+            if attention_mask is not None:
+                real = attention_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
+                attn_mask = (attn_mask & real) | (cols[None, :] == query_cols)
+            else:
+                attn_mask = attn_mask[None, None]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(t, x.device, x.dtype, position_ids)
+        for i, layer in enumerate(self.model.layers):
+            x, _ = layer(x, cos, sin, False, cache, i, attn_mask)
+        cache.length = total
+        if last_logits_only:
+            x = x[:, -1:]
+        return CausalLMOutput(self.lm_head(self.model.norm(x)), None, None)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

@@ -1,0 +1,25 @@
+"""Inference on trained models: loading, batched generation with a KV cache, FFN choice per phase.
+
+from sparse_llm.inference import Generator
+gen = Generator.from_pretrained("runs/my_run/export")   # or a checkpoints/step_* directory
+print(gen.generate("def main():", max_new_tokens=32).texts[0])
+"""
+
+from sparse_llm.inference.ffn_select import measure_ffn_impls, resolve_ffn_impls, set_ffn_impl
+from sparse_llm.inference.generate import GenerationOutput, Generator, generate_ids
+from sparse_llm.inference.loading import LoadedModel, load_model
+from sparse_llm.inference.sampling import SamplingParams, filter_logits, sample_next
+
+__all__ = [
+    "GenerationOutput",
+    "Generator",
+    "LoadedModel",
+    "SamplingParams",
+    "filter_logits",
+    "generate_ids",
+    "load_model",
+    "measure_ffn_impls",
+    "resolve_ffn_impls",
+    "sample_next",
+    "set_ffn_impl",
+]

@@ -1,0 +1,155 @@
+"""Batched generation with a KV cache: left-padded prefill, then one token per row per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparse_llm.inference.ffn_select import resolve_ffn_impls, set_ffn_impl
+from sparse_llm.inference.loading import LoadedModel, load_model
+from sparse_llm.inference.sampling import SamplingParams, sample_next
+from sparse_llm.model import KVCache, SparseLlamaForCausalLM
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # new tokens per prompt, the stopping EOS included
+    finish_reasons: list[str]  # "eos" or "length" per prompt
+    texts: list[str] = field(default_factory=list)  # decoded new tokens (Generator.generate only)
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], vocab_size: int, max_positions: int, max_new: int
+) -> None:
+    if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, ids in enumerate(prompts):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+        if len(ids) + max_new > max_positions:
+            raise ValueError(
+                f"prompt {i}: {len(ids)} tokens + max_new_tokens {max_new} exceed the model's "
+                f"max_position_embeddings ({max_positions})"
+            )
+
+
+@torch.no_grad()
+def generate_ids(
+    model: SparseLlamaForCausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int] = (),
+    prefill_ffn: str = "dense",
+    decode_ffn: str = "dense",
+) -> GenerationOutput:
+    """Generate for a batch of token-id prompts of any lengths (left-padded internally).
+
+    Each row stops at its first EOS (when params.stop_at_eos) or after max_new_tokens; the batch
+    ends when every row has stopped. Rows are independent: a prompt gives the same tokens alone
+    or in a batch (up to floating-point ties).
+    """
+    cfg = model.config
+    check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings, params.max_new_tokens)
+    device = model.lm_head.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    batch, width = len(prompts), int(lengths.max())
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+    ids = ids.to(device)
+    padded = bool((lengths != width).any())
+    mask = None
+    if padded:
+        mask = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+    positions = (torch.arange(width, device=device)[None, :] - (width - lengths)[:, None]).clamp(min=0)
+    cache = KVCache(cfg, batch, width + params.max_new_tokens, device, model.lm_head.weight.dtype)
+    generator = None
+    if params.seed is not None and not params.greedy:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+    eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
+
+    set_ffn_impl(model, prefill_ffn)
+    logits = model(
+        ids, cache=cache, position_ids=positions, attention_mask=mask, last_logits_only=True
+    ).logits
+    set_ffn_impl(model, decode_ffn)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    next_pos = lengths.clone()
+    steps = []
+    try:
+        for step in range(params.max_new_tokens):
+            token = sample_next(logits[:, -1], params, generator)
+            token = torch.where(finished, torch.zeros_like(token), token)
+            steps.append(token)
+            if eos.numel():
+                finished |= torch.isin(token, eos)
+                if bool(finished.all()):
+                    break
+            if step == params.max_new_tokens - 1:
+                break
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
+            logits = model(
+                token[:, None], cache=cache, position_ids=next_pos[:, None], attention_mask=mask
+            ).logits
+            next_pos += 1
+    finally:
+        set_ffn_impl(model, "dense")
+    table = torch.stack(steps, dim=1).tolist()
+    eos_set = set(eos.tolist())
+    tokens, reasons = [], []
+    for row in table:
+        stop = next((j for j, t in enumerate(row) if t in eos_set), None)
+        tokens.append(row if stop is None else row[: stop + 1])
+        reasons.append("length" if stop is None else "eos")
+    return GenerationOutput(tokens, reasons)
+
+
+class Generator:
+    """A loaded model with its tokenizer and per-phase FFN implementations.
+
+    gen = Generator.from_pretrained("runs/x/export", prefill_ffn="auto", decode_ffn="auto")
+    out = gen.generate(["def main():"], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=0)
+    out.texts[0]
+    """
+
+    def __init__(self, loaded: LoadedModel, prefill_ffn: str = "auto", decode_ffn: str = "auto") -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.ffn, self.ffn_measurement = resolve_ffn_impls(self.model, prefill_ffn, decode_ffn)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        prefill_ffn: str = "auto",
+        decode_ffn: str = "auto",
+    ) -> Generator:
+        return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn)
+
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        return generate_ids(
+            self.model, prompts, params, self.eos_token_ids, self.ffn["prefill"], self.ffn["decode"]
+        )
+
+    def generate(self, prompts: str | Sequence[str], **sampling) -> GenerationOutput:
+        """Generate for text prompts; keyword arguments are SamplingParams fields."""
+        params = SamplingParams(**sampling)
+        ids = self.encode([prompts] if isinstance(prompts, str) else list(prompts))
+        out = self.generate_ids(ids, params)
+        out.texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+        return out

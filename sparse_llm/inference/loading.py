@@ -1,0 +1,168 @@
+"""Load a trained model for inference: an HF export directory or a training checkpoint.
+
+An export directory (written by `sparse_llm.export.export_hf`) holds config.json,
+model.safetensors and the tokenizer files. A training checkpoint is `<run_dir>/checkpoints/
+step_*`; the model config comes from the run's `config.yaml` (two levels up) and the tokenizer
+from its `data.tokenizer`. A run directory is also taken: its latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from transformers import PreTrainedTokenizerFast
+
+from sparse_llm.config import ModelConfig
+from sparse_llm.data import load_tokenizer
+from sparse_llm.model import SparseLlamaForCausalLM, build_model
+from sparse_llm.training import checkpoint as ckpt_io
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES.update({"float16": torch.float16, "fp16": torch.float16})
+
+
+@dataclass
+class LoadedModel:
+    model: SparseLlamaForCausalLM
+    tokenizer: PreTrainedTokenizerFast
+    source: str  # "export" or "checkpoint"
+    path: Path
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for but no CUDA device is visible")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA (what the TwELL kernels take), float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def detect_source(path: Path) -> tuple[str, Path]:
+    """("export" | "checkpoint", directory) for an export, a checkpoint or a run directory."""
+    if not path.exists():
+        raise FileNotFoundError(f"no such model directory: {path}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; pass an export or checkpoint directory")
+    if (path / "config.json").is_file():
+        for name in ("model.safetensors",):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"export directory {path} has config.json but no {name}")
+        return "export", path
+    if ckpt_io.STEP_DIR.match(path.name):
+        if not (path / ckpt_io.MANIFEST).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {ckpt_io.MANIFEST})")
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"checkpoint {path} has no model.safetensors")
+        return "checkpoint", path
+    latest = ckpt_io.latest_checkpoint(path / "checkpoints")
+    if latest is not None:
+        return "checkpoint", latest
+    raise FileNotFoundError(
+        f"{path} is neither an export directory (config.json + model.safetensors), a checkpoint "
+        f"directory (checkpoints/step_*) nor a run directory with a complete checkpoint"
+    )
+
+
+def model_config_from_hf(config: dict) -> ModelConfig:
+    """Our ModelConfig from an exported config.json (LlamaForCausalLM, hidden_act relu)."""
+    if config.get("model_type") != "llama":
+        raise ValueError(f"config.json: model_type {config.get('model_type')!r} is not llama")
+    if config.get("hidden_act") != "relu":
+        raise ValueError(f"config.json: hidden_act {config.get('hidden_act')!r}; sparse-llm models use relu")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("config.json: attention or MLP biases are not supported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"config.json: RoPE scaling {rope} is not supported (default RoPE only)")
+    theta = config.get("rope_theta", rope.get("rope_theta", ModelConfig.rope_theta))
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != config["hidden_size"] // heads:
+        raise ValueError(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads")
+    return ModelConfig(
+        name="export",
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        max_position_embeddings=config.get("max_position_embeddings", ModelConfig.max_position_embeddings),
+        rope_theta=float(theta),
+        rms_norm_eps=config.get("rms_norm_eps", ModelConfig.rms_norm_eps),
+        tie_word_embeddings=config.get("tie_word_embeddings", True),
+    )
+
+
+def _run_config(checkpoint: Path) -> tuple[ModelConfig, str]:
+    """Model config and tokenizer spec from `<run_dir>/config.yaml` (run_dir = checkpoint/../..)."""
+    path = checkpoint.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no run config at {path}: a checkpoint is loaded with its run's config.yaml "
+            f"(two levels above {checkpoint.name}); export the run or restore that file"
+        )
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = {k: v for k, v in (raw.get("model") or {}).items() if k in known}
+    tokenizer = (raw.get("data") or {}).get("tokenizer", "embedded")
+    return ModelConfig(**model), tokenizer
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+) -> LoadedModel:
+    """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    source, directory = detect_source(Path(path).expanduser())
+    if source == "export":
+        config = json.loads((directory / "config.json").read_text())
+        cfg = model_config_from_hf(config)
+        tokenizer = load_tokenizer(str(directory.resolve()))
+        eos = config.get("eos_token_id")
+    else:
+        cfg, tokenizer_spec = _run_config(directory)
+        tokenizer = load_tokenizer(tokenizer_spec)
+        eos = None
+    state = load_file(directory / "model.safetensors")
+    if cfg.vocab_size == 0:
+        cfg.vocab_size = state["model.embed_tokens.weight"].shape[0]
+    cfg.ffn_impl, cfg.attn_impl = "dense", "sdpa"
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.model.rotary_emb.inv_freq = _inv_freq(cfg)
+    ckpt_io.load_model_state(model, state)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype).eval()
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return LoadedModel(model, tokenizer, source, directory, eos_ids)
+
+
+def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
