@@ -6,6 +6,11 @@ usable documents of one split, looping over epochs. A batch is the next `batch_s
 source's reading position just before it (a `datasets` state dict), plus how many of its tokens
 were already emitted. Resuming re-reads from that position, so no document is re-tokenized except
 the one that was cut.
+
+Data parallelism: the trainer gives every rank the same global stream (world_size=1) wrapped in
+a `RankSlice`, which takes the rank's rows of each global micro-batch, so the global batch does
+not depend on the number of processes. A `TokenStream` with rank/world_size > 1 instead reads
+only its share of the documents (cheaper, but the batches then depend on the world size).
 """
 
 from __future__ import annotations
@@ -161,8 +166,22 @@ class TokenStream:
         """The next `batch_size` rows of `seq_len + 1` tokens: int64 [batch_size, seq_len + 1]."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
-        need = batch_size * (self.seq_len + 1)
-        out = np.empty(need, dtype=np.int64)
+        out = np.empty(batch_size * (self.seq_len + 1), dtype=np.int64)
+        self._advance(out.size, out)
+        return torch.from_numpy(out).view(batch_size, self.seq_len + 1)
+
+    def skip(self, num_rows: int) -> None:
+        """Consume the next `num_rows` rows without building them (another rank's share).
+
+        The documents are still read and tokenized (a row's boundaries depend on every token
+        before it); only the copy into a batch is saved.
+        """
+        if num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        self._advance(num_rows * (self.seq_len + 1), None)
+
+    def _advance(self, need: int, out: np.ndarray | None) -> None:
+        """Consume the next `need` tokens of the stream, copying them into `out` if given."""
         filled = 0
         while filled < need:
             if not self._docs:
@@ -170,14 +189,14 @@ class TokenStream:
                 continue
             doc = self._docs[0]
             take = min(need - filled, len(doc.ids) - self._offset)
-            out[filled : filled + take] = doc.ids[self._offset : self._offset + take]
+            if out is not None:
+                out[filled : filled + take] = doc.ids[self._offset : self._offset + take]
             filled += take
             self._offset += take
             if self._offset == len(doc.ids):
                 self._docs.popleft()
                 self._offset = 0
         self._tokens += need
-        return torch.from_numpy(out).view(batch_size, self.seq_len + 1)
 
     def _position(self) -> tuple[dict[str, Any], int]:
         """The resume point: the cursor of the first document not fully emitted, and its offset."""
@@ -241,6 +260,48 @@ class TokenStream:
             if state["offset"] >= len(self._docs[0].ids):
                 raise ValueError("data state does not match the data: the document is shorter than saved")
             self._offset = state["offset"]
+
+
+class RankSlice:
+    """One data-parallel rank's rows of a token stream that every rank reads in full.
+
+    The stream is cut into global micro-batches of `batch_size * world_size` rows; rank r takes
+    rows `[r * batch_size, (r + 1) * batch_size)` of each and skips the others' without building
+    them. An optimizer step of `accum` micro-batches per rank therefore consumes the same
+    `global_batch_size` rows, in the same order, for any number of processes, and after every
+    step all ranks stand at the same stream position: the state is that of the global stream,
+    independent of rank and world size (a run can resume on a different number of processes).
+    With world_size 1 this is the stream itself. The cost: every rank reads and tokenizes all
+    documents (world_size times the tokenization work in total, but per rank no more than a
+    single-process run at the same global throughput).
+    """
+
+    def __init__(self, stream: TokenStream, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if stream.world_size != 1:
+            raise ValueError("RankSlice needs the global stream (a TokenStream with world_size=1)")
+        self.stream = stream
+        self.rank = rank
+        self.world_size = world_size
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """This rank's `batch_size` rows of the next global micro-batch of `batch_size * world_size` rows."""
+        self.stream.skip(self.rank * batch_size)
+        batch = self.stream.next_batch(batch_size)
+        self.stream.skip((self.world_size - 1 - self.rank) * batch_size)
+        return batch
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The global stream's counters (tokens: over all ranks)."""
+        return self.stream.counters
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
 
 
 def validation_batches(

@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from sparse_llm.config import ConfigError, RunConfig, validate
-from sparse_llm.data import TokenStream, load_tokenizer, validation_batches
+from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.model import FFNStats, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
@@ -68,18 +68,21 @@ class Trainer:
                 f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than "
                 f"the tokenizer's vocabulary ({vocab})"
             )
-        self.train_stream = TokenStream(
-            cfg.data, self.tokenizer, t.seq_len, "train", self.rank, self.world_size
+        # Every rank reads the same global stream and takes its own rows of each global
+        # micro-batch, so a step sees the same global batch for any number of processes and the
+        # data state is the same on every rank (see RankSlice).
+        self.train_stream = RankSlice(
+            TokenStream(cfg.data, self.tokenizer, t.seq_len, "train"), self.rank, self.world_size
         )
-        self.val_batches = validation_batches(
-            cfg.data,
-            self.tokenizer,
-            t.seq_len,
-            t.micro_batch_size,
-            t.eval_batches,
-            self.rank,
-            self.world_size,
+        # The held-out batches are those of a single-process run, dealt round-robin to the ranks.
+        all_val = validation_batches(
+            cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches
         )
+        self.val_batches = all_val[self.rank :: self.world_size]
+        # Forwards of a wrapped model can be collective: every rank runs the same number, padding
+        # with weightless repeats.
+        self._val_forwards = math.ceil(len(all_val) / self.world_size)
+        self._val_pad = all_val[0] if all_val else None
 
         torch.manual_seed(t.seed)
         model = build_model(cfg.model)
@@ -220,17 +223,27 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         self.prepared_model.eval()
         total = torch.zeros((), device=self.device)
-        for batch in self.val_batches:
-            batch = batch.to(self.device)
+        for i in range(self._val_forwards):
+            real = i < len(self.val_batches)
+            batch = (self.val_batches[i] if real else self._val_pad).to(self.device)
             with self.accelerator.autocast():
-                total += self.forward(batch[:, :-1], labels=batch[:, 1:]).loss.float()
+                loss = self.forward(batch[:, :-1], labels=batch[:, 1:]).loss.float()
+            if real:
+                total += loss
         self.prepared_model.train()
-        val = self.accelerator.reduce(total / max(1, len(self.val_batches)), reduction="mean").item()
+        if self.world_size == 1:
+            val = (total / max(1, len(self.val_batches))).item()
+        else:
+            count = torch.tensor(float(len(self.val_batches)), device=self.device)
+            sums = self.accelerator.reduce(torch.stack((total, count)), reduction="sum")
+            val = (sums[0] / sums[1].clamp(min=1)).item()
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
 
     # ----------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        data_states = gather_object([self.train_stream.state_dict()])
+        data_state = self.train_stream.state_dict()
+        if self.world_size > 1 and any(s != data_state for s in gather_object([data_state])):
+            raise RuntimeError("data-parallel ranks disagree on the data position; not checkpointing")
         path = self.checkpoint_root / ckpt_io.checkpoint_dir_name(self.step)
         if self.accelerator.is_main_process:
             tensors = {
@@ -244,7 +257,7 @@ class Trainer:
                 "tokens_seen": self.tokens_seen,
                 "world_size": self.world_size,
                 "scheduler": self.scheduler.state_dict(),
-                "data": data_states,
+                "data": data_state,  # the global stream's position: the same on every rank
             }
             model_state = ckpt_io.model_state_to_save(self.model)
             checkpoint = ckpt_io.Checkpoint(
@@ -266,15 +279,23 @@ class Trainer:
                 print(f"resume=auto: no checkpoint in {self.checkpoint_root}, starting from scratch")
             return
         ckpt = ckpt_io.load_checkpoint(path)
-        if ckpt.state["world_size"] != self.world_size:
-            raise ConfigError(
-                f"config key 'train.resume': {path} was written by {ckpt.state['world_size']} processes, "
-                f"this run has {self.world_size}"
-            )
+        data_state = ckpt.state["data"]
+        if isinstance(data_state, list):  # older checkpoints: one state per rank
+            if len(data_state) != 1:
+                raise ConfigError(
+                    f"config key 'train.resume': {path} was written by {len(data_state)} processes "
+                    "with per-rank document sharding (an older version), which cannot be resumed"
+                )
+            data_state = data_state[0]
+        saved_world = ckpt.state["world_size"]
+        if saved_world != self.world_size and self.accelerator.is_main_process:
+            # Weights, optimizer, tracker and data position are global: only the split of each
+            # global batch over processes changes.
+            print(f"resuming a run of {saved_world} processes on {self.world_size}")
         ckpt_io.load_model_state(self.model, ckpt.model)
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
-        self.train_stream.load_state_dict(ckpt.state["data"][self.rank])
+        self.train_stream.load_state_dict(data_state)
         torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
         self.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
         if self.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:

@@ -1,0 +1,275 @@
+"""Data parallelism on CPU: 2 processes (gloo) against 1, for the same global batch.
+
+The 2-process runs are launched once per session with `torch.distributed.run`, which runs this
+file as a script (the `__main__` block at the bottom); each rank records its losses, batches,
+dead-unit counters and final weights, and the tests compare them with a single-process run made
+in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparse_llm.config import RunConfig, load_config
+from sparse_llm.data import RankSlice, TokenStream, load_tokenizer
+from sparse_llm.training.callbacks import Callback
+from sparse_llm.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 8
+KILL_AT = 4
+DEAD_ROWS = 8  # gate rows zeroed at the start: dead units that reinit must revive identically
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the gradient all-reduce changes the summation order
+
+
+def run_config(run_dir: Path, **train_overrides) -> RunConfig:
+    train = dict(
+        seq_len=32,
+        global_batch_size=8,
+        micro_batch_size=2,  # 1 process: 4 micro-batches per step; 2 processes: 2 each
+        max_steps=MAX_STEPS,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        eval_every=4,
+        eval_batches=3,  # odd: one rank pads its evaluation with a weightless forward
+        checkpoint_every=KILL_AT,
+        keep_last=4,
+        export=False,
+        progress=False,
+    )
+    train.update(train_overrides)
+    return load_config(
+        {
+            "run_dir": str(run_dir),
+            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            "data": dict(max_documents=300),
+            "train": train,
+            "sparsity": dict(l1_coeff=1e-3, plots=False, reinit=dict(enabled=True, every=2)),
+            "logger": {"wandb": {"mode": "disabled"}},
+        }
+    )
+
+
+class SimulatedKill(Exception):
+    pass
+
+
+class Recorder(Callback):
+    """What each rank saw: step metrics, its batches, the dead-unit counters after every step."""
+
+    def __init__(self, kill_at: int = 0) -> None:
+        self.kill_at = kill_at
+        self.steps: list[dict[str, float]] = []
+        self.batches: list[torch.Tensor] = []
+        self.trackers: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer) -> None:
+        if trainer.step == 0:
+            with torch.no_grad():
+                for layer in trainer.model.model.layers:
+                    layer.mlp.gate_proj.weight[:DEAD_ROWS].zero_()
+        stream = trainer.train_stream
+        next_batch = stream.next_batch
+
+        def recording(batch_size):
+            batch = next_batch(batch_size)
+            self.batches.append(batch.clone())
+            return batch
+
+        stream.next_batch = recording
+
+    def on_step_end(self, trainer, step, metrics) -> None:
+        keep = ("ce", "l1", "loss", "grad_norm", "lr", "reinit/revived", "sparsity/mean", "dead/mean")
+        self.steps.append({"step": step, **{k: metrics[k] for k in keep if k in metrics}})
+        self.trackers.append(trainer.sparsity.tracker.tokens_since_fired.clone())
+
+    def on_eval(self, trainer, step, metrics) -> None:
+        self.steps[-1]["val_loss"] = metrics["val_loss"]
+
+    def on_checkpoint(self, trainer, step, path) -> None:
+        if step == self.kill_at:
+            raise SimulatedKill
+
+    def result(self, trainer: Trainer) -> dict:
+        return {
+            "steps": self.steps,
+            "batches": self.batches,
+            "trackers": self.trackers,
+            "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "data_state": json.dumps(trainer.train_stream.state_dict(), sort_keys=True),
+        }
+
+
+def record_run(cfg: RunConfig, kill_at: int = 0) -> dict:
+    recorder = Recorder(kill_at)
+    trainer = Trainer(cfg, Path(cfg.run_dir), [recorder])
+    trainer.fit()
+    return recorder.result(trainer)
+
+
+def record_killed_and_resumed(run_dir: Path) -> dict:
+    """Train until the checkpoint at KILL_AT, 'crash', then resume=auto in a fresh trainer."""
+    with pytest.raises(SimulatedKill):
+        record_run(run_config(run_dir), kill_at=KILL_AT)
+    return record_run(run_config(run_dir, resume="auto"))
+
+
+def _worker(out: Path) -> None:
+    rank = int(os.environ["RANK"])
+    results = {
+        "straight": record_run(run_config(out / "straight")),
+        "resumed": record_killed_and_resumed(out / "resumed"),
+    }
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("ddp")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).resolve()),
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def one_proc(tmp_path_factory) -> dict:
+    return record_run(run_config(tmp_path_factory.mktemp("single")))
+
+
+# ---- fast: the row split itself ----------------------------------------------------------------
+
+
+def test_rank_slices_partition_the_global_stream():
+    cfg = run_config(Path("unused")).data
+    tok = load_tokenizer(cfg.tokenizer)
+    whole = TokenStream(cfg, tok, 16, "train")
+    ranks = [RankSlice(TokenStream(cfg, tok, 16, "train"), r, 3) for r in range(3)]
+    for _ in range(5):
+        parts = [s.next_batch(2) for s in ranks]
+        assert torch.equal(torch.cat(parts), whole.next_batch(6))
+        states = [s.state_dict() for s in ranks]
+        assert all(state == whole.state_dict() for state in states)
+    # A rank resumed from the (rank-independent) state continues with its own rows.
+    resumed = RankSlice(TokenStream(cfg, tok, 16, "train"), 1, 3)
+    resumed.load_state_dict(ranks[0].state_dict())
+    assert torch.equal(resumed.next_batch(2), ranks[1].next_batch(2))
+    with pytest.raises(ValueError, match="world size"):
+        RankSlice(TokenStream(cfg, tok, 16, "train"), 3, 3)
+
+
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU")])
+def test_accelerate_configs_load(name, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "configs" / "accelerate" / f"{name}.yaml"))
+    assert config.distributed_type.name == kind
+    assert config.machine_rank == 0 and config.num_machines == 1
+
+
+# ---- 2 processes against 1 ---------------------------------------------------------------------
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL["atol"] + TOL["rtol"] * abs(b)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(two_procs, one_proc):
+    _, ranks = two_procs
+    for rank in ranks:
+        straight = rank["straight"]
+        assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
+        for r2, r1 in zip(straight["steps"], one_proc["steps"], strict=True):
+            for key in ("ce", "l1", "loss", "grad_norm", "val_loss", "sparsity/mean"):
+                if key in r1:
+                    assert _close(r2[key], r1[key]), (r1["step"], key, r2[key], r1[key])
+        for name, tensor in one_proc["model"].items():
+            torch.testing.assert_close(straight["model"][name], tensor, **TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_ranks_together_consume_exactly_the_single_process_tokens(two_procs, one_proc):
+    _, ranks = two_procs
+    per_rank = [rank["straight"]["batches"] for rank in ranks]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(one_proc["batches"]) // 2
+    # Micro-step m of the 2-process run covers global rows [4m, 4m + 4): rank 0 the first two.
+    global_rows = torch.cat([torch.cat(pair) for pair in zip(*per_rank, strict=True)])
+    assert torch.equal(global_rows, torch.cat(one_proc["batches"]))
+    # Same data position (and counters) on both ranks and in the single-process run.
+    assert ranks[0]["straight"]["data_state"] == ranks[1]["straight"]["data_state"] == one_proc["data_state"]
+
+
+@pytest.mark.slow
+def test_dead_units_and_replicas_identical_across_ranks(two_procs, one_proc):
+    _, (rank0, rank1) = two_procs
+    for run in ("straight", "resumed"):
+        a, b = rank0[run], rank1[run]
+        assert a["steps"] == b["steps"]  # metrics are reduced over ranks: bitwise identical
+        for ta, tb in zip(a["trackers"], b["trackers"], strict=True):
+            assert torch.equal(ta, tb)
+        for name, tensor in a["model"].items():
+            assert torch.equal(tensor, b["model"][name]), (run, name)
+    revived = [r.get("reinit/revived", 0.0) for r in rank0["straight"]["steps"]]
+    assert revived[1] >= 2 * DEAD_ROWS  # the zeroed gate rows were dead after one step, and revived
+    # The tracker counts the same tokens as the single-process run.
+    assert torch.equal(rank0["straight"]["trackers"][0], one_proc["trackers"][0])
+
+
+@pytest.mark.slow
+def test_resume_under_two_processes_reproduces_the_uninterrupted_run(two_procs):
+    out, ranks = two_procs
+    for rank in ranks:
+        straight, resumed = rank["straight"], rank["resumed"]
+        # The resumed trainer recorded steps KILL_AT + 1 .. MAX_STEPS.
+        assert [r["step"] for r in resumed["steps"]] == list(range(KILL_AT + 1, MAX_STEPS + 1))
+        assert resumed["steps"] == straight["steps"][KILL_AT:]
+        assert resumed["batches"] == [] or all(
+            torch.equal(x, y)
+            for x, y in zip(resumed["batches"], straight["batches"][-len(resumed["batches"]) :], strict=True)
+        )
+        for name, tensor in straight["model"].items():
+            assert torch.equal(tensor, resumed["model"][name]), name
+        assert resumed["data_state"] == straight["data_state"]
+    logged = [json.loads(line)["step"] for line in (out / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, MAX_STEPS + 1))
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_resumes_on_one_process(two_procs, tmp_path):
+    out, ranks = two_procs
+    source = out / "straight" / "checkpoints" / f"step_{KILL_AT:08d}"
+    shutil.copytree(source, tmp_path / "checkpoints" / source.name)
+    resumed = record_run(run_config(tmp_path, resume="auto"))
+    straight = ranks[0]["straight"]
+    for r1, r2 in zip(resumed["steps"], straight["steps"][KILL_AT:], strict=True):
+        for key in ("ce", "l1", "loss", "val_loss"):
+            if key in r2:
+                assert _close(r1[key], r2[key]), (r2["step"], key)
+    assert resumed["data_state"] == straight["data_state"]
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
