@@ -1,0 +1,368 @@
+"""Inference benchmark: batched prefill and decode throughput, dense FFN vs the TwELL kernels.
+
+The same weights run once per FFN implementation: prefill of B x L prompt tokens into a KV cache
+(tokens/s), then greedy decode of N tokens per row (tokens/s), with energy per token from NVML
+where available (pip install nvidia-ml-py). The sparsity the kernels see is measured on the same
+prompts. Writes inference_benchmark.json and .md (device, commit, date) into --out.
+
+    # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
+    python scripts/benchmark_inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
+    # an existing model (export, checkpoint or run directory)
+    python scripts/benchmark_inference.py --model runs/my_run/export --batch 64 --prompt-len 2048
+    # CPU, toy size (what the tests run); `cuda` is replaced by its reference there
+    python scripts/benchmark_inference.py --tiny --out /tmp/bench
+
+--sparsify trains the preset for --sparsify-steps with a high L1 coefficient through the
+project's Trainer (run directory <out>/sparsify_run, checkpoint + config.yaml), then loads that
+checkpoint. Prompts are held-out text of the embedded corpus (or --random-tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sparse_llm.config import DataConfig, load_config, to_yaml  # noqa: E402
+from sparse_llm.inference import load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
+from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
+from sparse_llm.model import KVCache  # noqa: E402
+from sparse_llm.training.run_info import git_commit  # noqa: E402
+
+TINY = dict(batch=2, prompt_len=32, decode_tokens=4, reps=1, warmup=0, sparsify_steps=4)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="export, checkpoint or run directory to benchmark")
+    p.add_argument("--sparsify", action="store_true", help="first train --preset with a high L1 (Trainer)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes on CPU (implies --sparsify unless --model)")
+    p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml for --sparsify")
+    p.add_argument("--sparsify-steps", type=int, default=300)
+    p.add_argument("--l1-coeff", type=float, default=1e-3)
+    p.add_argument("--sparsify-lr", type=float, default=1e-3)
+    p.add_argument("--sparsify-batch", type=int, default=16, help="sequences per step (micro-batch 8)")
+    p.add_argument("--sparsify-seq-len", type=int, default=1024)
+    p.add_argument("--set", action="append", default=[], help="extra run-config override key=value")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--impls", nargs="+", default=["dense", "cuda"], choices=["dense", "reference", "cuda"])
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--random-tokens", action="store_true", help="random prompts instead of held-out text")
+    p.add_argument("--min-sparsity", type=float, default=0.99, help="warn below this measured sparsity")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/inference"))
+    args = p.parse_args(argv)
+    if args.tiny:
+        for key, value in TINY.items():
+            if p.get_default(key) == getattr(args, key):
+                setattr(args, key, value)
+        if args.model is None:
+            args.sparsify = True
+        if args.preset == p.get_default("preset"):
+            args.preset = "tiny"
+        args.device = "cpu" if args.device == "auto" else args.device
+    if args.model is None and not args.sparsify:
+        p.error("give --model, --sparsify or --tiny")
+    if args.model is not None and args.sparsify:
+        p.error("--model and --sparsify exclude each other")
+    for key in ("batch", "prompt_len", "decode_tokens", "reps", "sparsify_steps"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+def sparsify(args: argparse.Namespace) -> Path:
+    """Train the preset briefly with a high L1 through the Trainer; returns the run directory."""
+    from sparse_llm.training.trainer import Trainer
+
+    run_dir = args.out / "sparsify_run"
+    model = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{args.preset}.yaml"))
+    gpu = torch.cuda.is_available() and args.device != "cpu"
+    train = dict(
+        seq_len=args.sparsify_seq_len,
+        global_batch_size=args.sparsify_batch,
+        micro_batch_size=min(8, args.sparsify_batch),
+        max_steps=args.sparsify_steps,
+        lr=args.sparsify_lr,
+        warmup_steps=max(1, args.sparsify_steps // 10),
+        log_every=max(1, args.sparsify_steps // 20),
+        eval_every=0,
+        eval_batches=1,
+        checkpoint_every=0,
+        keep_last=1,
+        export=False,
+        compile=gpu,
+        device="cuda" if gpu else "cpu",
+        progress=not args.tiny,
+    )
+    sparsity = dict(l1_coeff=args.l1_coeff, l1_warmup_end=max(1, args.sparsify_steps // 5), plots=False)
+    raw: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "model": model,
+        "train": train,
+        "sparsity": sparsity,
+        "logger": {"wandb": {"mode": "disabled"}},
+    }
+    if args.tiny:
+        raw["model"].update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+        raw["train"].update(seq_len=32, global_batch_size=4, micro_batch_size=4, lr=1e-2)
+        raw["data"] = {"max_documents": 200}
+    merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(args.set))
+    cfg = load_config(merged)
+    trainer = Trainer(cfg, run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    trainer.fit()
+    trainer.accelerator.free_memory()  # the accelerator holds the model and optimizer otherwise
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run_dir
+
+
+def prompts(tokenizer, vocab: int, batch: int, length: int, random_tokens: bool) -> torch.Tensor:
+    if not random_tokens:
+        from sparse_llm.data import validation_batches
+
+        data = DataConfig(max_documents=2000, val_fraction=0.05)
+        batches = validation_batches(data, tokenizer, length, batch, 1)
+        if batches:
+            return batches[0][:, :length]
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+# ---------------------------------------------------------------------------------------------
+class Energy:
+    """Board energy (J) between start() and stop() via NVML; None where it is not available."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            self.nvml, self.handle = pynvml, handle
+        except Exception:  # not installed, no permission, or a GPU without an energy counter
+            self.handle = None
+
+    def read(self) -> float | None:
+        if self.handle is None:
+            return None
+        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_sparsity(model, ids: torch.Tensor) -> dict[str, Any]:
+    rows = ids[: min(8, ids.shape[0])]
+    stats = model(rows, with_stats=True).ffn_stats
+    nnz = stats.nnz_per_token.float()  # [L, M]
+    hidden = model.config.intermediate_size
+    per_layer = (1 - nnz.mean(1) / hidden).tolist()
+    return {
+        "mean": 1 - nnz.mean().item() / hidden,
+        "per_layer": per_layer,
+        "nnz_per_token_mean": nnz.mean().item(),
+        "nnz_per_token_p99": torch.quantile(nnz.flatten()[:100_000], 0.99).item(),
+        "tokens": rows.numel(),
+    }
+
+
+@torch.no_grad()
+def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy) -> dict[str, Any]:
+    device = ids.device
+    batch, length = ids.shape
+    dtype = model.lm_head.weight.dtype
+    prefill_s, prefill_j, decode_s, decode_j = [], [], [], []
+    tokens = logits_last = None
+    for rep in range(args.warmup + args.reps):
+        cache = KVCache(model.config, batch, length + args.decode_tokens, device, dtype)
+        set_ffn_impl(model, impl)
+        _sync(device)
+        e0, t0 = energy.read(), time.perf_counter()
+        logits = model(ids, cache=cache, last_logits_only=True).logits
+        _sync(device)
+        e1, t1 = energy.read(), time.perf_counter()
+        token = logits[:, -1].argmax(-1)
+        generated = [token]
+        for _ in range(args.decode_tokens - 1):
+            token = model(token[:, None], cache=cache).logits[:, -1].argmax(-1)
+            generated.append(token)
+        _sync(device)
+        e2, t2 = energy.read(), time.perf_counter()
+        if rep >= args.warmup:
+            prefill_s.append(t1 - t0)
+            decode_s.append(t2 - t1)
+            if e0 is not None:
+                prefill_j.append(e1 - e0)
+                decode_j.append(e2 - e1)
+        tokens, logits_last = torch.stack(generated, 1).cpu(), logits[:, -1].float().cpu()
+        del cache
+    set_ffn_impl(model, "dense")
+    p, d = statistics.median(prefill_s), statistics.median(decode_s)
+    prefill_tokens, decode_tokens = batch * length, batch * args.decode_tokens
+    result = {
+        "impl": impl,
+        "prefill_s": p,
+        "prefill_tokens_per_s": prefill_tokens / p,
+        "decode_s": d,
+        "decode_tokens_per_s": decode_tokens / d,
+        "prefill_j_per_token": statistics.median(prefill_j) / prefill_tokens if prefill_j else None,
+        "decode_j_per_token": statistics.median(decode_j) / decode_tokens if decode_j else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    return result | {"_tokens": tokens, "_logits": logits_last}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["sparsity"]
+    lines = [
+        f"# Inference benchmark: {report['device']}",
+        "",
+        f"commit `{report['commit']}`, {report['date']}, torch {report['torch']}, model {report['model']} "
+        f"({report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}); prefill {report['batch']} x "
+        f"{report['prompt_len']} tokens, decode {report['decode_tokens']} tokens per row; median of "
+        f"{report['reps']} after {report['warmup']} warm-up.",
+        "",
+        f"FFN sparsity on the prompts: {s['mean']:.2%} (mean non-zeros per token {s['nnz_per_token_mean']:.1f}, "
+        f"p99 {s['nnz_per_token_p99']:.0f}, of {report['intermediate_size']}).",
+        "",
+        "| FFN | prefill tokens/s | vs dense | decode tokens/s | vs dense | prefill J/token | decode J/token "
+        "| greedy tokens = dense | max abs logit diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)
+    for r in report["results"]:
+        lines.append(
+            f"| {r['impl']} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_vs_dense']:.2f}x "
+            f"| {r['decode_tokens_per_s']:,.0f} | {r['decode_vs_dense']:.2f}x "
+            f"| {fmt(r['prefill_j_per_token'], '.3e')} | {fmt(r['decode_j_per_token'], '.3e')} "
+            f"| {r['tokens_match_dense']:.1%} | {r['max_logit_diff_vs_dense']:.2e} |"
+        )
+    lines += ["", f"`auto` chooses: prefill {report['auto']['prefill']}, decode {report['auto']['decode']}."]
+    for note in report["notes"]:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    source = args.model
+    if args.sparsify:
+        source = sparsify(args)
+        notes.append(
+            f"Weights: {args.sparsify_steps} steps of the `{args.preset}` preset with L1 {args.l1_coeff} "
+            f"(sparse_llm.training.trainer.Trainer), run directory {source}."
+        )
+    try:
+        loaded = load_model(source, args.device, args.dtype)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = loaded.model
+    device = model.lm_head.weight.device
+    impls = list(dict.fromkeys(args.impls))
+    reason = cuda_unavailable_reason(model)
+    if "cuda" in impls and reason is not None:
+        impls = [("reference" if i == "cuda" else i) for i in impls]
+        impls = list(dict.fromkeys(impls))
+        notes.append(f"`cuda` ran as `reference` (the PyTorch path of the sparse front): {reason}.")
+    if "dense" not in impls:
+        impls.insert(0, "dense")
+    if args.prompt_len + args.decode_tokens > model.config.max_position_embeddings:
+        print("error: --prompt-len + --decode-tokens exceed max_position_embeddings", file=sys.stderr)
+        return 2
+    ids = prompts(loaded.tokenizer, model.config.vocab_size, args.batch, args.prompt_len, args.random_tokens)
+    ids = ids.to(device)
+    sparsity = measure_sparsity(model, ids)
+    if sparsity["mean"] < args.min_sparsity:
+        notes.append(
+            f"Warning: measured sparsity {sparsity['mean']:.2%} is below --min-sparsity {args.min_sparsity:.0%}."
+        )
+    auto, measurement = resolve_ffn_impls(
+        model, "auto", "auto", calibration_batch=min(args.batch, 8), calibration_len=min(args.prompt_len, 512)
+    )
+    energy = Energy(device)
+    if energy.handle is None:
+        notes.append("Energy: NVML not available here (pip install nvidia-ml-py on an NVIDIA GPU).")
+    results = []
+    for impl in impls:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        results.append(run_impl(model, ids, impl, args, energy))
+        print(
+            f"{impl}: prefill {results[-1]['prefill_tokens_per_s']:,.0f} tok/s, "
+            f"decode {results[-1]['decode_tokens_per_s']:,.0f} tok/s",
+            file=sys.stderr,
+        )
+    dense = results[0]
+    for r in results:
+        r["prefill_vs_dense"] = r["prefill_tokens_per_s"] / dense["prefill_tokens_per_s"]
+        r["decode_vs_dense"] = r["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+        r["tokens_match_dense"] = (r["_tokens"] == dense["_tokens"]).float().mean().item()
+        r["max_logit_diff_vs_dense"] = (r["_logits"] - dense["_logits"]).abs().max().item()
+    for r in results:
+        del r["_tokens"], r["_logits"]
+    report = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or "cpu"),
+        "commit": git_commit(REPO),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "model": str(loaded.path),
+        "parameters": model.num_parameters(),
+        "hidden_size": model.config.hidden_size,
+        "intermediate_size": model.config.intermediate_size,
+        "num_layers": model.config.num_hidden_layers,
+        "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "decode_tokens": args.decode_tokens,
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "prompts": "random tokens" if args.random_tokens else "held-out embedded text",
+        "sparsity": sparsity,
+        "meets_min_sparsity": sparsity["mean"] >= args.min_sparsity,
+        "auto": auto,
+        "auto_measurement": measurement,
+        "results": results,
+        "notes": notes,
+    }
+    (args.out / "inference_benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "inference_benchmark.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

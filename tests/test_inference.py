@@ -1,0 +1,322 @@
+"""Inference (CPU): generation through our KV-cache decoder matches transformers and full recompute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparse_llm.config import load_config, to_yaml
+from sparse_llm.export import export_hf
+from sparse_llm.inference import (
+    Generator,
+    SamplingParams,
+    filter_logits,
+    generate_ids,
+    load_model,
+    measure_ffn_impls,
+    resolve_ffn_impls,
+)
+from sparse_llm.model import KVCache, build_model
+from sparse_llm.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["def main():\n    return", "import os\n", "class Foo(object):\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A 2-step training run with its checkpoint, config.yaml and HF export."""
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_config(
+        {
+            "run_dir": str(run_dir),
+            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            "data": dict(max_documents=100),
+            "train": dict(
+                seq_len=32,
+                global_batch_size=2,
+                micro_batch_size=2,
+                max_steps=2,
+                lr=1e-2,
+                warmup_steps=1,
+                eval_batches=1,
+                progress=False,
+            ),
+            "sparsity": dict(l1_coeff=1e-3, plots=False),
+            "logger": {"wandb": {"mode": "disabled"}},
+        }
+    )
+    trainer = Trainer(cfg, run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))  # as sparse_llm.train writes it
+    trainer.fit()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def loaded(run_dir):
+    return load_model(run_dir / "export", device="cpu")
+
+
+def encode(loaded, texts):
+    return [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def test_greedy_matches_transformers_generate(run_dir, loaded):
+    hf = AutoModelForCausalLM.from_pretrained(run_dir / "export").eval()
+    for ids in encode(loaded, PROMPTS):
+        ours = generate_ids(loaded.model, [ids], greedy(12), loaded.eos_token_ids).tokens[0]
+        out = hf.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=loaded.eos_token_ids[0]
+        )
+        theirs = out[0, len(ids) :].tolist()
+        if loaded.eos_token_ids[0] in theirs:
+            theirs = theirs[: theirs.index(loaded.eos_token_ids[0]) + 1]
+        assert ours == theirs
+
+
+def test_kv_cache_decode_logits_equal_full_recompute(loaded):
+    model = loaded.model
+    ids = torch.tensor(encode(loaded, PROMPTS[:1]))
+    full = model(ids).logits
+    cache = KVCache(model.config, 1, ids.shape[1], "cpu", torch.float32)
+    split = 4
+    chunks = [model(ids[:, :split], cache=cache).logits]
+    chunks.append(model(ids[:, split : split + 3], cache=cache).logits)  # a chunk after cached columns
+    for t in range(split + 3, ids.shape[1]):
+        chunks.append(model(ids[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_rows_decode_as_unpadded(loaded):
+    model = loaded.model
+    ids = encode(loaded, PROMPTS[:1])[0]
+    pad = 5
+    cache = KVCache(model.config, 2, len(ids) + pad + 1, "cpu", torch.float32)
+    batch = torch.tensor([[0] * pad + ids, ids + ids[:pad]])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(batch, cache=cache, position_ids=positions, attention_mask=mask).logits
+    full = model(torch.tensor([[*ids, 7]])).logits
+    torch.testing.assert_close(logits[0, pad:], full[0, :-1], rtol=1e-5, atol=1e-5)
+    step = model(
+        torch.tensor([[7], [7]]),
+        cache=cache,
+        position_ids=torch.tensor([[len(ids)], [len(ids) + pad]]),
+        attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1),
+    ).logits
+    torch.testing.assert_close(step[0, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_generation_with_different_lengths_equals_one_by_one(loaded):
+    prompts = encode(loaded, PROMPTS)
+    assert len({len(p) for p in prompts}) == len(prompts)
+    batched = generate_ids(loaded.model, prompts, greedy(10), loaded.eos_token_ids)
+    for i, ids in enumerate(prompts):
+        alone = generate_ids(loaded.model, [ids], greedy(10), loaded.eos_token_ids)
+        assert batched.tokens[i] == alone.tokens[0]
+        assert batched.finish_reasons[i] == alone.finish_reasons[0]
+
+
+def test_eos_stops_each_sequence(loaded):
+    prompts = encode(loaded, PROMPTS[:2])
+    free = generate_ids(loaded.model, prompts, greedy(10), eos_token_ids=())
+    assert free.finish_reasons == ["length", "length"]
+    assert all(len(t) == 10 for t in free.tokens)
+    # Declare row 0's third new token the EOS: row 0 stops there, row 1 goes on as before.
+    eos = free.tokens[0][2]
+    stop = free.tokens[0].index(eos)
+    out = generate_ids(loaded.model, prompts, greedy(10), eos_token_ids=(eos,))
+    assert out.tokens[0] == free.tokens[0][: stop + 1] and out.finish_reasons[0] == "eos"
+    row1 = free.tokens[1]
+    expected = row1[: row1.index(eos) + 1] if eos in row1 else row1
+    assert out.tokens[1] == expected
+    # stop_at_eos=False ignores it.
+    no_stop = generate_ids(
+        loaded.model, prompts, SamplingParams(max_new_tokens=10, stop_at_eos=False), eos_token_ids=(eos,)
+    )
+    assert no_stop.tokens == free.tokens
+
+
+def test_checkpoint_loads_like_export(run_dir, loaded):
+    step_dir = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    from_ckpt = load_model(step_dir, device="cpu")
+    from_run = load_model(run_dir, device="cpu")
+    assert from_ckpt.source == from_run.source == "checkpoint" and from_run.path == step_dir
+    assert from_ckpt.eos_token_ids == loaded.eos_token_ids
+    assert from_ckpt.model.config.vocab_size == loaded.model.config.vocab_size
+    for (name, a), b in zip(
+        loaded.model.state_dict().items(), from_ckpt.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    prompts = encode(loaded, PROMPTS)
+    assert encode(from_ckpt, PROMPTS) == prompts
+    a = generate_ids(loaded.model, prompts, greedy(8), loaded.eos_token_ids)
+    b = generate_ids(from_ckpt.model, prompts, greedy(8), from_ckpt.eos_token_ids)
+    assert a.tokens == b.tokens
+
+
+def test_sampling_is_reproducible_and_respects_top_p(loaded):
+    prompts = encode(loaded, PROMPTS)
+    hot = SamplingParams(max_new_tokens=12, temperature=1.5, seed=1, stop_at_eos=False)
+    a = generate_ids(loaded.model, prompts, hot).tokens
+    assert generate_ids(loaded.model, prompts, hot).tokens == a
+    other = SamplingParams(max_new_tokens=12, temperature=1.5, seed=2, stop_at_eos=False)
+    assert generate_ids(loaded.model, prompts, other).tokens != a
+    # A nucleus this small holds only the most likely token: sampling is greedy decoding.
+    tiny_p = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1e-6, seed=3, stop_at_eos=False)
+    greedy_tokens = generate_ids(loaded.model, prompts, SamplingParams(12, stop_at_eos=False)).tokens
+    assert generate_ids(loaded.model, prompts, tiny_p).tokens == greedy_tokens
+
+
+def test_top_p_and_top_k_filters():
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw))[0].tolist()
+    assert kept(top_p=0.5) == [True, False, False]
+    assert kept(top_p=0.8) == [True, True, False]
+    assert kept(top_p=0.95) == [True, True, True]
+    assert kept(top_k=2) == [True, True, False]
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.8)
+    g = torch.Generator().manual_seed(0)
+    from sparse_llm.inference import sample_next
+
+    draws = sample_next(logits.expand(2000, 3), params, g)
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_generator_text_api_and_ffn_selection(run_dir):
+    gen = Generator.from_pretrained(
+        run_dir / "export", device="cpu", prefill_ffn="auto", decode_ffn="reference"
+    )
+    # On CPU the kernels cannot run: auto is dense (the reference is the same arithmetic).
+    assert gen.ffn == {"prefill": "dense", "decode": "reference"} and gen.ffn_measurement is None
+    out = gen.generate(PROMPTS[:2], max_new_tokens=6)
+    assert len(out.texts) == 2 and all(len(t) <= 6 for t in out.tokens)
+    dense = Generator(gen.loaded, "dense", "dense").generate(PROMPTS[:2], max_new_tokens=6)
+    assert dense.tokens == out.tokens
+    measured = measure_ffn_impls(gen.model, 2, 16, candidates=("dense", "reference"), reps=1)
+    assert set(measured["choice"].values()) <= {"dense", "reference"}
+    assert set(measured["timings_s"]["prefill"]) == {"dense", "reference"}
+
+
+def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        load_model(tmp_path / "missing", device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither an export"):
+        load_model(tmp_path / "empty", device="cpu")
+    broken = tmp_path / "broken_export"
+    broken.mkdir()
+    (broken / "config.json").write_text((run_dir / "export" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
+        load_model(broken, device="cpu")
+    orphan = tmp_path / "orphan" / "checkpoints" / "step_00000002"
+    orphan.parent.mkdir(parents=True)
+    step_dir = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    orphan.mkdir()
+    for name in ("model.safetensors", "trainer_state.json"):
+        (orphan / name).write_bytes((step_dir / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"config\.yaml"):
+        load_model(orphan, device="cpu")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate_ids(loaded.model, [[1] * 2040], greedy(16))
+    with pytest.raises(ValueError, match="empty"):
+        generate_ids(loaded.model, [[1, 2], []], greedy(4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate_ids(loaded.model, [[loaded.model.config.vocab_size]], greedy(4))
+    with pytest.raises(ValueError, match="decode_ffn must be one of"):
+        resolve_ffn_impls(loaded.model, "dense", "sparse")
+    with pytest.raises(ValueError, match="prefill_ffn=cuda cannot run"):
+        resolve_ffn_impls(loaded.model, "cuda", "dense")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(run_dir / "export", device="cpu", dtype="int8")
+
+
+def test_generate_script(run_dir):
+    cmd = [
+        sys.executable,
+        "scripts/generate.py",
+        str(run_dir / "export"),
+        "--prompt",
+        "def f():",
+        "--prompt",
+        "x",
+    ]
+    done = subprocess.run(
+        [*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert len(result["outputs"]) == 2 and result["ffn"] == {"prefill": "dense", "decode": "dense"}
+    bad = subprocess.run([*cmd, "--top-p", "2"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_benchmark_script_tiny(tmp_path):
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/benchmark_inference.py",
+            "--tiny",
+            "--sparsify-steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "inference_benchmark.json").read_text())
+    assert {"device", "commit", "date", "sparsity", "results"} <= set(result)
+    impls = {r["impl"] for r in result["results"]}
+    assert impls == {"dense", "reference"}  # cuda is replaced by its reference on CPU
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in result["results"])
+    assert (out / "inference_benchmark.md").read_text().startswith("# Inference benchmark")
+
+
+@pytest.mark.gpu
+def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
+    from sparse_llm.config import ModelConfig
+    from sparse_llm.data import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded")
+    cfg = ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    torch.manual_seed(0)
+    export_hf(build_model(cfg), tokenizer, tmp_path / "export")
+    loaded = load_model(tmp_path / "export", device="cuda", dtype="bfloat16")
+    prompts = encode(loaded, PROMPTS)
+    dense = generate_ids(loaded.model, prompts, greedy(8), (), "dense", "dense")
+    cuda = generate_ids(loaded.model, prompts, greedy(8), (), "cuda", "cuda")
+    assert cuda.tokens == dense.tokens
+    gen = Generator(loaded, "auto", "auto")
+    assert gen.ffn_measurement is not None and set(gen.ffn.values()) <= {"dense", "cuda"}
