@@ -8,6 +8,12 @@ A checkpoint is a directory `step_XXXXXXXX/` holding
 It is written into a hidden temporary directory and renamed into place, so a crash mid-write
 leaves only a `.tmp-*` directory that discovery never picks. Loading never unpickles code:
 safetensors for weights, `torch.load(weights_only=True)` for the optimizer.
+
+A sharded model (FSDP2: DTensor parameters) is saved instead as `sharded/`, a
+torch.distributed.checkpoint (DCP) directory of model and optimizer shards written by every rank
+(`save_sharded_state`, collective) in place of model.safetensors and optimizer.pt. DCP reshards on
+load, so it resumes on any number of processes; `consolidate_sharded` turns it into one full
+model state dict offline, in a single process (for a Hugging Face export).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "trainer_state.json"
+SHARDED_DIR = "sharded"
 
 
 @dataclass
@@ -58,20 +65,80 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are sharded DTensors (FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def save_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write this rank's shards of model and optimizer into `directory` (DCP). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+
+
+def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load model and optimizer shards from a DCP `directory`, resharding as needed. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state on CPU, on rank 0; empty elsewhere. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def consolidate_sharded(path: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a sharded checkpoint (`path`: step dir or its `sharded/`).
+
+    Single process, no process group, no GPU: reads every shard from disk.
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory = path / SHARDED_DIR if (path / SHARDED_DIR).is_dir() else path
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(directory), str(target))
+        full = torch.load(target, map_location="cpu", weights_only=True)
+    return {name: tensor for name, tensor in full["model"].items()}
+
+
 def checkpoint_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int) -> Path:
+def sharded_temporary(root: Path, step: int) -> Path:
+    """The temporary directory of a sharded checkpoint: a name every rank can compute."""
+    return root / f".tmp-{checkpoint_dir_name(step)}-sharded"
+
+
+def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | None = None) -> Path:
+    """Write `ckpt` and rename it into place. `tmp`: an existing temporary directory that already
+    holds the `sharded/` model and optimizer (then `ckpt.model` and `ckpt.optimizer` are empty)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_dir_name(ckpt.step)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    save_file(ckpt.model, tmp / "model.safetensors", metadata={"format": "pt"})
-    torch.save(ckpt.optimizer, tmp / "optimizer.pt")
+    if tmp is None:
+        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        save_file(ckpt.model, tmp / "model.safetensors", metadata={"format": "pt"})
+        torch.save(ckpt.optimizer, tmp / "optimizer.pt")
     save_file({k: v.contiguous().cpu() for k, v in ckpt.tensors.items()}, tmp / "tensors.safetensors")
     (tmp / MANIFEST).write_text(json.dumps({"step": ckpt.step, **ckpt.state}, indent=1))
-    for path in tmp.iterdir():
+    for path in tmp.rglob("*"):
         _fsync(path)
     if final.exists():
         shutil.rmtree(final)
@@ -102,10 +169,13 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Che
     if not (path / MANIFEST).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST})")
     state = json.loads((path / MANIFEST).read_text())
+    sharded = (path / SHARDED_DIR).is_dir()  # model and optimizer: load_sharded_state
     return Checkpoint(
         step=int(state.pop("step")),
-        model=load_file(path / "model.safetensors"),
-        optimizer=torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
+        model={} if sharded else load_file(path / "model.safetensors"),
+        optimizer={}
+        if sharded
+        else torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
         tensors=load_file(path / "tensors.safetensors"),
         state=state,
     )
