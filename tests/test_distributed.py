@@ -223,7 +223,7 @@ def test_rank_slices_partition_the_global_stream():
         RankSlice(TokenStream(cfg, tok, 16, "train"), 3, 3)
 
 
-@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU")])
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp2", "FSDP")])
 def test_accelerate_configs_load(name, kind):
     from accelerate.commands.config.config_args import load_config_from_file
 

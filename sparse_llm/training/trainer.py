@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -94,6 +95,14 @@ class Trainer:
         self.model, self.optimizer = model, optimizer
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
         self.forward = torch.compile(self.prepared_model) if t.compile else self.prepared_model
+        # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
+        # Untested end to end (accelerate does not enable FSDP on CPU); see README "Multi-GPU".
+        self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
+        if self.sharded and cfg.sparsity.reinit.enabled:
+            raise ConfigError(
+                "config key 'sparsity.reinit.enabled': dead-unit reinit on FSDP2-sharded weights is "
+                "not supported yet; use DDP (configs/accelerate/ddp.yaml) or disable it"
+            )
 
         self.sparsity = SparsityMonitor(
             num_layers=cfg.model.num_hidden_layers,
@@ -245,6 +254,17 @@ class Trainer:
         if self.world_size > 1 and any(s != data_state for s in gather_object([data_state])):
             raise RuntimeError("data-parallel ranks disagree on the data position; not checkpointing")
         path = self.checkpoint_root / ckpt_io.checkpoint_dir_name(self.step)
+        tmp = None
+        if self.sharded:
+            # Every rank writes its shards into a temporary directory all of them can name.
+            tmp = ckpt_io.sharded_temporary(self.checkpoint_root, self.step)
+            if self.accelerator.is_main_process:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            self.accelerator.wait_for_everyone()
+            ckpt_io.save_sharded_state(tmp / ckpt_io.SHARDED_DIR, self.model, self.optimizer)
+            self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             tensors = {
                 "rng/torch_cpu": torch.get_rng_state(),
@@ -259,11 +279,16 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "data": data_state,  # the global stream's position: the same on every rank
             }
-            model_state = ckpt_io.model_state_to_save(self.model)
-            checkpoint = ckpt_io.Checkpoint(
-                self.step, model_state, self.optimizer.state_dict(), tensors, state
+            if self.sharded:
+                checkpoint = ckpt_io.Checkpoint(self.step, {}, {}, tensors, state)
+            else:
+                model_state = ckpt_io.model_state_to_save(self.model)
+                checkpoint = ckpt_io.Checkpoint(
+                    self.step, model_state, self.optimizer.state_dict(), tensors, state
+                )
+            path = ckpt_io.save_checkpoint(
+                self.checkpoint_root, checkpoint, self.cfg.train.keep_last, tmp=tmp
             )
-            path = ckpt_io.save_checkpoint(self.checkpoint_root, checkpoint, self.cfg.train.keep_last)
         self.accelerator.wait_for_everyone()
         return path
 
@@ -292,8 +317,16 @@ class Trainer:
             # Weights, optimizer, tracker and data position are global: only the split of each
             # global batch over processes changes.
             print(f"resuming a run of {saved_world} processes on {self.world_size}")
-        ckpt_io.load_model_state(self.model, ckpt.model)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        if (path / ckpt_io.SHARDED_DIR).is_dir() != self.sharded:
+            raise ConfigError(
+                f"config key 'train.resume': {path} is {'' if not self.sharded else 'not '}sharded and this "
+                f"run is {'' if self.sharded else 'not '}(FSDP2 checkpoints resume under FSDP2 only)"
+            )
+        if self.sharded:
+            ckpt_io.load_sharded_state(path / ckpt_io.SHARDED_DIR, self.model, self.optimizer)
+        else:
+            ckpt_io.load_model_state(self.model, ckpt.model)
+            self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self.train_stream.load_state_dict(data_state)
         torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
@@ -312,11 +345,18 @@ class Trainer:
 
     def _finish(self) -> None:
         self.callbacks.on_train_end(self)
+        full_state = None
+        if self.sharded and self.cfg.train.export:
+            full_state = ckpt_io.full_model_state(self.model)  # collective; full on rank 0
         if self.accelerator.is_main_process:
             if self.cfg.train.export:
                 from sparse_llm.export import export_hf
 
-                export_hf(self.model, self.tokenizer, self.run_dir / "export")
+                model = self.model
+                if full_state is not None:
+                    model = build_model(self.cfg.model)
+                    ckpt_io.load_model_state(model, full_state)
+                export_hf(model, self.tokenizer, self.run_dir / "export")
             self.sparsity.save_histograms(self.run_dir)
             if self.cfg.sparsity.plots:
                 from sparse_llm.sparsity.plots import plot_run
