@@ -235,10 +235,7 @@ class DecoderLayer(nn.Module):
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        if cache is None:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        else:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask)
         y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
         return x + y, stats
 

@@ -304,14 +304,6 @@ class Trainer:
                 print(f"resume=auto: no checkpoint in {self.checkpoint_root}, starting from scratch")
             return
         ckpt = ckpt_io.load_checkpoint(path)
-        data_state = ckpt.state["data"]
-        if isinstance(data_state, list):  # older checkpoints: one state per rank
-            if len(data_state) != 1:
-                raise ConfigError(
-                    f"config key 'train.resume': {path} was written by {len(data_state)} processes "
-                    "with per-rank document sharding (an older version), which cannot be resumed"
-                )
-            data_state = data_state[0]
         saved_world = ckpt.state["world_size"]
         if saved_world != self.world_size and self.accelerator.is_main_process:
             # Weights, optimizer, tracker and data position are global: only the split of each
@@ -328,7 +320,7 @@ class Trainer:
             ckpt_io.load_model_state(self.model, ckpt.model)
             self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
-        self.train_stream.load_state_dict(data_state)
+        self.train_stream.load_state_dict(ckpt.state["data"])
         torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
         self.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
         if self.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:
