@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_run_config
 
-from sparse_llm.config import RunConfig, load_config
+from sparse_llm.config import RunConfig
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer
@@ -32,30 +33,16 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the gradient all-reduce changes the su
 
 def run_config(run_dir: Path, **train_overrides) -> RunConfig:
     train = dict(
-        seq_len=32,
         global_batch_size=8,
         micro_batch_size=2,  # 1 process: 4 micro-batches per step; 2 processes: 2 each
         max_steps=MAX_STEPS,
-        lr=3e-3,
-        warmup_steps=2,
-        log_every=1,
         eval_every=4,
         eval_batches=3,  # odd: one rank pads its evaluation with a weightless forward
         checkpoint_every=KILL_AT,
         keep_last=4,
-        export=False,
-        progress=False,
     )
-    train.update(train_overrides)
-    return load_config(
-        {
-            "run_dir": str(run_dir),
-            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            "data": dict(max_documents=300),
-            "train": train,
-            "sparsity": dict(l1_coeff=1e-3, plots=False, reinit=dict(enabled=True, every=2)),
-            "logger": {"wandb": {"mode": "disabled"}},
-        }
+    return tiny_run_config(
+        run_dir, sparsity=dict(reinit=dict(enabled=True, every=2)), **{**train, **train_overrides}
     )
 
 
@@ -296,7 +283,9 @@ def test_resume_under_two_processes_reproduces_the_uninterrupted_run(two_procs):
         for name, tensor in straight["model"].items():
             assert torch.equal(tensor, resumed["model"][name]), name
         assert resumed["data_state"] == straight["data_state"]
-    logged = [json.loads(line)["step"] for line in (out / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    logged = [
+        json.loads(line)["step"] for line in (out / "resumed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert logged == list(range(1, MAX_STEPS + 1))
 
 

@@ -9,43 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparse_llm.config import RunConfig, load_config
+from sparse_llm.config import RunConfig
 from sparse_llm.model import build_model
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer, TrainingDiverged
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_run_config(run_dir: Path, **train_overrides) -> RunConfig:
-    train = dict(
-        seq_len=32,
-        global_batch_size=4,
-        micro_batch_size=2,
-        max_steps=6,
-        lr=3e-3,
-        warmup_steps=2,
-        log_every=1,
-        eval_every=0,
-        eval_batches=2,
-        checkpoint_every=0,
-        export=False,
-        progress=False,
-    )
-    train.update(train_overrides)
-    return load_config(
-        {
-            "run_dir": str(run_dir),
-            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            "data": dict(max_documents=300),
-            "train": train,
-            "sparsity": dict(l1_coeff=1e-3, plots=False),
-            "logger": {"wandb": {"mode": "disabled"}},
-        }
-    )
 
 
 def train(cfg: RunConfig, callbacks: list[Callback] | None = None) -> Trainer:

@@ -1,0 +1,40 @@
+"""A tiny run config shared by the tests that train (a few seconds on a laptop CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sparse_llm.config import RunConfig, load_config
+
+TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+TINY_TRAIN = dict(
+    seq_len=32,
+    global_batch_size=4,
+    micro_batch_size=2,
+    max_steps=6,
+    lr=3e-3,
+    warmup_steps=2,
+    log_every=1,
+    eval_every=0,
+    eval_batches=2,
+    checkpoint_every=0,
+    export=False,
+    progress=False,
+)
+
+
+def tiny_run_config(
+    run_dir: Path, *, sparsity: dict[str, Any] | None = None, max_documents: int = 300, **train: Any
+) -> RunConfig:
+    """The tiny model on the embedded data, wandb off; `train` overrides TINY_TRAIN keys."""
+    return load_config(
+        {
+            "run_dir": str(run_dir),
+            "model": TINY_MODEL,
+            "data": dict(max_documents=max_documents),
+            "train": {**TINY_TRAIN, **train},
+            "sparsity": {"l1_coeff": 1e-3, "plots": False, **(sparsity or {})},
+            "logger": {"wandb": {"mode": "disabled"}},
+        }
+    )
