@@ -76,9 +76,7 @@ class Trainer:
             TokenStream(cfg.data, self.tokenizer, t.seq_len, "train"), self.rank, self.world_size
         )
         # The held-out batches are those of a single-process run, dealt round-robin to the ranks.
-        all_val = validation_batches(
-            cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches
-        )
+        all_val = validation_batches(cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches)
         self.val_batches = all_val[self.rank :: self.world_size]
         # Forwards of a wrapped model can be collective: every rank runs the same number, padding
         # with weightless repeats.
