@@ -8,16 +8,19 @@ from sparse_llm.ops import cuda_ops  # noqa: F401  (registers torch.ops.sparse_l
 from sparse_llm.ops.checks import check_ffn_inputs
 from sparse_llm.ops.ffn import DEFAULT_HEAVY_THRESHOLD, ffn_forward, twell_pack
 from sparse_llm.ops.reference import ffn_forward_reference
+from sparse_llm.ops.train import FFNTrainOutput, ffn_forward_train
 from sparse_llm.ops.twell import SLOTS, TILE, TwellPacked, twell_pack_reference, twell_unpack
 
 __all__ = [
     "DEFAULT_HEAVY_THRESHOLD",
     "SLOTS",
     "TILE",
+    "FFNTrainOutput",
     "TwellPacked",
     "check_ffn_inputs",
     "ffn_forward",
     "ffn_forward_reference",
+    "ffn_forward_train",
     "twell_pack",
     "twell_pack_reference",
     "twell_unpack",

@@ -1,0 +1,89 @@
+"""The training FFN front: `ffn_forward_train`, differentiable, with the sparsity statistics.
+
+    out = ffn_forward_train(x, Wg, Wu, Wd, impl="auto")
+    out.y              [..., D]  like x; differentiable in x, Wg, Wu, Wd
+    out.l0             []        mean number of active units (relu(g) > 0) per token (float32,
+                                 float64 for float64 inputs)
+    out.l1             []        mean over tokens of sum over units of |h| (float32, float64 for
+                                 float64 inputs); differentiable
+    out.nnz_per_token  [M] int64 active units per token (M = x.numel() // D, row-major)
+    out.fire_counts    [H] int64 tokens on which each unit fired
+
+so a model takes its FFNStats (l1, nnz_per_token, fire_counts) straight from one call, with no
+second pass over the activations. The L1 weight lambda enters through autograd: the loss
+`ce + lambda * mean_layers(l1)` hands each layer grad_l1 = lambda / L, and the backward op
+consumes grad_y and grad_l1 together (dh = grad_y Wd + grad_l1 * sign(h) / M), so the L1
+gradient costs no separate pass. Autograd saves x, the weights and a compact record of the
+active entries (sparse_llm.ops.train_reference), never a dense M x H tensor.
+
+Under autocast the op runs in the autocast dtype (inputs cast as autocast casts a matmul's);
+gradients reach fp32 master weights through those casts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, NamedTuple
+
+import torch
+
+from sparse_llm.ops import train_ops  # noqa: F401  (registers torch.ops.sparse_llm.ffn_train_*)
+from sparse_llm.ops.checks import check_ffn_inputs
+from sparse_llm.ops.train_reference import acc_dtype
+
+TrainImpl = Literal["auto", "cuda", "reference"]
+
+CUDA_NOT_BUILT = (
+    "ffn_forward_train(impl='cuda'): the CUDA training kernels are not built yet; "
+    "use impl='auto' or impl='reference' (the exact PyTorch reference)"
+)
+
+
+class FFNTrainOutput(NamedTuple):
+    y: torch.Tensor
+    l0: torch.Tensor
+    l1: torch.Tensor
+    nnz_per_token: torch.Tensor
+    fire_counts: torch.Tensor
+
+
+def resolve_train_impl(impl: str, x: torch.Tensor) -> str:
+    """Which implementation runs: 'reference' for now ('auto' resolves to it everywhere;
+    'cuda' raises until the training kernels exist)."""
+    if impl == "reference":
+        return "reference"
+    if impl == "cuda":
+        raise NotImplementedError(CUDA_NOT_BUILT)
+    if impl == "auto":
+        if x.device.type == "cuda" and not torch.compiler.is_compiling():
+            warnings.warn(
+                "sparse_llm.ops: CUDA training kernels not built yet; the training FFN runs the "
+                "PyTorch reference",
+                stacklevel=3,
+            )
+        return "reference"
+    raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+
+
+def ffn_forward_train(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    impl: TrainImpl = "auto",
+) -> FFNTrainOutput:
+    """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
+
+    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). Exact on every pattern. See the
+    module docstring for the outputs and how the L1 gradient is fused."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
+    check_ffn_inputs(x, wg, wu, wd)
+    resolve_train_impl(impl, x)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y, l1, nnz_per_token, fire_counts, *_ = torch.ops.sparse_llm.ffn_train_fwd_ref(
+        x2, wg.contiguous(), wu.contiguous(), wd.contiguous()
+    )
+    l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
+    return FFNTrainOutput(y.view(x.shape), l0, l1, nnz_per_token, fire_counts)
