@@ -185,10 +185,17 @@ class ReluGatedMLP(nn.Module):
         self.up_proj = nn.Linear(d, h, bias=False)
         self.down_proj = nn.Linear(h, d, bias=False)
         self.ffn_impl = cfg.ffn_impl
+        # Set by sparse_llm.ops.train_fallback when this layer's measured density makes the
+        # sparse training path slower than dense; only read when ffn_impl is not dense.
+        self.train_dense_fallback = False
 
     def forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        if self.ffn_impl != "dense" and not with_stats and not torch.is_grad_enabled():
-            return self._sparse_forward(x), ()
+        if self.ffn_impl != "dense":
+            if not torch.is_grad_enabled():
+                if not with_stats:
+                    return self._sparse_forward(x), ()
+            elif not self.train_dense_fallback:
+                return self._sparse_train_forward(x, with_stats)
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
@@ -209,6 +216,20 @@ class ReluGatedMLP(nn.Module):
         wg, wu, wd = (w.to(dtype) for w in weights)
         impl = "auto" if self.ffn_impl == "cuda" else "reference"
         return ops.ffn_forward(x.to(dtype), wg, wu, wd, impl=impl)
+
+    def _sparse_train_forward(
+        self, x: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Training through `ops.ffn_forward_train`: it saves x plus a compact record of the
+        active units (no dense M x H tensor) and gives the layer's statistics from the same call."""
+        from sparse_llm import ops
+
+        impl = "auto" if self.ffn_impl == "cuda" else "reference"
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        out = ops.ffn_forward_train(x, *weights, impl=impl)
+        if not with_stats:
+            return out.y, ()
+        return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)
 
 
 def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -103,3 +103,82 @@ def test_sparse_ffn_impls_match_dense_logits_without_grad(ffn_impl):
     out = sparse(ids, labels=ids, with_stats=True)
     out.loss.backward()
     assert sparse.model.layers[0].mlp.gate_proj.weight.grad is not None
+
+
+def _train_five_steps(ffn_impl: str):
+    from sparse_llm.sparsity.penalty import l1_penalty
+
+    torch.manual_seed(3)
+    model = build_model(small_config(ffn_impl=ffn_impl))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(4)
+    losses, stats = [], []
+    for _ in range(5):
+        ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=gen)
+        out = model(ids, labels=ids, with_stats=True)
+        loss = out.loss + 1e-2 * l1_penalty(out.ffn_stats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        stats.append([s.detach() for s in out.ffn_stats])
+    return torch.stack(losses), stats, model.state_dict()
+
+
+def test_training_through_sparse_reference_equals_dense():
+    """ffn_impl=reference trains through ops.ffn_forward_train; same losses, weights and stats."""
+    dense_losses, dense_stats, dense_state = _train_five_steps("dense")
+    ref_losses, ref_stats, ref_state = _train_five_steps("reference")
+    torch.testing.assert_close(ref_losses, dense_losses, rtol=1e-5, atol=1e-5)
+    for name, value in dense_state.items():
+        torch.testing.assert_close(ref_state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for got, want in zip(ref_stats, dense_stats, strict=True):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # l1
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # nnz, fire counts
+
+
+def test_training_forward_uses_the_train_op_unless_fallen_back(monkeypatch):
+    from sparse_llm import ops
+
+    calls = []
+    real = ops.ffn_forward_train
+    monkeypatch.setattr(ops, "ffn_forward_train", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build_model(small_config(ffn_impl="reference"))
+    ids = torch.randint(0, 97, (2, 7))
+    model(ids, labels=ids, with_stats=True).loss.backward()
+    assert len(calls) == 2
+    for layer in model.model.layers:
+        layer.mlp.train_dense_fallback = True
+    model(ids, labels=ids, with_stats=True).loss.backward()
+    assert len(calls) == 2
+
+
+def test_density_fallback_rule_switches_and_logs(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from sparse_llm.ops.train_fallback import DensityFallbackCallback, wants_dense
+
+    assert wants_dense(0.06, False, 0.05, 0.8) and not wants_dense(0.05, False, 0.05, 0.8)
+    assert wants_dense(0.045, True, 0.05, 0.8) and not wants_dense(0.039, True, 0.05, 0.8)
+    model = build_model(small_config(ffn_impl="reference"))  # H = 176
+    callback = DensityFallbackCallback(max_density=0.1, hysteresis=0.5)
+    trainer = SimpleNamespace(model=model)
+    metrics = {"loss": 1.0}
+    callback.on_step_end(trainer, 1, metrics)  # no L0 this step: nothing changes
+    assert metrics == {"loss": 1.0}
+    with caplog.at_level(logging.INFO, logger="sparse_llm.ops.train_fallback"):
+        metrics = {"l0/layer_00": 5.0, "l0/layer_01": 30.0}
+        callback.on_step_end(trainer, 2, metrics)
+    assert [layer.mlp.train_dense_fallback for layer in model.model.layers] == [False, True]
+    assert metrics["ffn_fallback/layer_01"] == 1.0 and metrics["ffn_fallback/dense_layers"] == 1.0
+    assert "layer 1" in caplog.text and "to dense" in caplog.text
+    metrics = {"l0/layer_00": 5.0, "l0/layer_01": 12.0}  # 0.068: inside the hysteresis band
+    callback.on_step_end(trainer, 3, metrics)
+    assert model.model.layers[1].mlp.train_dense_fallback and metrics["ffn_fallback/switches"] == 0.0
+    metrics = {"l0/layer_00": 5.0, "l0/layer_01": 8.0}  # 0.045 < 0.05: back to sparse
+    callback.on_step_end(trainer, 4, metrics)
+    assert not model.model.layers[1].mlp.train_dense_fallback and metrics["ffn_fallback/switches"] == 1.0
+    dense_model = build_model(small_config())
+    callback.on_step_end(SimpleNamespace(model=dense_model), 5, {"l0/layer_00": 170.0, "l0/layer_01": 170.0})
+    assert not any(layer.mlp.train_dense_fallback for layer in dense_model.model.layers)
