@@ -5,6 +5,7 @@ several input sets in turn (x and all three weights), so no call finds its weigh
 the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
 
     python scripts/benchmark_ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
+    python scripts/benchmark_ffn.py --train ...   # forward+backward with L1 and saved bytes, vs dense
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours per case")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="time forward+backward (with L1) of ffn_forward_train vs dense, and saved-activation bytes",
+    )
+    p.add_argument(
+        "--train-impl", default="cuda", choices=["cuda", "reference"], help="ffn_forward_train impl (--train)"
+    )
     return p.parse_args()
 
 
@@ -216,8 +225,131 @@ def markdown(meta: dict, rows: list[dict], thresholds: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dense_train(x, wg, wu, wd):
+    """The model's dense FFN with its statistics: (y, l1)."""
+    h = torch.relu(x @ wg.T) * (x @ wu.T)
+    return h @ wd.T, h.float().abs().sum(-1).mean()
+
+
+def saved_bytes(fn: Callable, inputs: Sequence[torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for fn's backward, leaf inputs (x, weights) excluded."""
+    leaves = {t.untyped_storage().data_ptr() for t in inputs}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in leaves:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    del out
+    return sum(saved.values())
+
+
+def bench_train_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Callable) -> dict:
+    sets = []
+    for k in range(args.sets):
+        w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
+        sets.append(tuple(t.requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)))
+
+    def ours(x, wg, wu, wd):
+        out = ops.ffn_forward_train(x, wg, wu, wd, impl=args.train_impl)
+        return out.y, out.l1
+
+    def fwd_bwd(fn):
+        def run(x, wg, wu, wd):
+            y, l1 = fn(x, wg, wu, wd)
+            torch.autograd.backward((y, l1), (torch.ones_like(y), torch.tensor(2e-5, device=y.device)))
+            for t in (x, wg, wu, wd):
+                t.grad = None
+
+        return run
+
+    row: dict = {"M": m, "nnz_target": nnz}
+    with torch.no_grad():
+        row["nnz_measured"] = (sets[0][0] @ sets[0][1].T > 0).sum(-1).double().mean().item()
+    # Saved activations: what autograd keeps besides x and the weights (x counted separately).
+    row["saved_mb_dense"] = saved_bytes(dense_train, sets[0]) / 1e6
+    row["saved_mb_ours"] = saved_bytes(ours, sets[0]) / 1e6
+    row["x_mb"] = sets[0][0].numel() * sets[0][0].element_size() / 1e6
+    variants = {"ms_dense_eager": fwd_bwd(dense_train), "ms_dense_compiled": fwd_bwd(dense_compiled)}
+    variants["ms_ours"] = fwd_bwd(ours)
+    passes: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(2):
+        for name, fn in variants.items():
+            passes[name].append(median_ms(fn, sets, args.warmup, args.reps))
+    for name in variants:
+        row[name] = min(passes[name])
+    row["speedup_vs_eager"] = row["ms_dense_eager"] / row["ms_ours"]
+    row["speedup_vs_compiled"] = row["ms_dense_compiled"] / row["ms_ours"]
+    return row
+
+
+def markdown_train(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# FFN training forward+backward (with L1): {meta['device']}",
+        "",
+        f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, D={meta['D']}, H={meta['H']}, "
+        f"ffn_forward_train impl={meta['train_impl']}, median of {meta['reps']} CUDA-event timings over "
+        f"{meta['sets']} rotating input sets (better of two passes). Saved MB: autograd's saved tensors "
+        "other than x and the weights (x itself is x MB, kept by both).",
+        "",
+        "| M | nnz/token (target / measured) | dense eager ms | dense compiled ms | ours ms | vs eager "
+        "| vs compiled | saved MB dense | saved MB ours | x MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['M']} | {r['nnz_target']:g} / {r['nnz_measured']:.1f} | {r['ms_dense_eager']:.3f} "
+            f"| {r['ms_dense_compiled']:.3f} | {r['ms_ours']:.3f} | {r['speedup_vs_eager']:.2f}x "
+            f"| {r['speedup_vs_compiled']:.2f}x | {r['saved_mb_dense']:.1f} | {r['saved_mb_ours']:.1f} "
+            f"| {r['x_mb']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main_train(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_ffn --train: needs a CUDA GPU")
+    dense_compiled = torch.compile(dense_train, dynamic=False)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "D": args.D,
+        "H": args.H,
+        "reps": args.reps,
+        "sets": args.sets,
+        "train_impl": args.train_impl,
+    }
+    rows = []
+    for m in args.M:
+        for nnz in args.nnz:
+            rows.append(bench_train_one(m, nnz, args, dense_compiled))
+            r = rows[-1]
+            print(
+                f"M={m} nnz={nnz:g}: dense {r['ms_dense_compiled']:.3f} ours {r['ms_ours']:.3f} ms, "
+                f"saved {r['saved_mb_ours']:.1f} MB (dense {r['saved_mb_dense']:.1f})",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    text = markdown_train(meta, rows)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    if args.md:
+        args.md.write_text(text)
+
+
 def main() -> None:
     args = parse_args()
+    if args.train:
+        main_train(args)
+        return
     if not torch.cuda.is_available() or _extension.load() is None:
         raise SystemExit(
             f"benchmark_ffn: needs a Hopper GPU and the extension ({_extension.unavailable_reason()})"

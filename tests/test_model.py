@@ -182,3 +182,21 @@ def test_density_fallback_rule_switches_and_logs(caplog):
     dense_model = build_model(small_config())
     callback.on_step_end(SimpleNamespace(model=dense_model), 5, {"l0/layer_00": 170.0, "l0/layer_01": 170.0})
     assert not any(layer.mlp.train_dense_fallback for layer in dense_model.model.layers)
+
+
+def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_model.py"
+    out = tmp_path / "bench.json"
+    args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *args, "--md", str(tmp_path / "bench.md")], check=True)
+    result = json.loads(out.read_text())
+    dense, sparse = result["results"]
+    assert (dense["impl"], sparse["impl"]) == ("dense", "cuda") and result["meta"]["commit"]
+    assert sparse["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
+    assert sparse["l0_mean"] == pytest.approx(dense["l0_mean"])
+    assert "| dense |" in (tmp_path / "bench.md").read_text()

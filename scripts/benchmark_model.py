@@ -1,0 +1,220 @@
+"""Benchmark a whole-model training step: dense FFN vs the sparse training FFN (ffn_impl=cuda).
+
+With --sparsify-steps N the model is first trained N steps by the Trainer at a high L1 (so the
+FFNs reach the sparsity the kernels are for); every implementation is then timed on the same
+weights, side by side in one run: median step time (forward + backward + AdamW), tokens/s,
+peak memory, the measured L0/sparsity and the loss. Prints Markdown, writes JSON and Markdown.
+
+    python scripts/benchmark_model.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
+    python scripts/benchmark_model.py --tiny      # CPU, seconds: the script end to end
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sparse_llm.config import ModelConfig, load_config  # noqa: E402
+from sparse_llm.model import build_model  # noqa: E402
+from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
+
+TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script end to end")
+    p.add_argument("--impls", nargs="+", default=["dense", "cuda"], help="model.ffn_impl values to time")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sparsify-steps", type=int, default=0, help="Trainer steps at high L1 first")
+    p.add_argument("--sparsify-l1", type=float, default=3e-3, help="L1 coefficient of the sparsify run")
+    p.add_argument("--sparsify-lr", type=float, default=1e-3)
+    p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.micro_batch, args.seq_len = 2, 32
+    return args
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def model_dict(args: argparse.Namespace) -> dict:
+    if args.tiny:
+        return dict(TINY_MODEL)
+    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{args.preset}.yaml"))
+    raw.pop("name", None)
+    return raw
+
+
+def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[ModelConfig, dict]:
+    """Train `--sparsify-steps` steps at a high L1 with the Trainer; the resolved config and weights."""
+    from sparse_llm.training.trainer import Trainer
+
+    cfg = load_config(
+        {
+            "run_dir": str(run_dir),
+            "model": {**model, "ffn_impl": "dense"},
+            "data": {"max_documents": 300} if args.tiny else {},
+            "train": dict(
+                seq_len=args.seq_len,
+                global_batch_size=args.micro_batch,
+                micro_batch_size=args.micro_batch,
+                max_steps=args.sparsify_steps,
+                lr=args.sparsify_lr,
+                warmup_steps=max(1, args.sparsify_steps // 10),
+                log_every=max(1, args.sparsify_steps // 10),
+                eval_every=0,
+                checkpoint_every=0,
+                export=False,
+                progress=False,
+            ),
+            "sparsity": {"l1_coeff": args.sparsify_l1, "plots": False},
+            "logger": {"wandb": {"mode": "disabled"}},
+        }
+    )
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    return trainer.model.config, state
+
+
+def time_impl(impl: str, mcfg: ModelConfig, state: dict, args: argparse.Namespace, device: str) -> dict:
+    from dataclasses import replace
+
+    from sparse_llm.ops.train import resolve_train_impl
+
+    torch.manual_seed(args.seed)
+    model = build_model(replace(mcfg, ffn_impl=impl))
+    model.load_state_dict(state)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    forward = torch.compile(model) if args.compile else model
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq_len + 1), generator=gen).to(device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    record: dict = {"impl": impl}
+    if impl != "dense":
+        probe = torch.empty(0, device=device)
+        try:
+            record["train_ffn"] = (
+                "cuda" if impl == "cuda" and resolve_train_impl("cuda", probe) else "reference"
+            )
+        except NotImplementedError:
+            record["train_ffn"] = "reference (CUDA training kernels not built yet)"
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast:
+            out = forward(ids[:, :-1], labels=ids[:, 1:], with_stats=True)
+            loss = out.loss + args.l1 * l1_penalty(out.ffn_stats)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach(), out.ffn_stats.nnz_per_token.float().mean(-1)
+
+    for _ in range(args.warmup):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses, l0 = [], [], None
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        loss, l0 = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    tokens = args.micro_batch * args.seq_len
+    record["ms_step"] = 1000 * statistics.median(times)
+    record["tokens_per_s"] = tokens / statistics.median(times)
+    record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    record["loss_first"], record["loss_last"] = losses[0], losses[-1]
+    record["l0_mean"] = l0.mean().item()
+    record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
+    return record
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    base = rows[0]
+    lines = [
+        f"# Training step, whole model: {meta['device']}",
+        "",
+        f"preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, "
+        f"{meta['micro_batch']} x {meta['seq_len']} tokens per step, median of {meta['steps']} steps "
+        f"after {meta['warmup']} warm-up, compile={meta['compile']}, sparsify steps {meta['sparsify_steps']} "
+        f"(L1 {meta['sparsify_l1']:g}).",
+        "",
+        "| ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first | L0 | sparsity | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mem_ratio = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] > 0 else float("nan")
+        lines.append(
+            f"| {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} | {r['ms_step']:.1f} "
+            f"| {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x | {r['peak_mem_gib']:.2f} "
+            f"| {mem_ratio:.2f}x | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% | {r['loss_last']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    model = model_dict(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.sparsify_steps > 0:
+            mcfg, state = sparsify(args, model, Path(tmp) / "sparsify")
+        else:
+            mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
+            torch.manual_seed(args.seed)
+            state = build_model(mcfg).state_dict()
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "preset": "tiny" if args.tiny else args.preset,
+        **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
+        **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
+    }
+    rows = [time_impl(impl, mcfg, state, args, device) for impl in args.impls]
+    text = markdown(meta, rows)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    if args.md:
+        args.md.write_text(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
