@@ -310,10 +310,9 @@ def markdown_train(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main_train(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmark_ffn --train: needs a CUDA GPU")
-    dense_compiled = torch.compile(dense_train, dynamic=False)
+def run_cases(args: argparse.Namespace, bench, render, describe, extra_meta: dict) -> None:
+    """Time every (M, nnz) case with `bench`, print a progress line (`describe`) and the table
+    (`render`), and write JSON / Markdown where asked."""
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -324,25 +323,36 @@ def main_train(args: argparse.Namespace) -> None:
         "H": args.H,
         "reps": args.reps,
         "sets": args.sets,
-        "train_impl": args.train_impl,
+        **extra_meta,
     }
     rows = []
     for m in args.M:
         for nnz in args.nnz:
-            rows.append(bench_train_one(m, nnz, args, dense_compiled))
-            r = rows[-1]
-            print(
-                f"M={m} nnz={nnz:g}: dense {r['ms_dense_compiled']:.3f} ours {r['ms_ours']:.3f} ms, "
-                f"saved {r['saved_mb_ours']:.1f} MB (dense {r['saved_mb_dense']:.1f})",
-                flush=True,
-            )
+            rows.append(bench(m, nnz))
+            print(f"M={m} nnz={nnz:g}: {describe(rows[-1])}", flush=True)
             torch.cuda.empty_cache()
-    text = markdown_train(meta, rows)
+    text = render(meta, rows)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     if args.md:
         args.md.write_text(text)
+
+
+def main_train(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_ffn --train: needs a CUDA GPU")
+    dense_compiled = torch.compile(dense_train, dynamic=False)
+    run_cases(
+        args,
+        lambda m, nnz: bench_train_one(m, nnz, args, dense_compiled),
+        markdown_train,
+        lambda r: (
+            f"dense {r['ms_dense_compiled']:.3f} ours {r['ms_ours']:.3f} ms, "
+            f"saved {r['saved_mb_ours']:.1f} MB (dense {r['saved_mb_dense']:.1f})"
+        ),
+        {"train_impl": args.train_impl},
+    )
 
 
 def main() -> None:
@@ -356,35 +366,16 @@ def main() -> None:
         )
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default, stated
     dense_compiled = torch.compile(ops.ffn_forward_reference, dynamic=False)
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "D": args.D,
-        "H": args.H,
-        "reps": args.reps,
-        "sets": args.sets,
-        "heavy_thresholds": args.heavy_threshold,
-    }
-    rows = []
-    for m in args.M:
-        for nnz in args.nnz:
-            rows.append(bench_one(m, nnz, args, dense_compiled))
-            r = rows[-1]
-            print(
-                f"M={m} nnz={nnz:g}: eager {r['ms_dense_eager']:.3f} compiled {r['ms_dense_compiled']:.3f} "
-                f"ours {r['ms_ours']} ms, err {r['err_ours']:.2e} (dense {r['err_dense_bf16']:.2e})",
-                flush=True,
-            )
-            torch.cuda.empty_cache()
-    text = markdown(meta, rows, args.heavy_threshold)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    run_cases(
+        args,
+        lambda m, nnz: bench_one(m, nnz, args, dense_compiled),
+        lambda meta, rows: markdown(meta, rows, args.heavy_threshold),
+        lambda r: (
+            f"eager {r['ms_dense_eager']:.3f} compiled {r['ms_dense_compiled']:.3f} ours {r['ms_ours']} ms, "
+            f"err {r['err_ours']:.2e} (dense {r['err_dense_bf16']:.2e})"
+        ),
+        {"heavy_thresholds": args.heavy_threshold},
+    )
 
 
 if __name__ == "__main__":
