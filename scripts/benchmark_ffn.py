@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 from sparse_llm import ops
 from sparse_llm.ops import _extension
 from sparse_llm.ops.workload import make_workload
+from sparse_llm.training.run_info import git_commit
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,17 +89,6 @@ def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
     x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
     ref = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
     return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Callable) -> dict:

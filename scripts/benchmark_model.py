@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from sparse_llm.config import ModelConfig, load_config  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
+from sparse_llm.training.run_info import git_commit  # noqa: E402
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
@@ -55,16 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tiny:
         args.micro_batch, args.seq_len = 2, 32
     return args
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def model_dict(args: argparse.Namespace) -> dict:

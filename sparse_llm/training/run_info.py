@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,6 +14,10 @@ import torch
 
 
 def git_commit(repo: Path | None = None) -> str:
+    """The short commit of `repo` (default: this checkout); $GIT_COMMIT names it for copies
+    without git metadata, such as the tree sent to a device machine."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     repo = repo or Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(
