@@ -185,7 +185,7 @@ class ReluGatedMLP(nn.Module):
         self.up_proj = nn.Linear(d, h, bias=False)
         self.down_proj = nn.Linear(h, d, bias=False)
         self.ffn_impl = cfg.ffn_impl
-        # Set by sparse_llm.ops.train_fallback when this layer's measured density makes the
+        # Set by sparse_llm.training.ffn_fallback when this layer's measured density makes the
         # sparse training path slower than dense; only read when ffn_impl is not dense.
         self.train_dense_fallback = False
 

@@ -157,7 +157,7 @@ def test_density_fallback_rule_switches_and_logs(caplog):
     import logging
     from types import SimpleNamespace
 
-    from sparse_llm.ops.train_fallback import DensityFallbackCallback, wants_dense
+    from sparse_llm.training.ffn_fallback import DensityFallbackCallback, wants_dense
 
     assert wants_dense(0.06, False, 0.05, 0.8) and not wants_dense(0.05, False, 0.05, 0.8)
     assert wants_dense(0.045, True, 0.05, 0.8) and not wants_dense(0.039, True, 0.05, 0.8)
@@ -167,7 +167,7 @@ def test_density_fallback_rule_switches_and_logs(caplog):
     metrics = {"loss": 1.0}
     callback.on_step_end(trainer, 1, metrics)  # no L0 this step: nothing changes
     assert metrics == {"loss": 1.0}
-    with caplog.at_level(logging.INFO, logger="sparse_llm.ops.train_fallback"):
+    with caplog.at_level(logging.INFO, logger="sparse_llm.training.ffn_fallback"):
         metrics = {"l0/layer_00": 5.0, "l0/layer_01": 30.0}
         callback.on_step_end(trainer, 2, metrics)
     assert [layer.mlp.train_dense_fallback for layer in model.model.layers] == [False, True]

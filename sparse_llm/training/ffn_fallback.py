@@ -14,7 +14,7 @@ placeholder until then. Decisions use the global (all-rank) density, so every ra
 Wire it into training with a `callbacks:` config entry:
 
     callbacks:
-      - _target_: sparse_llm.ops.train_fallback.DensityFallbackCallback
+      - _target_: sparse_llm.training.ffn_fallback.DensityFallbackCallback
         max_density: 0.05
 """
 
