@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.config import DataConfig, load_config, to_yaml  # noqa: E402
+from sparse_llm.config import DataConfig  # noqa: E402
 from sparse_llm.inference import load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
 from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
 from sparse_llm.model import KVCache  # noqa: E402
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 def sparsify(args: argparse.Namespace) -> Path:
     """Train the preset briefly with a high L1 through the Trainer; returns the run directory."""
-    from sparse_llm.training.trainer import Trainer
+    from sparse_llm.training.short_run import short_training_run
 
     run_dir = args.out / "sparsify_run"
     model = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{args.preset}.yaml"))
@@ -104,32 +104,17 @@ def sparsify(args: argparse.Namespace) -> Path:
         lr=args.sparsify_lr,
         warmup_steps=max(1, args.sparsify_steps // 10),
         log_every=max(1, args.sparsify_steps // 20),
-        eval_every=0,
-        eval_batches=1,
-        checkpoint_every=0,
-        keep_last=1,
-        export=False,
         compile=gpu,
         device="cuda" if gpu else "cpu",
         progress=not args.tiny,
     )
-    sparsity = dict(l1_coeff=args.l1_coeff, l1_warmup_end=max(1, args.sparsify_steps // 5), plots=False)
-    raw: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "model": model,
-        "train": train,
-        "sparsity": sparsity,
-        "logger": {"wandb": {"mode": "disabled"}},
-    }
+    sparsity = dict(l1_coeff=args.l1_coeff, l1_warmup_end=max(1, args.sparsify_steps // 5))
+    data = None
     if args.tiny:
-        raw["model"].update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
-        raw["train"].update(seq_len=32, global_batch_size=4, micro_batch_size=4, lr=1e-2)
-        raw["data"] = {"max_documents": 200}
-    merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(args.set))
-    cfg = load_config(merged)
-    trainer = Trainer(cfg, run_dir)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    trainer.fit()
+        model.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+        train.update(seq_len=32, global_batch_size=4, micro_batch_size=4, lr=1e-2)
+        data = {"max_documents": 200}
+    trainer = short_training_run(run_dir, model, train, sparsity, data, overrides=args.set)
     trainer.accelerator.free_memory()  # the accelerator holds the model and optimizer otherwise
     del trainer
     gc.collect()

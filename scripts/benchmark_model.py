@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.config import ModelConfig, load_config  # noqa: E402
+from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
 from sparse_llm.training.run_info import git_commit  # noqa: E402
@@ -67,32 +67,21 @@ def model_dict(args: argparse.Namespace) -> dict:
 
 def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[ModelConfig, dict]:
     """Train `--sparsify-steps` steps at a high L1 with the Trainer; the resolved config and weights."""
-    from sparse_llm.training.trainer import Trainer
+    from sparse_llm.training.short_run import short_training_run
 
-    cfg = load_config(
-        {
-            "run_dir": str(run_dir),
-            "model": {**model, "ffn_impl": "dense"},
-            "data": {"max_documents": 300} if args.tiny else {},
-            "train": dict(
-                seq_len=args.seq_len,
-                global_batch_size=args.micro_batch,
-                micro_batch_size=args.micro_batch,
-                max_steps=args.sparsify_steps,
-                lr=args.sparsify_lr,
-                warmup_steps=max(1, args.sparsify_steps // 10),
-                log_every=max(1, args.sparsify_steps // 10),
-                eval_every=0,
-                checkpoint_every=0,
-                export=False,
-                progress=False,
-            ),
-            "sparsity": {"l1_coeff": args.sparsify_l1, "plots": False},
-            "logger": {"wandb": {"mode": "disabled"}},
-        }
+    train = dict(
+        seq_len=args.seq_len,
+        global_batch_size=args.micro_batch,
+        micro_batch_size=args.micro_batch,
+        max_steps=args.sparsify_steps,
+        lr=args.sparsify_lr,
+        warmup_steps=max(1, args.sparsify_steps // 10),
+        log_every=max(1, args.sparsify_steps // 10),
     )
-    trainer = Trainer(cfg, run_dir)
-    trainer.fit()
+    data = {"max_documents": 300} if args.tiny else None
+    trainer = short_training_run(
+        run_dir, {**model, "ffn_impl": "dense"}, train, {"l1_coeff": args.sparsify_l1}, data
+    )
     state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
     return trainer.model.config, state
 
