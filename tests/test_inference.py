@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM
 
-from sparse_llm.config import load_config, to_yaml
+from sparse_llm.config import to_yaml
 from sparse_llm.export import export_hf
 from sparse_llm.inference import (
     Generator,
@@ -34,24 +35,15 @@ PROMPTS = ["def main():\n    return", "import os\n", "class Foo(object):\n    de
 def run_dir(tmp_path_factory) -> Path:
     """A 2-step training run with its checkpoint, config.yaml and HF export."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(
-        {
-            "run_dir": str(run_dir),
-            "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            "data": dict(max_documents=100),
-            "train": dict(
-                seq_len=32,
-                global_batch_size=2,
-                micro_batch_size=2,
-                max_steps=2,
-                lr=1e-2,
-                warmup_steps=1,
-                eval_batches=1,
-                progress=False,
-            ),
-            "sparsity": dict(l1_coeff=1e-3, plots=False),
-            "logger": {"wandb": {"mode": "disabled"}},
-        }
+    cfg = tiny_run_config(
+        run_dir,
+        max_documents=100,
+        global_batch_size=2,
+        max_steps=2,
+        lr=1e-2,
+        warmup_steps=1,
+        eval_batches=1,
+        export=True,
     )
     trainer = Trainer(cfg, run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))  # as sparse_llm.train writes it
