@@ -11,7 +11,6 @@ the call before, as in a model with many layers. Prints a Markdown table, writes
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ import torch
 from sparse_llm import ops
 from sparse_llm.ops import _extension
 from sparse_llm.ops.workload import make_workload
-from sparse_llm.training.run_info import git_commit
+from sparse_llm.training.run_info import collect_run_info
 
 
 def parse_args() -> argparse.Namespace:
@@ -302,11 +301,7 @@ def run_cases(args: argparse.Namespace, bench, render, describe, extra_meta: dic
     """Time every (M, nnz) case with `bench`, print a progress line (`describe`) and the table
     (`render`), and write JSON / Markdown where asked."""
     meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **collect_run_info(torch.device("cuda"), world_size=1),
         "D": args.D,
         "H": args.H,
         "reps": args.reps,

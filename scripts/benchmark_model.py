@@ -12,7 +12,6 @@ peak memory, the measured L0/sparsity and the loss. Prints Markdown, writes JSON
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
-from sparse_llm.training.run_info import git_commit  # noqa: E402
+from sparse_llm.training.run_info import collect_run_info  # noqa: E402
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
@@ -178,10 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             torch.manual_seed(args.seed)
             state = build_model(mcfg).state_dict()
     meta = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **collect_run_info(torch.device(device), world_size=1),
         "preset": "tiny" if args.tiny else args.preset,
         **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
