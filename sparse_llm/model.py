@@ -55,13 +55,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """The RoPE inverse frequencies (float32), as transformers' default rope computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE, laid out as in transformers (rotate_half convention)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
 
     def forward(
         self,

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.data import load_tokenizer
-from sparse_llm.model import SparseLlamaForCausalLM, build_model
+from sparse_llm.model import SparseLlamaForCausalLM, build_model, rope_inv_freq
 from sparse_llm.training import checkpoint as ckpt_io
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -151,7 +151,10 @@ def load_model(
     with torch.device("meta"):
         model = build_model(cfg)
     model.to_empty(device="cpu")
-    model.model.rotary_emb.inv_freq = _inv_freq(cfg)
+    # to_empty leaves buffers uninitialised; the RoPE frequencies are not in the checkpoint.
+    model.model.rotary_emb.inv_freq = rope_inv_freq(
+        cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta
+    )
     ckpt_io.load_model_state(model, state)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -161,8 +164,3 @@ def load_model(
         eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return LoadedModel(model, tokenizer, source, directory, eos_ids)
-
-
-def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
