@@ -185,8 +185,10 @@ class Trainer:
             self.sparsity.update(FFNStats(*(s.detach() for s in out.ffn_stats)))
             ce_sum += out.loss.detach()
             l1_sum += l1.detach()
-        ce = self.accelerator.reduce(ce_sum / self.accum_steps, reduction="mean").item()
-        l1_mean = self.accelerator.reduce(l1_sum / self.accum_steps, reduction="mean").item()
+        # One all-reduce and one host sync per step for both scalars.
+        ce, l1_mean = self.accelerator.reduce(
+            torch.stack((ce_sum, l1_sum)) / self.accum_steps, reduction="mean"
+        ).tolist()
         if not math.isfinite(ce) or not math.isfinite(l1_mean):
             raise TrainingDiverged(
                 f"loss became {ce} (L1 {l1_mean}) at step {self.step + 1}; stopping without a checkpoint. "
