@@ -1,33 +1,18 @@
 // Torch bindings of the TwELL inference kernels. Every buffer is a torch allocation made here or
 // passed in: the extension keeps no state between calls.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
-
 #include <tuple>
 
+#include "torch_glue.h"
 #include "twell.cuh"
 
 namespace {
 
 using sparse_llm::kTwellSlots;
 
-const __nv_bfloat16* bf16_ptr(const at::Tensor& t) {
-  return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr<at::BFloat16>());
-}
-__nv_bfloat16* bf16_mut_ptr(at::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()); }
-
-void check_matrix(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
-}
-
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
-}
+using sparse_llm_glue::bf16_mut_ptr;
+using sparse_llm_glue::bf16_ptr;
+using sparse_llm_glue::check_cuda;
+using sparse_llm_glue::check_matrix;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> twell_pack(const at::Tensor& g,
                                                                                     int64_t heavy_threshold) {
@@ -94,15 +79,7 @@ at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Ten
   return y;
 }
 
-at::Tensor transpose(const at::Tensor& t) {
-  check_matrix(t, "t");
-  const c10::cuda::CUDAGuard guard(t.device());
-  at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options());
-  check_cuda(sparse_llm::launch_transpose_bf16(bf16_ptr(t), t.size(0), t.size(1), bf16_mut_ptr(out),
-                                               c10::cuda::getCurrentCUDAStream().stream()),
-             "transpose");
-  return out;
-}
+at::Tensor transpose(const at::Tensor& t) { return sparse_llm_glue::transpose_bf16(t); }
 
 // The whole inference FFN: cuBLAS gate GEMM, TwELL pack, sparse up/down for the light rows and
 // dense GEMMs on the gathered heavy rows: exact for any pattern. The heavy-row count sizes those
@@ -155,10 +132,14 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
 
 }  // namespace
 
+// The training ops, defined in train_bindings.cpp.
+void register_train_ops(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "sparse-llm TwELL inference kernels (Hopper)";
+  m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
   m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
   m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
   m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
   m.def("transpose", &transpose, "bf16 matrix transpose");
+  register_train_ops(m);
 }

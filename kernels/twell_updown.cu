@@ -6,6 +6,7 @@
 // (3) Every thread owns 8 output columns and accumulates y[r] += h * wd_t[unit] over the row's
 // entries: one coalesced 16-byte gather per entry and thread, fp32 accumulation.
 #include "twell.cuh"
+#include "vec.cuh"
 
 namespace sparse_llm {
 namespace {
@@ -13,39 +14,8 @@ namespace {
 constexpr int kRowsPerCta = 8;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 8;                   // bf16 per 16-byte access
 constexpr int kUpLoads = 8;                 // 16-byte wu loads in flight per lane
 constexpr int kDownUnroll = 4;              // wd_t rows in flight per thread
-constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&out)[kChunk]) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ float dot_bf16x8(const uint4& a, const uint4& b) {
-  float fa[kChunk], fb[kChunk];
-  bf16x8_to_float(a, fa);
-  bf16x8_to_float(b, fb);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) s = fmaf(fa[i], fb[i], s);
-  return s;
-}
-
-__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int n = __shfl_up_sync(kFullMask, v, off);
-    if (lane >= off) v += n;
-  }
-  return v;
-}
 
 __global__ void __launch_bounds__(kThreads)
     twell_updown_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,

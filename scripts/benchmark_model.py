@@ -101,14 +101,12 @@ def time_impl(impl: str, mcfg: ModelConfig, state: dict, args: argparse.Namespac
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     record: dict = {"impl": impl}
     if impl != "dense":
-        probe = torch.empty(0, device=device)
-        try:
-            record["train_ffn"] = (
-                "cuda" if impl == "cuda" and resolve_train_impl("cuda", probe) else "reference"
-            )
-        except NotImplementedError:
-            # The model trains `cuda` layers with the dense FFN until the kernels exist.
-            record["train_ffn"] = "dense (CUDA training kernels not built yet)"
+        # Which training FFN the layers run: the CUDA kernels where they take bf16 layers here.
+        d, h = mcfg.hidden_size, mcfg.intermediate_size
+        x, wg, wd = (
+            torch.empty(shape, device=device, dtype=torch.bfloat16) for shape in ((1, d), (h, d), (d, h))
+        )
+        record["train_ffn"] = resolve_train_impl("auto" if impl == "cuda" else "reference", x, wg, wg, wd)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         with autocast:

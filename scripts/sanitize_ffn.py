@@ -1,19 +1,39 @@
-"""Small TwELL FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh)."""
+"""Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the TwELL
+inference forward and the training forward + backward."""
 
 import torch
 
 from sparse_llm import ops
 from sparse_llm.ops.workload import make_workload
 
+CASES = [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512)]  # M, D, H, nnz, threshold
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
 
 def main() -> None:
-    for m, d, h, nnz, threshold in [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512)]:
+    for m, d, h, nnz, threshold in CASES:
         w = make_workload(m, d, h, nnz, seed=m, device="cuda", calib_tokens=m)
         y = ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda", heavy_threshold=threshold)
         ref = ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="reference")
         torch.cuda.synchronize()
-        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-        print(f"sanitize case M={m} D={d} H={h} threshold={threshold}: rel diff vs dense bf16 {err:.2e}")
+        print(
+            f"inference M={m} D={d} H={h} threshold={threshold}: rel diff vs dense bf16 {rel_diff(y, ref):.2e}"
+        )
+
+        grads = {}
+        for impl in ("cuda", "reference"):
+            inputs = [t.detach().clone().requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)]
+            out = ops.ffn_forward_train(*inputs, impl=impl)
+            (out.y.float().sum() + 0.5 * out.l1).backward()
+            grads[impl] = [out.y, *(t.grad for t in inputs)]
+        torch.cuda.synchronize()
+        diffs = ", ".join(
+            f"{rel_diff(a, b):.1e}" for a, b in zip(grads["cuda"], grads["reference"], strict=True)
+        )
+        print(f"training M={m} D={d} H={h}: rel diff vs reference (y, dx, dWg, dWu, dWd) {diffs}")
 
 
 if __name__ == "__main__":

@@ -198,9 +198,7 @@ class ReluGatedMLP(nn.Module):
             if not torch.is_grad_enabled():
                 if not with_stats:
                     return self._sparse_forward(x), ()
-            elif self.ffn_impl == "reference" and not self.train_dense_fallback:
-                # `cuda` trains dense until the CUDA training kernels exist: the reference op is
-                # exact but slower than dense on a GPU.
+            elif not self.train_dense_fallback:
                 return self._sparse_train_forward(x, with_stats)
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)
@@ -227,11 +225,14 @@ class ReluGatedMLP(nn.Module):
         self, x: torch.Tensor, with_stats: bool
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Training through `ops.ffn_forward_train`: it saves x plus a compact record of the
-        active units (no dense M x H tensor) and gives the layer's statistics from the same call."""
+        active units (no dense M x H tensor) and gives the layer's statistics from the same call.
+        `cuda` runs the CUDA kernels where they can take the inputs (bf16 on Hopper) and the
+        exact reference elsewhere."""
         from sparse_llm import ops
 
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        out = ops.ffn_forward_train(x, *weights, impl="reference")
+        impl = "auto" if self.ffn_impl == "cuda" else "reference"
+        out = ops.ffn_forward_train(x, *weights, impl=impl)
         if not with_stats:
             return out.y, ()
         return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)

@@ -6,9 +6,9 @@ floor), every output element written, on fresh random inputs and on adversarial 
 
 import pytest
 import torch
+from ffn_patterns import PATTERNS, gpu_pattern, rel_err
 
 from sparse_llm import ops
-from sparse_llm.ops.twell import SLOTS
 from sparse_llm.ops.workload import make_workload
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +28,6 @@ def _ffn64(x, wg, wu, wd):
     return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _poison_allocator(numel: int) -> None:
     """Leave NaNs in the caching allocator's free blocks, so an unwritten output element shows."""
     junk = torch.full((numel * 4,), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -46,20 +42,12 @@ def _check_exact(x, wg, wu, wd, **kwargs) -> tuple[float, float]:
     torch.cuda.synchronize()
     assert out.shape == x.shape and out.dtype == x.dtype
     assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite output"
-    err, err_dense = _rel_err(out, ref), _rel_err(dense, ref)
+    err, err_dense = rel_err(out, ref), rel_err(dense, ref)
     if ref.norm() == 0:
         assert out.abs().max().item() == 0
     else:
         assert err <= 2 * err_dense + ABS_FLOOR, f"error {err:.3e} vs dense bf16 {err_dense:.3e}"
     return err, err_dense
-
-
-def _weights(d: int, h: int, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    wg = torch.randn(h, d, generator=gen, device="cuda") / d**0.5
-    wu = torch.randn(h, d, generator=gen, device="cuda") / d**0.5
-    wd = torch.randn(d, h, generator=gen, device="cuda") / h**0.5
-    return wg.bfloat16(), wu.bfloat16(), wd.bfloat16()
 
 
 @needs_hopper
@@ -71,39 +59,11 @@ def test_standard_workload_is_exact(nnz):
     print(f"nnz {nnz} seed {seed}: ours {err:.3e}, dense bf16 {err_dense:.3e}")
 
 
-def _pattern(name: str, m: int, d: int, h: int, seed: int):
-    """(x, wg, wu, wd) whose gate g = x Wg^T has the named pattern; x[:, 0] = 1 drives it via Wg[:, 0]."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    wg, wu, wd = _weights(d, h, seed)
-    x = torch.randn(m, d, generator=gen, device="cuda")
-    x[:, 0] = 1.0
-    bias = torch.full((h,), -50.0, device="cuda")  # nothing fires
-    if name == "all_active":
-        bias.fill_(50.0)
-    elif name == "one_hot":
-        bias[h // 3] = 50.0
-    elif name == "random":
-        bias = 0.5 * torch.randn(h, generator=gen, device="cuda")
-    elif name == "tile_budget":  # exactly SLOTS, then SLOTS + 1, units of tile 0 fire
-        bias[: min(SLOTS, h)] = 50.0
-    elif name == "tile_overflow":
-        bias[: min(SLOTS + 1, h)] = 50.0
-    wg[:, 0] = bias.bfloat16()
-    if name == "mixed_rows":  # empty rows, fully dense rows and sparse rows in one batch
-        wg[:, 0] = -2.0
-        x[0::3] = 0.0  # g = 0: empty rows
-        x[1::3, 0] = -100.0  # g = +200 - ...: every unit fires
-    return x.bfloat16(), wg, wu, wd
-
-
-PATTERNS = ["empty", "all_active", "one_hot", "random", "tile_budget", "tile_overflow", "mixed_rows"]
-
-
 @needs_hopper
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (4099, 2048, 5632)])
 def test_adversarial_patterns_are_exact(pattern, m, d, h):
-    _check_exact(*_pattern(pattern, m, d, h, seed=m + d + h))
+    _check_exact(*gpu_pattern(pattern, m, d, h, seed=m + d + h))
 
 
 @needs_hopper
@@ -115,19 +75,19 @@ def test_every_heavy_threshold_is_exact(heavy_threshold):
 
 @needs_hopper
 def test_empty_batch():
-    x, wg, wu, wd = _pattern("random", 0, 64, 128, seed=4)
+    x, wg, wu, wd = gpu_pattern("random", 0, 64, 128, seed=4)
     assert ops.ffn_forward(x, wg, wu, wd, impl="cuda").shape == (0, 64)
 
 
 @needs_hopper
 def test_largest_dim_and_leading_batch_dims():
-    x, wg, wu, wd = _pattern("random", 300, 8192, 256, seed=5)
+    x, wg, wu, wd = gpu_pattern("random", 300, 8192, 256, seed=5)
     _check_exact(x.view(3, 100, 8192), wg, wu, wd)
 
 
 @needs_hopper
 def test_pack_kernel_matches_reference():
-    x, wg, _, _ = _pattern("mixed_rows", 517, 256, 1000, seed=9)
+    x, wg, _, _ = gpu_pattern("mixed_rows", 517, 256, 1000, seed=9)
     x[2::3] = torch.randn_like(x[2::3])  # plus rows that overflow some tiles only
     g = x @ wg.T
     got = ops.twell_pack(g, heavy_threshold=50, impl="cuda")
@@ -150,7 +110,7 @@ def test_illegal_shapes_are_rejected(d, h, match):
 
 @needs_hopper
 def test_non_contiguous_weights_and_wrong_dtype_are_rejected():
-    x, wg, wu, wd = _pattern("random", 8, 64, 128, seed=1)
+    x, wg, wu, wd = gpu_pattern("random", 8, 64, 128, seed=1)
     with pytest.raises(ValueError, match="contiguous"):
         ops.ffn_forward(x, wg, wu, wd.t().contiguous().t(), impl="cuda")
     with pytest.raises(ValueError, match="bfloat16"):
@@ -159,13 +119,13 @@ def test_non_contiguous_weights_and_wrong_dtype_are_rejected():
 
 @needs_hopper
 def test_auto_picks_cuda_and_matches():
-    x, wg, wu, wd = _pattern("random", 64, 128, 256, seed=2)
+    x, wg, wu, wd = gpu_pattern("random", 64, 128, 256, seed=2)
     torch.testing.assert_close(ops.ffn_forward(x, wg, wu, wd), ops.ffn_forward(x, wg, wu, wd, impl="cuda"))
 
 
 @needs_hopper
 def test_opcheck_and_torch_compile():
-    x, wg, wu, wd = _pattern("random", 100, 128, 256, seed=3)
+    x, wg, wu, wd = gpu_pattern("random", 100, 128, 256, seed=3)
     for wd_t in (None, wd.t().contiguous()):
         torch.library.opcheck(torch.ops.sparse_llm.twell_ffn_forward, (x, wg, wu, wd, wd_t, 16))
     compiled = torch.compile(lambda *a: ops.ffn_forward(*a, impl="cuda"), fullgraph=True)

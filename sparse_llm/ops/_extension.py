@@ -1,4 +1,4 @@
-"""Build and load the CUDA extension (kernels/*.cu + kernels/bindings.cpp) on first use.
+"""Build and load the CUDA extension (kernels/*.cu + kernels/*.cpp) on first use.
 
 JIT through torch.utils.cpp_extension.load with ninja. The module name carries a hash of the
 sources, so an edited kernel gets a fresh build and an unchanged one is loaded from the cache:
@@ -21,12 +21,14 @@ NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo"]
 
 
 def kernel_sources() -> list[Path]:
-    return [*sorted(KERNEL_DIR.glob("*.cu")), KERNEL_DIR / "bindings.cpp"]
+    """What is compiled: every .cu and the torch bindings (.cpp)."""
+    return [*sorted(KERNEL_DIR.glob("*.cu")), *sorted(KERNEL_DIR.glob("*.cpp"))]
 
 
 def _source_hash() -> str:
     digest = hashlib.sha256()
-    for path in [*sorted(KERNEL_DIR.glob("*.cu*")), KERNEL_DIR / "bindings.cpp"]:
+    headers = [*KERNEL_DIR.glob("*.cuh"), *KERNEL_DIR.glob("*.h")]
+    for path in sorted([*kernel_sources(), *headers]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(NVCC_FLAGS).encode())

@@ -8,7 +8,8 @@ from sparse_llm.ops import _extension
 from sparse_llm.ops.twell import SLOTS, n_tiles
 
 
-def _ext():
+def extension():
+    """The loaded CUDA extension; raises with the reason when it cannot be built or run here."""
     ext = _extension.load()
     if ext is None:
         raise RuntimeError(f"sparse_llm CUDA extension unavailable: {_extension.unavailable_reason()}")
@@ -26,7 +27,7 @@ def twell_ffn_forward(
 ) -> torch.Tensor:
     """x: [M, D]; wg, wu: [H, D]; wd: [D, H]; bf16 contiguous. wd_t: Wd^T ([H, D]) if the caller
     keeps one, else the op transposes Wd. Exact on every pattern."""
-    return _ext().ffn_forward(x, wg, wu, wd, wd_t, heavy_threshold)
+    return extension().ffn_forward(x, wg, wu, wd, wd_t, heavy_threshold)
 
 
 @twell_ffn_forward.register_fake
@@ -39,7 +40,7 @@ def twell_pack(
     g: torch.Tensor, heavy_threshold: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """relu(g) ([M, H] bf16) into TwELL: (values, cols, counts, row_nnz, heavy)."""
-    return tuple(_ext().twell_pack(g, heavy_threshold))
+    return tuple(extension().twell_pack(g, heavy_threshold))
 
 
 @twell_pack.register_fake

@@ -18,7 +18,9 @@ Impl = Literal["auto", "cuda", "reference"]
 DEFAULT_HEAVY_THRESHOLD = 64
 
 
-def _use_cuda(impl: str, reason: str | None) -> bool:
+def use_cuda_kernels(impl: str, reason: str | None) -> bool:
+    """Whether `impl` runs the CUDA kernels, given why they cannot take the inputs (or None):
+    'auto' falls back to the reference quietly, 'cuda' raises the reason."""
     if impl == "reference":
         return False
     if impl == "cuda":
@@ -58,7 +60,7 @@ def ffn_forward(
         raise ValueError(f"heavy_threshold must be in [0, 512], got {heavy_threshold}")
     if wd_t is not None and (tuple(wd_t.shape) != tuple(wd.shape[::-1]) or not wd_t.is_contiguous()):
         raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
-    if not _use_cuda(impl, cuda_unsupported_reason(x, wg, wu, wd)):
+    if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd, wd_t, heavy_threshold)
@@ -76,6 +78,6 @@ def twell_pack(
         reason = "the CUDA pack takes a bfloat16 CUDA tensor"
     elif g.shape[1] % 8 or not g.is_contiguous():
         reason = "the CUDA pack needs a contiguous g with H a multiple of 8"
-    if not _use_cuda(impl, reason):
+    if not use_cuda_kernels(impl, reason):
         return twell_pack_reference(g, heavy_threshold)
     return TwellPacked(*torch.ops.sparse_llm.twell_pack(g, heavy_threshold))

@@ -22,21 +22,16 @@ gradients reach fp32 master weights through those casts.
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal, NamedTuple
 
 import torch
 
 from sparse_llm.ops import train_ops  # noqa: F401  (registers torch.ops.sparse_llm.ffn_train_*)
-from sparse_llm.ops.checks import check_ffn_inputs
+from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
+from sparse_llm.ops.ffn import use_cuda_kernels
 from sparse_llm.ops.train_reference import acc_dtype
 
 TrainImpl = Literal["auto", "cuda", "reference"]
-
-CUDA_NOT_BUILT = (
-    "ffn_forward_train(impl='cuda'): the CUDA training kernels are not built yet; "
-    "use impl='auto' or impl='reference' (the exact PyTorch reference)"
-)
 
 
 class FFNTrainOutput(NamedTuple):
@@ -47,22 +42,15 @@ class FFNTrainOutput(NamedTuple):
     fire_counts: torch.Tensor
 
 
-def resolve_train_impl(impl: str, x: torch.Tensor) -> str:
-    """Which implementation runs: 'reference' for now ('auto' resolves to it everywhere;
-    'cuda' raises until the training kernels exist)."""
-    if impl == "reference":
-        return "reference"
-    if impl == "cuda":
-        raise NotImplementedError(CUDA_NOT_BUILT)
-    if impl == "auto":
-        if x.device.type == "cuda" and not torch.compiler.is_compiling():
-            warnings.warn(
-                "sparse_llm.ops: CUDA training kernels not built yet; the training FFN runs the "
-                "PyTorch reference",
-                stacklevel=3,
-            )
-        return "reference"
-    raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+def resolve_train_impl(
+    impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> str:
+    """'cuda' or 'reference' for these (checked) inputs: 'auto' takes the CUDA kernels where they
+    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192) and the reference elsewhere;
+    'cuda' raises with the reason instead of falling back."""
+    if impl not in ("auto", "cuda", "reference"):
+        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+    return "cuda" if use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)) else "reference"
 
 
 def ffn_forward_train(
@@ -74,16 +62,21 @@ def ffn_forward_train(
 ) -> FFNTrainOutput:
     """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
 
-    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). Exact on every pattern. See the
-    module docstring for the outputs and how the L1 gradient is fused."""
+    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). impl: 'auto' (the CUDA kernels
+    where they can run, else the reference), 'cuda' or 'reference'. Exact on every pattern. See
+    the module docstring for the outputs and how the L1 gradient is fused. The CUDA path reads the
+    number of active entries on the host once per call (it sizes the saved record)."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
     check_ffn_inputs(x, wg, wu, wd)
-    resolve_train_impl(impl, x)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, l1, nnz_per_token, fire_counts, *_ = torch.ops.sparse_llm.ffn_train_fwd_ref(
-        x2, wg.contiguous(), wu.contiguous(), wd.contiguous()
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    op = (
+        torch.ops.sparse_llm.ffn_train_fwd_cuda
+        if resolve_train_impl(impl, x, wg, wu, wd) == "cuda"
+        else torch.ops.sparse_llm.ffn_train_fwd_ref
     )
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y, l1, nnz_per_token, fire_counts, *_ = op(x2, wg, wu, wd)
     l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
     return FFNTrainOutput(y.view(x.shape), l0, l1, nnz_per_token, fire_counts)

@@ -1,0 +1,57 @@
+// The training kernels' compact record of a = relu(g): the active entries in CSR order, and the
+// launchers of the training forward and backward. Plain CUDA C++ (no torch headers).
+//
+// Record, for g: [M, H] bf16 and row_ptr = exclusive prefix sum of the per-row counts:
+//   cols   [nnz] int32  unit of each active entry, ascending within a row
+//   a_vals [nnz] bf16   a = relu(g) > 0 at that entry
+//   u_vals [nnz] bf16   u = x . Wu[unit] at that entry (written by the forward up/down kernel)
+// and h = float(a) * float(u) wherever h is needed, so forward and backward see the same h.
+// There is no capacity: every active entry is kept, fully dense rows included.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace sparse_llm {
+
+// Largest D the row kernels stage in shared memory (a block of rows of x or grad_y).
+constexpr int kMaxTrainDim = 8192;
+
+// nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
+cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);
+
+// Writes the record's cols and a_vals for rows [0, M) at row_ptr[r] ... row_ptr[r + 1] and adds
+// each row's active units to fire_counts[H] (int32, zeroed by the caller).
+cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
+                            int32_t* cols, __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream);
+
+// Training forward after the pack: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry e of row r,
+// then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu, wd_t: [H, D]
+// (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
+cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
+                              const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
+                              int64_t rows, int dim, __nv_bfloat16* u_vals, __nv_bfloat16* y,
+                              cudaStream_t stream);
+
+// Backward, per row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
+// sign(h) = sign(u) since a > 0), dg_e = dh_e * u_e, du_e = dh_e * a_e (fp32, one per entry), and
+// dx[r] = sum_e dg_e * wg[cols[e]] + du_e * wu[cols[e]]. grad_l1: one float on the device.
+cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
+                                     const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
+                                     const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                     const float* grad_l1, int64_t rows, int dim, float* dg, float* du,
+                                     __nv_bfloat16* dx, cudaStream_t stream);
+
+// Backward, per unit j, over its entries in column order (unit_ptr [H + 1]; for the k-th entry of
+// the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
+//   dwg[j] = sum dg_e x[r],  dwu[j] = sum du_e x[r],  dwd_t[j] = sum a_e u_e grad_y[r].
+// Units with no entries get zero rows. x, grad_y: [M, D]; dwg, dwu, dwd_t: [H, D].
+cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
+                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      __nv_bfloat16* dwd_t, cudaStream_t stream);
+
+}  // namespace sparse_llm

@@ -1,0 +1,184 @@
+// Training backward from the CSR record: every gradient comes from the active entries only.
+//
+// Rows kernel (one CTA per kRowsPerCta rows, like the forward up/down): grad_y rows staged in
+// shared memory; warps take the block's entries: dh = grad_y[r] . wd_t[unit] + L1 term, then
+// dg = dh * u and du = dh * a (fp32, kept for the units kernel); then every thread owns 8 columns
+// of dx[r] = sum_e dg_e wg[unit] + du_e wu[unit].
+//
+// Units kernel (one CTA per unit and column slice): walks the unit's entries in column order and
+// accumulates its rows of dWg, dWu (from x) and dWd^T (from grad_y) in registers, so every weight
+// gradient row is written once, with no atomics: deterministic.
+#include "csr.cuh"
+#include "vec.cuh"
+
+namespace sparse_llm {
+namespace {
+
+constexpr int kRowsPerCta = 8;
+constexpr int kRowThreads = 256;
+constexpr int kWarps = kRowThreads / 32;
+constexpr int kDotLoads = 8;   // 16-byte wd_t loads in flight per lane
+constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows each)
+constexpr int kUnitThreads = 128;
+constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
+constexpr int kUnitUnroll = 4;                    // entries in flight per thread
+
+__device__ __forceinline__ int local_row(const int64_t* ptr, int n_rows, int64_t e) {
+  int r = 0;
+  while (r + 1 < n_rows && ptr[r + 1] <= e) ++r;
+  return r;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    csr_backward_rows_kernel(const __nv_bfloat16* __restrict__ grad_y, const __nv_bfloat16* __restrict__ wg,
+                             const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wd_t,
+                             const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
+                             const __nv_bfloat16* __restrict__ a_vals, const __nv_bfloat16* __restrict__ u_vals,
+                             const float* __restrict__ grad_l1, int64_t rows, int dim, float* dg, float* du,
+                             __nv_bfloat16* __restrict__ dx) {
+  extern __shared__ uint4 smem[];
+  __nv_bfloat16* gys = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRowsPerCta][dim]
+  __shared__ int64_t ptr[kRowsPerCta + 1];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta;
+  const int n_rows = static_cast<int>(rows - row0 < kRowsPerCta ? rows - row0 : kRowsPerCta);
+  const int vecs = dim / kChunk;
+  const float l1_scale = *grad_l1 / static_cast<float>(rows);  // d(l1)/d|h| = 1 / M
+  if (threadIdx.x <= n_rows) ptr[threadIdx.x] = row_ptr[row0 + threadIdx.x];
+  for (int i = threadIdx.x; i < n_rows * vecs; i += kRowThreads)
+    reinterpret_cast<uint4*>(gys)[i] = reinterpret_cast<const uint4*>(grad_y + row0 * dim)[i];
+  __syncthreads();
+
+  for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kWarps) {
+    const int r = local_row(ptr, n_rows, e);
+    const float dot = warp_dot_row<kDotLoads>(gys + r * dim, wd_t + static_cast<int64_t>(cols[e]) * dim, dim, lane);
+    if (lane == 0) {
+      const float a = __bfloat162float(a_vals[e]);
+      const float u = __bfloat162float(u_vals[e]);
+      const float sign_h = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+      const float dh = dot + l1_scale * sign_h;
+      dg[e] = dh * u;
+      du[e] = dh * a;
+    }
+  }
+  __syncthreads();  // dg, du of the block visible to all its threads (plain loads below)
+
+  for (int r = 0; r < n_rows; ++r) {
+    const int64_t begin = ptr[r], end = ptr[r + 1];
+    for (int v = threadIdx.x; v < vecs; v += kRowThreads) {
+      float acc[kChunk] = {};
+      int64_t e = begin;
+      for (; e + kDxUnroll <= end; e += kDxUnroll) {
+        uint4 wgv[kDxUnroll], wuv[kDxUnroll];
+#pragma unroll
+        for (int k = 0; k < kDxUnroll; ++k) {
+          const int64_t unit = cols[e + k];
+          wgv[k] = __ldg(reinterpret_cast<const uint4*>(wg + unit * dim) + v);
+          wuv[k] = __ldg(reinterpret_cast<const uint4*>(wu + unit * dim) + v);
+        }
+#pragma unroll
+        for (int k = 0; k < kDxUnroll; ++k) {
+          axpy_bf16x8(dg[e + k], wgv[k], acc);
+          axpy_bf16x8(du[e + k], wuv[k], acc);
+        }
+      }
+      for (; e < end; ++e) {
+        const int64_t unit = cols[e];
+        axpy_bf16x8(dg[e], __ldg(reinterpret_cast<const uint4*>(wg + unit * dim) + v), acc);
+        axpy_bf16x8(du[e], __ldg(reinterpret_cast<const uint4*>(wu + unit * dim) + v), acc);
+      }
+      reinterpret_cast<uint4*>(dx + (row0 + r) * dim)[v] = float_to_bf16x8(acc);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kUnitThreads)
+    csr_backward_units_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ grad_y,
+                              const int64_t* __restrict__ unit_ptr, const int32_t* __restrict__ csc_rows,
+                              const int32_t* __restrict__ csc_entry, const float* __restrict__ dg,
+                              const float* __restrict__ du, const __nv_bfloat16* __restrict__ a_vals,
+                              const __nv_bfloat16* __restrict__ u_vals, int dim, __nv_bfloat16* __restrict__ dwg,
+                              __nv_bfloat16* __restrict__ dwu, __nv_bfloat16* __restrict__ dwd_t) {
+  const int64_t unit = blockIdx.x;
+  const int v = blockIdx.y * kUnitThreads + threadIdx.x;  // this thread's 8 columns
+  if (v * kChunk >= dim) return;
+  float acc_g[kChunk] = {}, acc_u[kChunk] = {}, acc_d[kChunk] = {};
+  const int64_t begin = unit_ptr[unit], end = unit_ptr[unit + 1];
+  int64_t k = begin;
+  for (; k + kUnitUnroll <= end; k += kUnitUnroll) {
+    uint4 xv[kUnitUnroll], gv[kUnitUnroll];
+    float cg[kUnitUnroll], cu[kUnitUnroll], ch[kUnitUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnitUnroll; ++i) {
+      const int64_t row = csc_rows[k + i];
+      const int64_t e = csc_entry[k + i];
+      xv[i] = __ldg(reinterpret_cast<const uint4*>(x + row * dim) + v);
+      gv[i] = __ldg(reinterpret_cast<const uint4*>(grad_y + row * dim) + v);
+      cg[i] = dg[e];
+      cu[i] = du[e];
+      ch[i] = __bfloat162float(a_vals[e]) * __bfloat162float(u_vals[e]);
+    }
+#pragma unroll
+    for (int i = 0; i < kUnitUnroll; ++i) {
+      float xf[kChunk];
+      bf16x8_to_float(xv[i], xf);
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        acc_g[c] = fmaf(cg[i], xf[c], acc_g[c]);
+        acc_u[c] = fmaf(cu[i], xf[c], acc_u[c]);
+      }
+      axpy_bf16x8(ch[i], gv[i], acc_d);
+    }
+  }
+  for (; k < end; ++k) {
+    const int64_t row = csc_rows[k];
+    const int64_t e = csc_entry[k];
+    float xf[kChunk];
+    bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + row * dim) + v), xf);
+    for (int c = 0; c < kChunk; ++c) {
+      acc_g[c] = fmaf(dg[e], xf[c], acc_g[c]);
+      acc_u[c] = fmaf(du[e], xf[c], acc_u[c]);
+    }
+    const float h = __bfloat162float(a_vals[e]) * __bfloat162float(u_vals[e]);
+    axpy_bf16x8(h, __ldg(reinterpret_cast<const uint4*>(grad_y + row * dim) + v), acc_d);
+  }
+  reinterpret_cast<uint4*>(dwg + unit * dim)[v] = float_to_bf16x8(acc_g);
+  reinterpret_cast<uint4*>(dwu + unit * dim)[v] = float_to_bf16x8(acc_u);
+  reinterpret_cast<uint4*>(dwd_t + unit * dim)[v] = float_to_bf16x8(acc_d);
+}
+
+}  // namespace
+
+cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
+                                     const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
+                                     const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                     const float* grad_l1, int64_t rows, int dim, float* dg, float* du,
+                                     __nv_bfloat16* dx, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(kRowsPerCta) * dim * sizeof(__nv_bfloat16);
+  cudaError_t err = cudaFuncSetAttribute(csr_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = (rows + kRowsPerCta - 1) / kRowsPerCta;
+  csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(
+      grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, grad_l1, rows, dim, dg, du, dx);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
+                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      __nv_bfloat16* dwd_t, cudaStream_t stream) {
+  if (hidden == 0) return cudaSuccess;
+  if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols));
+  csr_backward_units_kernel<<<grid, kUnitThreads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du,
+                                                               a_vals, u_vals, dim, dwg, dwu, dwd_t);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_llm

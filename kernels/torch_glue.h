@@ -1,0 +1,41 @@
+// Helpers shared by the torch bindings (bindings.cpp, train_bindings.cpp): pointer casts, input
+// checks with clear messages, and the bf16 transpose as a torch op.
+#pragma once
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "twell.cuh"
+
+namespace sparse_llm_glue {
+
+inline const __nv_bfloat16* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr<at::BFloat16>());
+}
+inline __nv_bfloat16* bf16_mut_ptr(at::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()); }
+
+inline void check_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline at::Tensor transpose_bf16(const at::Tensor& t) {
+  check_matrix(t, "t");
+  const c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options());
+  check_cuda(sparse_llm::launch_transpose_bf16(bf16_ptr(t), t.size(0), t.size(1), bf16_mut_ptr(out), current_stream()),
+             "transpose");
+  return out;
+}
+
+}  // namespace sparse_llm_glue

@@ -1,0 +1,144 @@
+// Torch bindings of the training kernels: the FFN training forward (gate GEMM, CSR pack, sparse
+// up/down) and backward (per-row and per-unit kernels). The record passed between them is the
+// CSR record of csr.cuh; the extension keeps no state between calls.
+#include <tuple>
+
+#include "csr.cuh"
+#include "torch_glue.h"
+
+namespace {
+
+using sparse_llm_glue::bf16_mut_ptr;
+using sparse_llm_glue::bf16_ptr;
+using sparse_llm_glue::check_cuda;
+using sparse_llm_glue::check_matrix;
+using sparse_llm_glue::current_stream;
+
+void check_weights(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd) {
+  check_matrix(x, "x");
+  check_matrix(wg, "wg");
+  check_matrix(wu, "wu");
+  check_matrix(wd, "wd");
+  const int64_t dim = x.size(1), hidden = wg.size(0);
+  TORCH_CHECK(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == hidden,
+              "weights must be wg, wu: [H, D] and wd: [D, H] with D = x.size(1)");
+  TORCH_CHECK(dim % 8 == 0 && dim <= sparse_llm::kMaxTrainDim, "D must be a multiple of 8 and at most ",
+              sparse_llm::kMaxTrainDim, ", got ", dim);
+  TORCH_CHECK(hidden % 8 == 0, "H must be a multiple of 8, got ", hidden);
+}
+
+void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& cols, const at::Tensor& a_vals,
+                  const at::Tensor& u_vals) {
+  TORCH_CHECK(nnz.is_cuda() && nnz.scalar_type() == at::kLong && nnz.dim() == 1 && nnz.size(0) == x.size(0) &&
+                  nnz.is_contiguous(),
+              "nnz_per_token must be a contiguous int64 CUDA tensor of M elements");
+  TORCH_CHECK(cols.is_cuda() && cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
+              "cols must be a contiguous int32 CUDA vector");
+  for (const at::Tensor* t : {&a_vals, &u_vals})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->sizes() == cols.sizes() && t->is_contiguous(),
+                "a_vals and u_vals must be contiguous bf16 CUDA vectors shaped like cols");
+}
+
+// row_ptr [M + 1] int64 = exclusive prefix sum of the row counts.
+at::Tensor row_offsets(const at::Tensor& nnz) {
+  at::Tensor ptr = at::zeros({nnz.size(0) + 1}, nnz.options());
+  at::Tensor tail = ptr.narrow(0, 1, nnz.size(0));
+  if (nnz.size(0) > 0) at::cumsum_out(tail, nnz, 0);
+  return ptr;
+}
+
+// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals): the outputs of the reference op, with
+// the record in the layout of csr.cuh. The record's length is data-dependent, so the host reads
+// the total count once (after the gate GEMM and the count pass).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_forward(
+    const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd) {
+  check_weights(x, wg, wu, wd);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream();
+  const int64_t rows = x.size(0);
+  const int dim = static_cast<int>(x.size(1));
+  const int hidden = static_cast<int>(wg.size(0));
+
+  const at::Tensor g = at::mm(x, wg.t());
+  at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
+  check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
+  const at::Tensor row_ptr = row_offsets(nnz);
+  const int64_t total = row_ptr[rows].item<int64_t>();
+
+  at::Tensor cols = at::empty({total}, x.options().dtype(at::kInt));
+  at::Tensor a_vals = at::empty({total}, x.options());
+  at::Tensor u_vals = at::empty({total}, x.options());
+  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
+  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, row_ptr.data_ptr<int64_t>(),
+                                         cols.data_ptr<int32_t>(), bf16_mut_ptr(a_vals), fire.data_ptr<int32_t>(),
+                                         stream),
+             "csr_fill");
+  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
+  at::Tensor y = at::empty_like(x);
+  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr.data_ptr<int64_t>(),
+                                           cols.data_ptr<int32_t>(), bf16_ptr(a_vals), rows, dim,
+                                           bf16_mut_ptr(u_vals), bf16_mut_ptr(y), stream),
+             "csr_updown");
+  // l1 = mean over rows of sum |h|, with h = a * u in fp32 as the kernels use it.
+  const at::Tensor l1 = rows > 0 ? (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum() / static_cast<double>(rows)
+                                 : at::zeros({}, x.options().dtype(at::kFloat));
+  return {y, l1, nnz, fire.to(at::kLong), cols, a_vals, u_vals};
+}
+
+// (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's record.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
+    const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
+    const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
+    const at::Tensor& a_vals, const at::Tensor& u_vals) {
+  check_weights(x, wg, wu, wd);
+  check_matrix(grad_y, "grad_y");
+  TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
+  TORCH_CHECK(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
+  check_record(x, nnz, cols, a_vals, u_vals);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream();
+  const int64_t rows = x.size(0);
+  const int64_t total = cols.size(0);
+  const int dim = static_cast<int>(x.size(1));
+  const int hidden = static_cast<int>(wg.size(0));
+
+  const at::Tensor row_ptr = row_offsets(nnz);
+  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
+  const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
+  at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
+  at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
+  at::Tensor dx = at::empty_like(x);
+  check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t),
+                                                  row_ptr.data_ptr<int64_t>(), cols.data_ptr<int32_t>(),
+                                                  bf16_ptr(a_vals), bf16_ptr(u_vals), l1_grad.data_ptr<float>(), rows,
+                                                  dim, dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx),
+                                                  stream),
+             "csr_backward_rows");
+
+  // Column order of the record (stable: rows ascending within a unit) and each unit's range.
+  const auto [sorted_cols, order] = at::sort(cols, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor unit_ptr =
+      at::searchsorted(sorted_cols, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
+  const at::Tensor entry_rows = at::repeat_interleave(at::arange(rows, nnz.options()), nnz, /*dim=*/0, total);
+  const at::Tensor csc_rows = entry_rows.index_select(0, order).to(at::kInt);
+  const at::Tensor csc_entry = order.to(at::kInt);
+
+  at::Tensor dwg = at::empty_like(wg);
+  at::Tensor dwu = at::empty_like(wu);
+  at::Tensor dwd_t = at::empty({hidden, dim}, wd.options());
+  check_cuda(sparse_llm::launch_csr_backward_units(bf16_ptr(x), bf16_ptr(grad_y), unit_ptr.data_ptr<int64_t>(),
+                                                   csc_rows.data_ptr<int32_t>(), csc_entry.data_ptr<int32_t>(),
+                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_ptr(a_vals),
+                                                   bf16_ptr(u_vals), hidden, dim, bf16_mut_ptr(dwg),
+                                                   bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+             "csr_backward_units");
+  return {dx, dwg, dwu, sparse_llm_glue::transpose_bf16(dwd_t)};
+}
+
+}  // namespace
+
+void register_train_ops(pybind11::module_& m) {
+  m.def("ffn_train_forward", &ffn_train_forward,
+        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals)");
+  m.def("ffn_train_backward", &ffn_train_backward, "exact sparse training backward: (dx, dWg, dWu, dWd)");
+}

@@ -1,0 +1,88 @@
+// 16-byte vector helpers shared by the kernels: 8 bf16 per uint4, fp32 arithmetic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace sparse_llm {
+
+constexpr int kChunk = 8;  // bf16 per 16-byte access
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&out)[kChunk]) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 float_to_bf16x8(const float (&in)[kChunk]) {
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  return out;
+}
+
+__device__ __forceinline__ float dot_bf16x8(const uint4& a, const uint4& b) {
+  float fa[kChunk], fb[kChunk];
+  bf16x8_to_float(a, fa);
+  bf16x8_to_float(b, fb);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) s = fmaf(fa[i], fb[i], s);
+  return s;
+}
+
+// acc += c * w, element-wise over 8 bf16.
+__device__ __forceinline__ void axpy_bf16x8(float c, const uint4& w, float (&acc)[kChunk]) {
+  float f[kChunk];
+  bf16x8_to_float(w, f);
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) acc[i] = fmaf(c, f[i], acc[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(kFullMask, v, off);
+    if (lane >= off) v += n;
+  }
+  return v;
+}
+
+// Dot product of a shared-memory row (xs) with a global bf16 row (w), both of dim elements,
+// computed by one warp; every lane returns the sum. kLoads 16-byte loads of w in flight per lane.
+template <int kLoads>
+__device__ __forceinline__ float warp_dot_row(const __nv_bfloat16* xs, const __nv_bfloat16* __restrict__ w, int dim,
+                                              int lane) {
+  const uint4* wr = reinterpret_cast<const uint4*>(w);
+  const uint4* xr = reinterpret_cast<const uint4*>(xs);
+  const int vecs = dim / kChunk;
+  float acc = 0.0f;
+  for (int v0 = 0; v0 < vecs; v0 += 32 * kLoads) {
+    uint4 wv[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int v = v0 + k * 32 + lane;
+      if (v < vecs) wv[k] = __ldg(wr + v);
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int v = v0 + k * 32 + lane;
+      if (v < vecs) acc += dot_bf16x8(wv[k], xr[v]);
+    }
+  }
+  return warp_sum(acc);
+}
+
+}  // namespace sparse_llm

@@ -1,0 +1,49 @@
+"""Gate patterns for the GPU kernel tests (DESIGN section 3): named sparsity patterns of
+g = x Wg^T on random bf16 inputs, and the relative error the exactness contract is stated in."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_llm.ops.twell import SLOTS
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of out against a float64 reference."""
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def gpu_weights(d: int, h: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wg = torch.randn(h, d, generator=gen, device="cuda") / d**0.5
+    wu = torch.randn(h, d, generator=gen, device="cuda") / d**0.5
+    wd = torch.randn(d, h, generator=gen, device="cuda") / h**0.5
+    return wg.bfloat16(), wu.bfloat16(), wd.bfloat16()
+
+
+def gpu_pattern(name: str, m: int, d: int, h: int, seed: int):
+    """(x, wg, wu, wd) whose gate g = x Wg^T has the named pattern; x[:, 0] = 1 drives it via Wg[:, 0]."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wg, wu, wd = gpu_weights(d, h, seed)
+    x = torch.randn(m, d, generator=gen, device="cuda")
+    x[:, 0] = 1.0
+    bias = torch.full((h,), -50.0, device="cuda")  # nothing fires
+    if name == "all_active":
+        bias.fill_(50.0)
+    elif name == "one_hot":
+        bias[h // 3] = 50.0
+    elif name == "random":
+        bias = 0.5 * torch.randn(h, generator=gen, device="cuda")
+    elif name == "tile_budget":  # exactly SLOTS, then SLOTS + 1, units of tile 0 fire
+        bias[: min(SLOTS, h)] = 50.0
+    elif name == "tile_overflow":
+        bias[: min(SLOTS + 1, h)] = 50.0
+    wg[:, 0] = bias.bfloat16()
+    if name == "mixed_rows":  # empty rows, fully dense rows and sparse rows in one batch
+        wg[:, 0] = -2.0
+        x[0::3] = 0.0  # g = 0: empty rows
+        x[1::3, 0] = -100.0  # g = +200 - ...: every unit fires
+    return x.bfloat16(), wg, wu, wd
+
+
+PATTERNS = ["empty", "all_active", "one_hot", "random", "tile_budget", "tile_overflow", "mixed_rows"]

@@ -1,0 +1,173 @@
+"""GPU tests of the CUDA training kernels (ffn_forward_train(impl="cuda")): the outputs, the
+statistics and all four gradients against the float64 dense computation on every pattern of the
+exactness contract (DESIGN section 3), and the op under torch.compile, checkpointing and autocast.
+
+Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's (+ a tiny floor)
+for y, l1, dx, dWg, dWu, dWd; exact equality for the integer statistics.
+"""
+
+import pytest
+import torch
+from ffn_patterns import PATTERNS, gpu_pattern, rel_err
+from torch.utils.checkpoint import checkpoint
+
+from sparse_llm.ops.train import ffn_forward_train
+from sparse_llm.ops.workload import make_workload
+
+pytestmark = pytest.mark.gpu
+
+LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
+ABS_FLOOR = 1e-5
+NAMES = ("y", "l1", "nnz_per_token", "fire_counts", "dx", "dWg", "dWu", "dWd")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the training kernels need a Hopper GPU")
+
+
+def dense(x, wg, wu, wd):
+    """The model's dense path: y, l1 and the integer statistics."""
+    a = torch.relu(x @ wg.T)
+    h = a * (x @ wu.T)
+    active = a > 0
+    return h @ wd.T, h.abs().sum(-1).mean(), active.sum(-1), active.sum(0)
+
+
+def cuda(x, wg, wu, wd):
+    out = ffn_forward_train(x, wg, wu, wd, impl="cuda")
+    return out.y, out.l1, out.nnz_per_token, out.fire_counts
+
+
+def outputs_and_grads(fn, inputs, r):
+    """fn's outputs and the gradients of <r, y> + LAMBDA * l1 in x, Wg, Wu, Wd."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y, l1, nnz, fire = fn(*inputs)
+    ((y * r.to(y.dtype)).sum() + LAMBDA * l1).backward()
+    return (y, l1, nnz, fire, *(t.grad for t in inputs))
+
+
+def check_contract(inputs) -> dict[str, tuple[float, float]]:
+    """Assert the contract for every output; return {name: (ours, dense bf16)} relative errors."""
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    got = outputs_and_grads(cuda, inputs, r)
+    dense_bf16 = outputs_and_grads(dense, inputs, r)
+    want = outputs_and_grads(dense, [t.double() for t in inputs], r)
+    errors = {}
+    for name, g, d, w in zip(NAMES, got, dense_bf16, want, strict=True):
+        assert g.shape == w.shape, name
+        if w.dtype == torch.int64:
+            assert torch.equal(g, w), name
+            continue
+        assert torch.isfinite(g).all(), name
+        if w.norm() == 0:
+            assert g.abs().max().item() == 0, name
+            continue
+        errors[name] = (rel_err(g, w), rel_err(d, w))
+        assert errors[name][0] <= 2 * errors[name][1] + ABS_FLOOR, (name, errors[name])
+    return errors
+
+
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (2051, 2048, 5632)])
+def test_adversarial_patterns_match_fp64(pattern, m, d, h):
+    check_contract(gpu_pattern(pattern, m, d, h, seed=m + d + h))
+
+
+@needs_hopper
+@pytest.mark.parametrize("nnz", [15, 30, 120])
+def test_standard_workload_matches_fp64(nnz):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
+    w = make_workload(4096, 2048, 5632, nnz, seed=seed, device="cuda")
+    errors = check_contract([w.x, w.wg, w.wu, w.wd])
+    print(f"nnz {nnz} seed {seed}: " + ", ".join(f"{k} {a:.2e}/{b:.2e}" for k, (a, b) in errors.items()))
+
+
+@needs_hopper
+def test_largest_dim_and_empty_batch():
+    check_contract(gpu_pattern("random", 67, 8192, 128, seed=3))
+    x, wg, wu, wd = gpu_pattern("random", 0, 64, 128, seed=4)
+    out = ffn_forward_train(x, wg, wu, wd, impl="cuda")
+    assert out.y.shape == (0, 64) and out.nnz_per_token.shape == (0,)
+
+
+@needs_hopper
+def test_record_matches_reference_record():
+    """Same active entries as the reference (counts, columns, gate values), in CSR order."""
+    w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
+    args = (w.x, w.wg, w.wu, w.wd)
+    _, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args)
+    _, l1_ref, nnz_ref, fire_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args)
+    assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
+    assert torch.equal(cols.long(), cols_ref.long()) and torch.equal(a_vals, a_ref)
+    torch.testing.assert_close(u_vals.float(), u_ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(l1, l1_ref.float(), rtol=1e-2, atol=0)
+
+
+@needs_hopper
+def test_backward_is_deterministic():
+    w = make_workload(2048, 512, 1536, 40, seed=5, device="cuda")
+    r = torch.randn(w.x.shape, device="cuda", dtype=torch.float64)
+    first = outputs_and_grads(cuda, [w.x, w.wg, w.wu, w.wd], r)
+    second = outputs_and_grads(cuda, [w.x, w.wg, w.wu, w.wd], r)
+    for name, a, b in zip(NAMES, first, second, strict=True):
+        assert torch.equal(a, b), name
+
+
+@needs_hopper
+def test_opcheck():
+    x, wg, wu, wd = gpu_pattern("random", 64, 128, 256, seed=2)
+    torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_cuda, (x, wg, wu, wd))
+
+
+@needs_hopper
+def test_compile_fullgraph_and_checkpointing_match_eager():
+    w = make_workload(512, 256, 768, 30, seed=7, device="cuda")
+    inputs = [w.x, w.wg, w.wu, w.wd]
+    r = torch.randn(w.x.shape, device="cuda", dtype=torch.float64)
+    eager = outputs_and_grads(cuda, inputs, r)
+    compiled = outputs_and_grads(torch.compile(cuda, fullgraph=True), inputs, r)
+
+    def checkpointed(*args):
+        return checkpoint(cuda, *args, use_reentrant=False)
+
+    recomputed = outputs_and_grads(checkpointed, inputs, r)
+    for name, a, b, c in zip(NAMES, eager, compiled, recomputed, strict=True):
+        assert torch.equal(a, b), f"compiled {name}"
+        assert torch.equal(a, c), f"checkpointed {name}"
+
+
+@needs_hopper
+def test_autocast_with_fp32_master_weights():
+    """Under bf16 autocast the op runs in bf16 and fp32 weights get fp32 gradients."""
+    w = make_workload(1024, 256, 768, 30, seed=8, device="cuda", dtype=torch.float32)
+    inputs = [w.x, w.wg, w.wu, w.wd]
+    r = torch.randn(w.x.shape, device="cuda", dtype=torch.float64)
+
+    def autocast(fn):
+        def run(*args):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(*args)
+
+        return run
+
+    got = outputs_and_grads(autocast(cuda), inputs, r)
+    dense_bf16 = outputs_and_grads(autocast(dense), inputs, r)
+    want = outputs_and_grads(dense, [t.double() for t in inputs], r)
+    for name, g, d, ref in zip(NAMES, got, dense_bf16, want, strict=True):
+        if ref.dtype == torch.int64:
+            assert torch.equal(g, ref), name
+        else:
+            if name.startswith("d"):
+                assert g.dtype == torch.float32, name
+            assert rel_err(g, ref) <= 2 * rel_err(d, ref) + ABS_FLOOR, name
+
+
+@needs_hopper
+def test_impl_cuda_rejects_float32_clearly():
+    x, wg, wu, wd = (t.float() for t in gpu_pattern("random", 8, 64, 128, seed=1))
+    with pytest.raises(ValueError, match="bfloat16"):
+        ffn_forward_train(x, wg, wu, wd, impl="cuda")
