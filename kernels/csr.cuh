@@ -27,25 +27,39 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
                             int32_t* cols, __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream);
 
-// Training forward after the pack: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry e of row r,
-// then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu, wd_t: [H, D]
-// (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
+// Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
+// path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).
+
+// Training forward after the pack, light rows: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry
+// e of row r, then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu,
+// wd_t: [H, D] (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
 cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                               const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
-                              int64_t rows, int dim, __nv_bfloat16* u_vals, __nv_bfloat16* y,
-                              cudaStream_t stream);
+                              const uint8_t* heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
+                              __nv_bfloat16* y, cudaStream_t stream);
 
-// Backward, per row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
+// vals[e] = dense[i, cols[e]] for the entries e of row list[i], i < n (dense: [n, H] bf16).
+cudaError_t launch_csr_gather_rows(const __nv_bfloat16* dense, const int64_t* list, int64_t n, int hidden,
+                                   const int64_t* row_ptr, const int32_t* cols, __nv_bfloat16* vals,
+                                   cudaStream_t stream);
+
+// a_dense[i, cols[e]] = a_vals[e], u_dense[i, cols[e]] = u_vals[e] for the entries of row list[i]
+// (a_dense, u_dense: [n, H] bf16, zeroed by the caller).
+cudaError_t launch_csr_scatter_rows(const int64_t* list, int64_t n, int hidden, const int64_t* row_ptr,
+                                    const int32_t* cols, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                    __nv_bfloat16* a_dense, __nv_bfloat16* u_dense, cudaStream_t stream);
+
+// Backward, per light row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
 // sign(h) = sign(u) since a > 0), dg_e = dh_e * u_e, du_e = dh_e * a_e (fp32, one per entry), and
 // dx[r] = sum_e dg_e * wg[cols[e]] + du_e * wu[cols[e]]. grad_l1: one float on the device.
 cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
                                      const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                     const float* grad_l1, int64_t rows, int dim, float* dg, float* du,
-                                     __nv_bfloat16* dx, cudaStream_t stream);
+                                     const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
+                                     float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream);
 
-// Backward, per unit j, over its entries in column order (unit_ptr [H + 1]; for the k-th entry of
-// the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
+// Backward, per unit j, over its light-row entries in column order (unit_ptr [H + 1]; for the k-th
+// entry of the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
 //   dwg[j] = sum dg_e x[r],  dwu[j] = sum du_e x[r],  dwd_t[j] = sum a_e u_e grad_y[r].
 // Units with no entries get zero rows. x, grad_y: [M, D]; dwg, dwu, dwd_t: [H, D].
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,

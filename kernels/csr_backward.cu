@@ -34,11 +34,12 @@ __global__ void __launch_bounds__(kRowThreads)
                              const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wd_t,
                              const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
                              const __nv_bfloat16* __restrict__ a_vals, const __nv_bfloat16* __restrict__ u_vals,
-                             const float* __restrict__ grad_l1, int64_t rows, int dim, float* dg, float* du,
-                             __nv_bfloat16* __restrict__ dx) {
+                             const uint8_t* __restrict__ heavy, const float* __restrict__ grad_l1, int64_t rows,
+                             int dim, float* dg, float* du, __nv_bfloat16* __restrict__ dx) {
   extern __shared__ uint4 smem[];
   __nv_bfloat16* gys = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRowsPerCta][dim]
   __shared__ int64_t ptr[kRowsPerCta + 1];
+  __shared__ bool skip[kRowsPerCta];  // heavy rows: the dense path owns them
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -47,12 +48,14 @@ __global__ void __launch_bounds__(kRowThreads)
   const int vecs = dim / kChunk;
   const float l1_scale = *grad_l1 / static_cast<float>(rows);  // d(l1)/d|h| = 1 / M
   if (threadIdx.x <= n_rows) ptr[threadIdx.x] = row_ptr[row0 + threadIdx.x];
+  if (threadIdx.x < n_rows) skip[threadIdx.x] = heavy[row0 + threadIdx.x] != 0;
   for (int i = threadIdx.x; i < n_rows * vecs; i += kRowThreads)
     reinterpret_cast<uint4*>(gys)[i] = reinterpret_cast<const uint4*>(grad_y + row0 * dim)[i];
   __syncthreads();
 
   for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kWarps) {
     const int r = local_row(ptr, n_rows, e);
+    if (skip[r]) continue;
     const float dot = warp_dot_row<kDotLoads>(gys + r * dim, wd_t + static_cast<int64_t>(cols[e]) * dim, dim, lane);
     if (lane == 0) {
       const float a = __bfloat162float(a_vals[e]);
@@ -66,6 +69,7 @@ __global__ void __launch_bounds__(kRowThreads)
   __syncthreads();  // dg, du of the block visible to all its threads (plain loads below)
 
   for (int r = 0; r < n_rows; ++r) {
+    if (skip[r]) continue;
     const int64_t begin = ptr[r], end = ptr[r + 1];
     for (int v = threadIdx.x; v < vecs; v += kRowThreads) {
       float acc[kChunk] = {};
@@ -154,8 +158,8 @@ __global__ void __launch_bounds__(kUnitThreads)
 cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
                                      const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                     const float* grad_l1, int64_t rows, int dim, float* dg, float* du,
-                                     __nv_bfloat16* dx, cudaStream_t stream) {
+                                     const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
+                                     float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(kRowsPerCta) * dim * sizeof(__nv_bfloat16);
@@ -164,7 +168,7 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
   if (err != cudaSuccess) return err;
   const int64_t blocks = (rows + kRowsPerCta - 1) / kRowsPerCta;
   csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(
-      grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, grad_l1, rows, dim, dg, du, dx);
+      grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, heavy, grad_l1, rows, dim, dg, du, dx);
   return cudaGetLastError();
 }
 

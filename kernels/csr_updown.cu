@@ -27,11 +27,13 @@ __device__ __forceinline__ int local_row(const int64_t* ptr, int n_rows, int64_t
 __global__ void __launch_bounds__(kThreads)
     csr_updown_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                       const __nv_bfloat16* __restrict__ wd_t, const int64_t* __restrict__ row_ptr,
-                      const int32_t* __restrict__ cols, const __nv_bfloat16* __restrict__ a_vals, int64_t rows,
-                      int dim, __nv_bfloat16* u_vals, __nv_bfloat16* __restrict__ y) {
+                      const int32_t* __restrict__ cols, const __nv_bfloat16* __restrict__ a_vals,
+                      const uint8_t* __restrict__ heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
+                      __nv_bfloat16* __restrict__ y) {
   extern __shared__ uint4 smem[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRowsPerCta][dim]
   __shared__ int64_t ptr[kRowsPerCta + 1];
+  __shared__ bool skip[kRowsPerCta];  // heavy rows: the dense path owns them
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -39,6 +41,7 @@ __global__ void __launch_bounds__(kThreads)
   const int n_rows = static_cast<int>(rows - row0 < kRowsPerCta ? rows - row0 : kRowsPerCta);
   const int vecs = dim / kChunk;
   if (threadIdx.x <= n_rows) ptr[threadIdx.x] = row_ptr[row0 + threadIdx.x];
+  if (threadIdx.x < n_rows) skip[threadIdx.x] = heavy[row0 + threadIdx.x] != 0;
   for (int i = threadIdx.x; i < n_rows * vecs; i += kThreads)
     reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(x + row0 * dim)[i];
   __syncthreads();
@@ -46,6 +49,7 @@ __global__ void __launch_bounds__(kThreads)
   // (2) u at every entry of the block.
   for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kWarps) {
     const int r = local_row(ptr, n_rows, e);
+    if (skip[r]) continue;
     const float u = warp_dot_row<kUpLoads>(xs + r * dim, wu + static_cast<int64_t>(cols[e]) * dim, dim, lane);
     if (lane == 0) u_vals[e] = __float2bfloat16(u);
   }
@@ -53,6 +57,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // (3) y[r] = sum_e a_e u_e wd_t[unit_e].
   for (int r = 0; r < n_rows; ++r) {
+    if (skip[r]) continue;
     const int64_t begin = ptr[r], end = ptr[r + 1];
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
       float acc[kChunk] = {};
@@ -81,8 +86,8 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                               const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
-                              int64_t rows, int dim, __nv_bfloat16* u_vals, __nv_bfloat16* y,
-                              cudaStream_t stream) {
+                              const uint8_t* heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
+                              __nv_bfloat16* y, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(kRowsPerCta) * dim * sizeof(__nv_bfloat16);
@@ -91,7 +96,7 @@ cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, c
   if (err != cudaSuccess) return err;
   const int64_t blocks = (rows + kRowsPerCta - 1) / kRowsPerCta;
   csr_updown_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(x, wu, wd_t, row_ptr, cols, a_vals,
-                                                                              rows, dim, u_vals, y);
+                                                                              heavy, rows, dim, u_vals, y);
   return cudaGetLastError();
 }
 

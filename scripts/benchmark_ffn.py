@@ -241,9 +241,14 @@ def bench_train_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled
         w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
         sets.append(tuple(t.requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)))
 
-    def ours(x, wg, wu, wd):
-        out = ops.ffn_forward_train(x, wg, wu, wd, impl=args.train_impl)
-        return out.y, out.l1
+    def ours_at(threshold: int) -> Callable:
+        def ours(x, wg, wu, wd):
+            out = ops.ffn_forward_train(x, wg, wu, wd, impl=args.train_impl, heavy_threshold=threshold)
+            return out.y, out.l1
+
+        return ours
+
+    ours = ours_at(args.heavy_threshold[0])
 
     def fwd_bwd(fn):
         def run(x, wg, wu, wd):
@@ -267,6 +272,7 @@ def bench_train_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled
         "ms_ours": fwd_bwd(ours),
         "ms_dense_compiled_fwd": dense_compiled,  # forward alone (recording for backward)
         "ms_ours_fwd": ours,
+        **{f"ours@{t}": fwd_bwd(ours_at(t)) for t in args.heavy_threshold[1:]},
     }
     passes: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(2):
@@ -274,6 +280,14 @@ def bench_train_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled
             passes[name].append(median_ms(fn, sets, args.warmup, args.reps))
     for name in variants:
         row[name] = min(passes[name])
+    row["ms_ours_by_threshold"] = {
+        t: row["ms_ours"] if i == 0 else row[f"ours@{t}"] for i, t in enumerate(args.heavy_threshold)
+    }
+    with torch.no_grad():
+        row_nnz = (sets[0][0] @ sets[0][1].T > 0).sum(-1)
+    heavy = row_nnz > args.heavy_threshold[0]
+    row["heavy_rows"] = heavy.double().mean().item()
+    row["heavy_nnz_share"] = (row_nnz[heavy].sum() / row_nnz.sum().clamp_min(1)).item()
     row["speedup_vs_eager"] = row["ms_dense_eager"] / row["ms_ours"]
     row["speedup_vs_compiled"] = row["ms_dense_compiled"] / row["ms_ours"]
     if args.profile:
@@ -286,7 +300,8 @@ def markdown_train(meta: dict, rows: list[dict]) -> str:
         f"# FFN training forward+backward (with L1): {meta['device']}",
         "",
         f"commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, D={meta['D']}, H={meta['H']}, "
-        f"ffn_forward_train impl={meta['train_impl']}, median of {meta['reps']} CUDA-event timings over "
+        f"ffn_forward_train impl={meta['train_impl']}, heavy-row threshold {meta['heavy_threshold'][0]}, "
+        f"median of {meta['reps']} CUDA-event timings over "
         f"{meta['sets']} rotating input sets (better of two passes). Saved MB: autograd's saved tensors "
         "other than x and the weights (x itself is x MB, kept by both).",
         "",
@@ -302,6 +317,18 @@ def markdown_train(meta: dict, rows: list[dict]) -> str:
             f"| {r['saved_mb_dense']:.1f} | {r['saved_mb_ours']:.1f} "
             f"| {r['x_mb']:.1f} |"
         )
+    thresholds = meta["heavy_threshold"]
+    if len(thresholds) > 1:
+        lines += [
+            "",
+            "Ours (ms) by heavy-row threshold:",
+            "",
+            "| M | nnz/token | " + " | ".join(str(t) for t in thresholds) + " |",
+            "|---|---|" + "---|" * len(thresholds),
+        ]
+        for r in rows:
+            cells = " | ".join(f"{r['ms_ours_by_threshold'][t]:.3f}" for t in thresholds)
+            lines.append(f"| {r['M']} | {r['nnz_target']:g} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +369,7 @@ def main_train(args: argparse.Namespace) -> None:
             f"dense {r['ms_dense_compiled']:.3f} ours {r['ms_ours']:.3f} ms, "
             f"saved {r['saved_mb_ours']:.1f} MB (dense {r['saved_mb_dense']:.1f})"
         ),
-        {"train_impl": args.train_impl},
+        {"train_impl": args.train_impl, "heavy_threshold": args.heavy_threshold},
     )
 
 

@@ -2,8 +2,11 @@
 statistics and all four gradients against the float64 dense computation on every pattern of the
 exactness contract (DESIGN section 3), and the op under torch.compile, checkpointing and autocast.
 
-Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's (+ a tiny floor)
-for y, l1, dx, dWg, dWu, dWd; exact equality for the integer statistics.
+Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's (+ a floor) for
+y, l1, dx, dWg, dWu, dWd; the integer statistics equal the dense bf16 path's (same bf16 gate).
+The floor is tiny, except where fewer than SMALL_SUPPORT entries are active: then each error is
+one or two bf16 roundings and the ratio of two of them is noise, so the floor is a quarter of
+bf16's unit roundoff.
 """
 
 import pytest
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.gpu
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 ABS_FLOOR = 1e-5
+SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-10
 NAMES = ("y", "l1", "nnz_per_token", "fire_counts", "dx", "dWg", "dWu", "dWd")
 
 
@@ -36,8 +40,8 @@ def dense(x, wg, wu, wd):
     return h @ wd.T, h.abs().sum(-1).mean(), active.sum(-1), active.sum(0)
 
 
-def cuda(x, wg, wu, wd):
-    out = ffn_forward_train(x, wg, wu, wd, impl="cuda")
+def cuda(x, wg, wu, wd, heavy_threshold=64):
+    out = ffn_forward_train(x, wg, wu, wd, impl="cuda", heavy_threshold=heavy_threshold)
     return out.y, out.l1, out.nnz_per_token, out.fire_counts
 
 
@@ -49,24 +53,25 @@ def outputs_and_grads(fn, inputs, r):
     return (y, l1, nnz, fire, *(t.grad for t in inputs))
 
 
-def check_contract(inputs) -> dict[str, tuple[float, float]]:
+def check_contract(inputs, heavy_threshold=64) -> dict[str, tuple[float, float]]:
     """Assert the contract for every output; return {name: (ours, dense bf16)} relative errors."""
     r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
-    got = outputs_and_grads(cuda, inputs, r)
+    got = outputs_and_grads(lambda *a: cuda(*a, heavy_threshold=heavy_threshold), inputs, r)
     dense_bf16 = outputs_and_grads(dense, inputs, r)
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
+    floor = ABS_FLOOR if dense_bf16[2].sum() >= SMALL_SUPPORT else SMALL_SUPPORT_FLOOR
     errors = {}
     for name, g, d, w in zip(NAMES, got, dense_bf16, want, strict=True):
         assert g.shape == w.shape, name
         if w.dtype == torch.int64:
-            assert torch.equal(g, w), name
+            assert torch.equal(g, d), name
             continue
         assert torch.isfinite(g).all(), name
         if w.norm() == 0:
             assert g.abs().max().item() == 0, name
             continue
         errors[name] = (rel_err(g, w), rel_err(d, w))
-        assert errors[name][0] <= 2 * errors[name][1] + ABS_FLOOR, (name, errors[name])
+        assert errors[name][0] <= 2 * errors[name][1] + floor, (name, errors[name])
     return errors
 
 
@@ -87,6 +92,14 @@ def test_standard_workload_matches_fp64(nnz):
 
 
 @needs_hopper
+@pytest.mark.parametrize("heavy_threshold", [0, 1, 16, 64, 1 << 20])
+def test_every_heavy_threshold_matches_fp64(heavy_threshold):
+    """All rows dense (0), all sparse (huge) and splits between: the same exact answer."""
+    w = make_workload(3000, 512, 1536, 40, seed=heavy_threshold % 1000, device="cuda")
+    check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold)
+
+
+@needs_hopper
 def test_largest_dim_and_empty_batch():
     check_contract(gpu_pattern("random", 67, 8192, 128, seed=3))
     x, wg, wu, wd = gpu_pattern("random", 0, 64, 128, seed=4)
@@ -99,7 +112,7 @@ def test_record_matches_reference_record():
     """Same active entries as the reference (counts, columns, gate values), in CSR order."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
-    _, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args)
+    _, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, 16)
     _, l1_ref, nnz_ref, fire_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args)
     assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
     assert torch.equal(cols.long(), cols_ref.long()) and torch.equal(a_vals, a_ref)
@@ -120,7 +133,7 @@ def test_backward_is_deterministic():
 @needs_hopper
 def test_opcheck():
     x, wg, wu, wd = gpu_pattern("random", 64, 128, 256, seed=2)
-    torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_cuda, (x, wg, wu, wd))
+    torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_cuda, (x, wg, wu, wd, 4))
 
 
 @needs_hopper
@@ -159,7 +172,7 @@ def test_autocast_with_fp32_master_weights():
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
     for name, g, d, ref in zip(NAMES, got, dense_bf16, want, strict=True):
         if ref.dtype == torch.int64:
-            assert torch.equal(g, ref), name
+            assert torch.equal(g, d), name
         else:
             if name.startswith("d"):
                 assert g.dtype == torch.float32, name

@@ -33,6 +33,10 @@ from sparse_llm.ops.train_reference import acc_dtype
 
 TrainImpl = Literal["auto", "cuda", "reference"]
 
+# Rows with more active units than this take the CUDA path's dense GEMMs on gathered rows, the
+# rest its sparse kernels. A speed knob only: every value gives the exact answer.
+DEFAULT_TRAIN_HEAVY_THRESHOLD = 64
+
 
 class FFNTrainOutput(NamedTuple):
     y: torch.Tensor
@@ -59,24 +63,29 @@ def ffn_forward_train(
     wu: torch.Tensor,
     wd: torch.Tensor,
     impl: TrainImpl = "auto",
+    *,
+    heavy_threshold: int = DEFAULT_TRAIN_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
     """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
 
     x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). impl: 'auto' (the CUDA kernels
     where they can run, else the reference), 'cuda' or 'reference'. Exact on every pattern. See
-    the module docstring for the outputs and how the L1 gradient is fused. The CUDA path reads the
-    number of active entries on the host once per call (it sizes the saved record)."""
+    the module docstring for the outputs and how the L1 gradient is fused. On the CUDA path, rows
+    with more than `heavy_threshold` active units take dense GEMMs on the gathered rows (a speed
+    knob: any value is exact); it reads the number of active entries and heavy rows on the host
+    once in the forward and once in the backward (they size the record and the GEMMs)."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
     check_ffn_inputs(x, wg, wu, wd)
+    if heavy_threshold < 0:
+        raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    op = (
-        torch.ops.sparse_llm.ffn_train_fwd_cuda
-        if resolve_train_impl(impl, x, wg, wu, wd) == "cuda"
-        else torch.ops.sparse_llm.ffn_train_fwd_ref
-    )
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, l1, nnz_per_token, fire_counts, *_ = op(x2, wg, wu, wd)
+    if resolve_train_impl(impl, x, wg, wu, wd) == "cuda":
+        outputs = torch.ops.sparse_llm.ffn_train_fwd_cuda(x2, wg, wu, wd, heavy_threshold)
+    else:
+        outputs = torch.ops.sparse_llm.ffn_train_fwd_ref(x2, wg, wu, wd)
+    y, l1, nnz_per_token, fire_counts, *_ = outputs
     l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
     return FFNTrainOutput(y.view(x.shape), l0, l1, nnz_per_token, fire_counts)

@@ -117,15 +117,18 @@ def ffn_train_bwd_cuda(
     cols: torch.Tensor,
     a_vals: torch.Tensor,
     u_vals: torch.Tensor,
+    heavy_threshold: int,
 ) -> TrainBackwardOutput:
     """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused)."""
     return tuple(
-        extension().ffn_train_backward(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals)
+        extension().ffn_train_backward(
+            grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_threshold
+        )
     )
 
 
 @ffn_train_bwd_cuda.register_fake
-def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
+def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_threshold):
     return _fake_backward(x, wg, wu, wd)
 
 
@@ -133,7 +136,7 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
 
 
 def _setup_context(ctx, inputs, output):
-    x, wg, wu, wd = inputs
+    x, wg, wu, wd, *ctx.options = inputs  # options: the CUDA pair's heavy_threshold
     _, _, nnz_per_token, fire_counts, cols, a_vals, u_vals = output
     ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals)
     ctx.mark_non_differentiable(nnz_per_token, fire_counts, cols, a_vals, u_vals)
@@ -146,7 +149,10 @@ def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
             grad_y = x.new_zeros(x.shape)
         if grad_l1 is None:
             grad_l1 = x.new_zeros((), dtype=acc_dtype(x.dtype))
-        return backward_op(grad_y.contiguous(), grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals)
+        grads = backward_op(
+            grad_y.contiguous(), grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *ctx.options
+        )
+        return (*grads, *(None for _ in ctx.options))
 
     return backward
 
