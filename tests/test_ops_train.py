@@ -244,3 +244,19 @@ def test_impl_cuda_without_a_gpu_is_a_clear_error_and_bad_impl_rejected():
     with pytest.raises(ValueError, match="Wd must be"):
         ffn_forward_train(x, wg, wu, wd.T.contiguous()[:3], impl="reference")
     assert ops.ffn_forward_train is ffn_forward_train
+
+
+def test_cuda_ops_trace_under_fake_tensors():
+    """The CUDA pair's schemas and fake kernels (what torch.compile sees), checked without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x, wg, wu, wd = (
+            torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
+        )
+        y, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, 64)
+        assert y.shape == x.shape and l1.dtype == torch.float32 and nnz.shape == (6,) and fire.shape == (24,)
+        assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
+        grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, 64)
+        assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]

@@ -94,14 +94,15 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
 
 @torch.library.custom_op("sparse_llm::ffn_train_fwd_cuda", mutates_args=())
 def ffn_train_fwd_cuda(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
 ) -> TrainForwardOutput:
-    """The CUDA kernels: bf16, contiguous, Hopper. Same outputs as the reference (cols int32)."""
-    return tuple(extension().ffn_train_forward(x, wg, wu, wd))
+    """The CUDA kernels: bf16, contiguous, Hopper. Same outputs as the reference (cols int32).
+    Rows with more than heavy_threshold active units take the dense path (a speed knob only)."""
+    return tuple(extension().ffn_train_forward(x, wg, wu, wd, heavy_threshold))
 
 
 @ffn_train_fwd_cuda.register_fake
-def _(x, wg, wu, wd):
+def _(x, wg, wu, wd, heavy_threshold):
     return _fake_forward(x, wg, torch.int32)
 
 
