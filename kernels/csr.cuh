@@ -49,6 +49,13 @@ cudaError_t launch_csr_scatter_rows(const int64_t* list, int64_t n, int hidden, 
                                     const int32_t* cols, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                     __nv_bfloat16* a_dense, __nv_bfloat16* u_dense, cudaStream_t stream);
 
+// The heavy rows' backward between its GEMMs, in place on [n, H] bf16 blocks: given dh = grad_y Wd
+// and the rows' a and u (zero off the active entries), dh <- dg = (dh + (*grad_l1 / M) sign(u)) * u,
+// a <- du = (...) * a, u <- h = a * u. H % 8 == 0.
+cudaError_t launch_heavy_backward_elementwise(int64_t n, int hidden, const float* grad_l1, int64_t rows,
+                                              __nv_bfloat16* dh, __nv_bfloat16* a, __nv_bfloat16* u,
+                                              cudaStream_t stream);
+
 // Backward, per light row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
 // sign(h) = sign(u) since a > 0), dg_e = dh_e * u_e, du_e = dh_e * a_e (fp32, one per entry), and
 // dx[r] = sum_e dg_e * wg[cols[e]] + du_e * wu[cols[e]]. grad_l1: one float on the device.

@@ -2,6 +2,7 @@
 // blocks, for the training kernels' dense path (Tensor Core GEMMs on the gathered heavy rows).
 // One warp per heavy row; lanes stride over the row's entries.
 #include "csr.cuh"
+#include "vec.cuh"
 
 namespace sparse_llm {
 namespace {
@@ -34,6 +35,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One pass over the heavy rows' dense blocks (n * H elements, 8 per thread):
+// dh += (grad_l1 / M) sign(u); dg = dh * u into dh, du = dh * a into a, h = a * u into u.
+__global__ void __launch_bounds__(kThreads)
+    heavy_backward_elementwise_kernel(int64_t n_vec, const float* __restrict__ grad_l1, int64_t rows,
+                                      __nv_bfloat16* __restrict__ dh, __nv_bfloat16* __restrict__ a,
+                                      __nv_bfloat16* __restrict__ u) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n_vec) return;
+  const float l1_scale = *grad_l1 / static_cast<float>(rows);
+  float fdh[kChunk], fa[kChunk], fu[kChunk], dg[kChunk], du[kChunk], h[kChunk];
+  bf16x8_to_float(reinterpret_cast<const uint4*>(dh)[i], fdh);
+  bf16x8_to_float(reinterpret_cast<const uint4*>(a)[i], fa);
+  bf16x8_to_float(reinterpret_cast<const uint4*>(u)[i], fu);
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const float sign_u = fu[k] > 0.0f ? 1.0f : (fu[k] < 0.0f ? -1.0f : 0.0f);
+    const float d = fdh[k] + l1_scale * sign_u;
+    dg[k] = d * fu[k];
+    du[k] = d * fa[k];
+    h[k] = fa[k] * fu[k];
+  }
+  reinterpret_cast<uint4*>(dh)[i] = float_to_bf16x8(dg);
+  reinterpret_cast<uint4*>(a)[i] = float_to_bf16x8(du);
+  reinterpret_cast<uint4*>(u)[i] = float_to_bf16x8(h);
+}
+
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kRowsPerCta - 1) / kRowsPerCta); }
 
 }  // namespace
@@ -52,6 +79,17 @@ cudaError_t launch_csr_scatter_rows(const int64_t* list, int64_t n, int hidden, 
   if (n == 0) return cudaSuccess;
   csr_scatter_rows_kernel<<<blocks_for(n), kThreads, 0, stream>>>(list, n, hidden, row_ptr, cols, a_vals, u_vals,
                                                                   a_dense, u_dense);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_heavy_backward_elementwise(int64_t n, int hidden, const float* grad_l1, int64_t rows,
+                                              __nv_bfloat16* dh, __nv_bfloat16* a, __nv_bfloat16* u,
+                                              cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (hidden % kChunk != 0) return cudaErrorInvalidValue;
+  const int64_t n_vec = n * hidden / kChunk;
+  heavy_backward_elementwise_kernel<<<static_cast<unsigned>((n_vec + kThreads - 1) / kThreads), kThreads, 0,
+                                      stream>>>(n_vec, grad_l1, rows, dh, a, u);
   return cudaGetLastError();
 }
 

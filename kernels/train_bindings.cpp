@@ -1,7 +1,6 @@
 // Torch bindings of the training kernels: the FFN training forward (gate GEMM, CSR pack, sparse
 // up/down) and backward (per-row and per-unit kernels), with heavy rows on a dense GEMM path. The record passed between them is the
 // CSR record of csr.cuh; the extension keeps no state between calls.
-#include <algorithm>
 #include <tuple>
 
 #include "csr.cuh"
@@ -83,10 +82,12 @@ const uint8_t* heavy_ptr(const RowSplit& split) {
   return reinterpret_cast<const uint8_t*>(split.heavy.data_ptr<bool>());
 }
 
-// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals): the outputs of the reference op, with
-// the record in the layout of csr.cuh. Light rows go through the CSR kernels; heavy rows through
-// GEMMs on the gathered rows, whose u values are copied into the record.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_forward(
+// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows): the outputs of the
+// reference op, with the record in the layout of csr.cuh, plus the heavy rows' indices (they size
+// the backward's GEMMs, so it needs no host read). Light rows go through the CSR kernels; heavy
+// rows through GEMMs on the gathered rows, whose u values are copied into the record.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+ffn_train_forward(
     const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, int64_t heavy_threshold) {
   check_weights(x, wg, wu, wd);
   TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
@@ -128,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // l1 = mean over rows of sum |h|, with h = a * u in fp32 as the kernels use it.
   const at::Tensor l1 = rows > 0 ? (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum() / static_cast<double>(rows)
                                  : at::zeros({}, x.options().dtype(at::kFloat));
-  return {y, l1, nnz, fire.to(at::kLong), cols, a_vals, u_vals};
+  return {y, l1, nnz, fire.to(at::kLong), cols, a_vals, u_vals, split.list};
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's record. Light rows: the
@@ -137,39 +138,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
     const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
-    const at::Tensor& a_vals, const at::Tensor& u_vals, int64_t heavy_threshold) {
+    const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows) {
   check_weights(x, wg, wu, wd);
   check_matrix(grad_y, "grad_y");
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
   TORCH_CHECK(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
-  TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
   check_record(x, nnz, cols, a_vals, u_vals);
+  TORCH_CHECK(heavy_rows.is_cuda() && heavy_rows.scalar_type() == at::kLong && heavy_rows.dim() == 1 &&
+                  heavy_rows.is_contiguous(),
+              "heavy_rows must be a contiguous int64 CUDA vector");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
   const int64_t total = cols.size(0);
+  const int64_t n_heavy = heavy_rows.size(0);
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
 
-  const RowSplit split = split_rows(nnz, heavy_threshold, stream);
-  TORCH_CHECK(split.total == total, "the record does not match nnz_per_token");
-  const int64_t* row_ptr = split.row_ptr.data_ptr<int64_t>();
+  const at::Tensor row_ptr_t = row_offsets(nnz);
+  const int64_t* row_ptr = row_ptr_t.data_ptr<int64_t>();
+  const at::Tensor heavy = at::zeros({rows}, nnz.options().dtype(at::kBool)).index_fill_(0, heavy_rows, true);
+  const uint8_t* heavy_mask = reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>());
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
-  const at::Tensor l1_scale = grad_l1.to(at::kFloat).reshape({1}) / static_cast<double>(std::max<int64_t>(rows, 1));
   const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
   check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr,
                                                   cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
-                                                  heavy_ptr(split), l1_grad.data_ptr<float>(), rows, dim,
+                                                  heavy_mask, l1_grad.data_ptr<float>(), rows, dim,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");
 
   // Column order of the light rows' entries (stable: rows ascending within a unit) and each
   // unit's range; heavy rows' entries get the key H, past every unit.
   const at::Tensor entry_rows = at::repeat_interleave(at::arange(rows, nnz.options()), nnz, /*dim=*/0, total);
-  const at::Tensor keys = at::where(split.heavy.index_select(0, entry_rows), hidden, cols);
+  const at::Tensor keys = at::where(heavy.index_select(0, entry_rows), hidden, cols);
   const auto [sorted_keys, order] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor unit_ptr =
       at::searchsorted(sorted_keys, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
@@ -186,28 +190,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
                                                    bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
              "csr_backward_units");
 
-  if (split.n_heavy > 0) {
-    const at::Tensor x_h = x.index_select(0, split.list);
-    const at::Tensor gy_h = grad_y.index_select(0, split.list);
-    at::Tensor a_h = at::zeros({split.n_heavy, hidden}, x.options());
-    at::Tensor u_h = at::zeros({split.n_heavy, hidden}, x.options());
-    check_cuda(sparse_llm::launch_csr_scatter_rows(split.list.data_ptr<int64_t>(), split.n_heavy, hidden, row_ptr,
+  if (n_heavy > 0) {
+    const at::Tensor x_h = x.index_select(0, heavy_rows);
+    const at::Tensor gy_h = grad_y.index_select(0, heavy_rows);
+    at::Tensor a_h = at::zeros({n_heavy, hidden}, x.options());  // then du
+    at::Tensor u_h = at::zeros({n_heavy, hidden}, x.options());  // then h
+    check_cuda(sparse_llm::launch_csr_scatter_rows(heavy_rows.data_ptr<int64_t>(), n_heavy, hidden, row_ptr,
                                                    cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                    bf16_mut_ptr(a_h), bf16_mut_ptr(u_h), stream),
                "csr_scatter_rows");
-    // dh = grad_y Wd + (grad_l1 / M) sign(h); dg = dh * u, du = dh * a (zero off the active
-    // entries, where a = u = 0 in these dense blocks).
-    const at::Tensor u_f = u_h.to(at::kFloat);
-    const at::Tensor a_f = a_h.to(at::kFloat);
-    const at::Tensor dh = at::mm(gy_h, wd).to(at::kFloat).add_(u_f.sign().mul_(l1_scale));
-    const at::Tensor dg_h = (dh * u_f).to(x.scalar_type());
-    const at::Tensor du_h = (dh * a_f).to(x.scalar_type());
-    at::Tensor dx_h = at::mm(dg_h, wg);
-    dx_h.addmm_(du_h, wu);
-    dx.index_copy_(0, split.list, dx_h);
-    dwg.addmm_(dg_h.t(), x_h);
-    dwu.addmm_(du_h.t(), x_h);
-    dwd_t.addmm_((a_f * u_f).to(x.scalar_type()).t(), gy_h);
+    at::Tensor dh = at::mm(gy_h, wd);  // then dg
+    check_cuda(sparse_llm::launch_heavy_backward_elementwise(n_heavy, hidden, l1_grad.data_ptr<float>(), rows,
+                                                             bf16_mut_ptr(dh), bf16_mut_ptr(a_h), bf16_mut_ptr(u_h),
+                                                             stream),
+               "heavy_backward_elementwise");
+    at::Tensor dx_h = at::mm(dh, wg);
+    dx_h.addmm_(a_h, wu);
+    dx.index_copy_(0, heavy_rows, dx_h);
+    dwg.addmm_(dh.t(), x_h);
+    dwu.addmm_(a_h.t(), x_h);
+    dwd_t.addmm_(u_h.t(), gy_h);
   }
   return {dx, dwg, dwu, sparse_llm_glue::transpose_bf16(dwd_t)};
 }
@@ -216,7 +218,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
 
 void register_train_ops(pybind11::module_& m) {
   m.def("ffn_train_forward", &ffn_train_forward,
-        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); rows with more "
-        "than heavy_threshold active units take the dense path");
-  m.def("ffn_train_backward", &ffn_train_backward, "exact sparse training backward: (dx, dWg, dWu, dWd)");
+        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows); "
+        "rows with more than heavy_threshold active units take the dense path");
+  m.def("ffn_train_backward", &ffn_train_backward,
+        "exact sparse training backward from the forward's record and heavy rows: (dx, dWg, dWu, dWd)");
 }

@@ -255,8 +255,13 @@ def test_cuda_ops_trace_under_fake_tensors():
         x, wg, wu, wd = (
             torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
         )
-        y, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, 64)
+        y, l1, nnz, fire, cols, a_vals, u_vals, heavy = torch.ops.sparse_llm.ffn_train_fwd_cuda(
+            x, wg, wu, wd, 64
+        )
         assert y.shape == x.shape and l1.dtype == torch.float32 and nnz.shape == (6,) and fire.shape == (24,)
         assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
-        grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, 64)
+        assert heavy.dtype == torch.int64 and heavy.dim() == 1
+        grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(
+            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy
+        )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]

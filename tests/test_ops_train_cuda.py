@@ -112,7 +112,8 @@ def test_record_matches_reference_record():
     """Same active entries as the reference (counts, columns, gate values), in CSR order."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
-    _, l1, nnz, fire, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, 16)
+    _, l1, nnz, fire, cols, a_vals, u_vals, heavy = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, 16)
+    assert torch.equal(heavy, (nnz > 16).nonzero().flatten())
     _, l1_ref, nnz_ref, fire_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args)
     assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
     assert torch.equal(cols.long(), cols_ref.long()) and torch.equal(a_vals, a_ref)

@@ -6,9 +6,10 @@ the active entries for the backward):
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
   (sparse_llm.ops.train_reference), any device and float dtype.
 - `sparse_llm::ffn_train_fwd_cuda` / `ffn_train_bwd_cuda`: the CUDA kernels (kernels/csr.cuh,
-  kernels/train_bindings.cpp), bf16 on Hopper; same record layout with int32 columns.
+  kernels/train_bindings.cpp), bf16 on Hopper; same record layout with int32 columns, plus the
+  indices of the heavy rows (those on the dense GEMM path), so the backward reads nothing on the host.
 
-The record's length is data-dependent (the number of active entries), declared to the compiler
+The record's lengths are data-dependent (the number of active entries, of heavy rows), declared to the compiler
 as an unbacked size, so torch.compile(fullgraph=True) traces either pair without a graph break.
 Autograd saves x, the three weights and the compact record; never a dense M x H tensor.
 """
@@ -27,13 +28,14 @@ from sparse_llm.ops.train_reference import (
     ffn_train_forward_reference,
 )
 
-TrainForwardOutput = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]
+_T = torch.Tensor
+# (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); the CUDA pair adds heavy_rows.
+RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T]
+CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> TrainForwardOutput:
+def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> RefForwardOutput:
     m, hidden = x.shape[0], wg.shape[0]
     nnz = torch.library.get_ctx().new_dynamic_size()
     return (
@@ -57,7 +59,7 @@ def _fake_backward(x, wg, wu, wd) -> TrainBackwardOutput:
 @torch.library.custom_op("sparse_llm::ffn_train_fwd_ref", mutates_args=())
 def ffn_train_fwd_ref(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> TrainForwardOutput:
+) -> RefForwardOutput:
     """x: [M, D]; wg, wu: [H, D]; wd: [D, H]. (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals)."""
     return ffn_train_forward_reference(x, wg, wu, wd)
 
@@ -95,15 +97,17 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
 @torch.library.custom_op("sparse_llm::ffn_train_fwd_cuda", mutates_args=())
 def ffn_train_fwd_cuda(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
-) -> TrainForwardOutput:
-    """The CUDA kernels: bf16, contiguous, Hopper. Same outputs as the reference (cols int32).
-    Rows with more than heavy_threshold active units take the dense path (a speed knob only)."""
+) -> CudaForwardOutput:
+    """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32), then the
+    heavy rows' indices: rows with more than heavy_threshold active units take the dense path (a
+    speed knob only)."""
     return tuple(extension().ffn_train_forward(x, wg, wu, wd, heavy_threshold))
 
 
 @ffn_train_fwd_cuda.register_fake
 def _(x, wg, wu, wd, heavy_threshold):
-    return _fake_forward(x, wg, torch.int32)
+    n_heavy = torch.library.get_ctx().new_dynamic_size()
+    return (*_fake_forward(x, wg, torch.int32), x.new_empty(n_heavy, dtype=torch.int64))
 
 
 @torch.library.custom_op("sparse_llm::ffn_train_bwd_cuda", mutates_args=())
@@ -118,18 +122,18 @@ def ffn_train_bwd_cuda(
     cols: torch.Tensor,
     a_vals: torch.Tensor,
     u_vals: torch.Tensor,
-    heavy_threshold: int,
+    heavy_rows: torch.Tensor,
 ) -> TrainBackwardOutput:
     """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused)."""
     return tuple(
         extension().ffn_train_backward(
-            grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_threshold
+            grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_rows
         )
     )
 
 
 @ffn_train_bwd_cuda.register_fake
-def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_threshold):
+def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_rows):
     return _fake_backward(x, wg, wu, wd)
 
 
@@ -137,23 +141,24 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy
 
 
 def _setup_context(ctx, inputs, output):
-    x, wg, wu, wd, *ctx.options = inputs  # options: the CUDA pair's heavy_threshold
-    _, _, nnz_per_token, fire_counts, cols, a_vals, u_vals = output
-    ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals)
-    ctx.mark_non_differentiable(nnz_per_token, fire_counts, cols, a_vals, u_vals)
+    # Inputs: x, the weights, then non-tensor options (the CUDA pair's heavy_threshold). Outputs:
+    # y, l1, nnz_per_token, fire_counts, then the record the backward takes after nnz_per_token.
+    x, wg, wu, wd, *options = inputs
+    _, _, nnz_per_token, fire_counts, *record = output
+    ctx.n_options = len(options)
+    ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, *record)
+    ctx.mark_non_differentiable(nnz_per_token, fire_counts, *record)
 
 
 def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
     def backward(ctx, grad_y, grad_l1, *_unused):
-        x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         if grad_y is None:
             grad_y = x.new_zeros(x.shape)
         if grad_l1 is None:
             grad_l1 = x.new_zeros((), dtype=acc_dtype(x.dtype))
-        grads = backward_op(
-            grad_y.contiguous(), grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *ctx.options
-        )
-        return (*grads, *(None for _ in ctx.options))
+        grads = backward_op(grad_y.contiguous(), grad_l1, x, *saved)
+        return (*grads, *(None,) * ctx.n_options)
 
     return backward
 
