@@ -36,6 +36,9 @@ TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
+    p.add_argument(
+        "--model", type=Path, default=None, help="export, checkpoint or run directory to time instead"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script end to end")
     p.add_argument("--impls", nargs="+", default=["dense", "cuda"], help="model.ffn_impl values to time")
     p.add_argument("--micro-batch", type=int, default=8)
@@ -64,8 +67,9 @@ def model_dict(args: argparse.Namespace) -> dict:
     return raw
 
 
-def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[ModelConfig, dict]:
-    """Train `--sparsify-steps` steps at a high L1 with the Trainer; the resolved config and weights."""
+def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[ModelConfig, dict, object]:
+    """Train `--sparsify-steps` steps at a high L1 with the Trainer; the resolved config, weights
+    and tokenizer."""
     from sparse_llm.training.short_run import short_training_run
 
     train = dict(
@@ -82,10 +86,28 @@ def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[Mode
         run_dir, {**model, "ffn_impl": "dense"}, train, {"l1_coeff": args.sparsify_l1}, data
     )
     state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
-    return trainer.model.config, state
+    return trainer.model.config, state, trainer.tokenizer
 
 
-def time_impl(impl: str, mcfg: ModelConfig, state: dict, args: argparse.Namespace, device: str) -> dict:
+def text_batch(tokenizer, batch: int, length: int, vocab: int, seed: int) -> tuple[torch.Tensor, str]:
+    """[batch, length] token ids of held-out text of the embedded corpus (random ids without a
+    tokenizer, or if the held-out text is too short), and which of the two it is."""
+    if tokenizer is not None:
+        from sparse_llm.config import DataConfig
+        from sparse_llm.data import validation_batches
+
+        batches = validation_batches(
+            DataConfig(max_documents=2000, val_fraction=0.05), tokenizer, length, batch, 1
+        )
+        if batches and batches[0].shape[1] >= length:
+            return batches[0][:, :length], "held-out text"
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen), "random tokens"
+
+
+def time_impl(
+    impl: str, mcfg: ModelConfig, state: dict, ids: torch.Tensor, args: argparse.Namespace, device: str
+) -> dict:
     from dataclasses import replace
 
     from sparse_llm.ops.train import resolve_train_impl
@@ -96,8 +118,7 @@ def time_impl(impl: str, mcfg: ModelConfig, state: dict, args: argparse.Namespac
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     forward = torch.compile(model) if args.compile else model
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, mcfg.vocab_size, (args.micro_batch, args.seq_len + 1), generator=gen).to(device)
+    ids = ids.to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     record: dict = {"impl": impl}
     if impl != "dense":
@@ -147,8 +168,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         f"preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, "
         f"{meta['micro_batch']} x {meta['seq_len']} tokens per step, median of {meta['steps']} steps "
-        f"after {meta['warmup']} warm-up, compile={meta['compile']}, sparsify steps {meta['sparsify_steps']} "
-        f"(L1 {meta['sparsify_l1']:g}).",
+        f"after {meta['warmup']} warm-up, compile={meta['compile']}, "
+        + (
+            f"weights `{meta['model']}`"
+            if meta["model"]
+            else f"sparsify steps {meta['sparsify_steps']} (L1 {meta['sparsify_l1']:g})"
+        )
+        + f", timed on {meta['tokens']}.",
         "",
         "| ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first | L0 | sparsity | loss |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -167,20 +193,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     model = model_dict(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.sparsify_steps > 0:
-            mcfg, state = sparsify(args, model, Path(tmp) / "sparsify")
-        else:
-            mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
-            torch.manual_seed(args.seed)
-            state = build_model(mcfg).state_dict()
+    tokenizer = None
+    if args.model is not None:
+        from sparse_llm.inference.loading import load_model
+
+        loaded = load_model(args.model, "cpu", torch.float32)
+        mcfg, state, tokenizer = loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
+    elif args.sparsify_steps > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            mcfg, state, tokenizer = sparsify(args, model, Path(tmp) / "sparsify")
+    else:
+        mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
+        torch.manual_seed(args.seed)
+        state = build_model(mcfg).state_dict()
+    ids, tokens = text_batch(tokenizer, args.micro_batch, args.seq_len + 1, mcfg.vocab_size, args.seed)
     meta = {
         **collect_run_info(torch.device(device), world_size=1),
         "preset": "tiny" if args.tiny else args.preset,
+        "model": str(args.model) if args.model else None,
+        "tokens": tokens,
         **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
-    rows = [time_impl(impl, mcfg, state, args, device) for impl in args.impls]
+    rows = [time_impl(impl, mcfg, state, ids, args, device) for impl in args.impls]
     text = markdown(meta, rows)
     print(text)
     if args.json:

@@ -40,6 +40,9 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     ffn_impl: str = "dense"
+    # ffn_impl=cuda: a layer whose measured density (L0 / H) exceeds this trains with the dense FFN
+    # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmark_ffn.py --train.
+    ffn_dense_above: float = 0.012
     attn_impl: str = "sdpa"
 
 
@@ -165,6 +168,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         _positive(f"model.{key}", getattr(m, key))
+    if not 0 < m.ffn_dense_above <= 1:
+        raise ConfigError(f"config key 'model.ffn_dense_above': must be in (0, 1], got {m.ffn_dense_above}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"config key 'model.num_attention_heads': {m.num_attention_heads} heads do not divide "

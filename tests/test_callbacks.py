@@ -106,6 +106,15 @@ def test_default_callbacks_follow_the_reinit_config():
     assert isinstance(callback, DeadUnitReinitCallback) and callback.every == 7
 
 
+def test_cuda_ffn_gets_the_density_fallback_by_default():
+    from sparse_llm.training.ffn_fallback import DensityFallbackCallback
+
+    cfg = RunConfig(model=ModelConfig(ffn_impl="cuda", ffn_dense_above=0.03))
+    (callback,) = default_callbacks(cfg)
+    assert isinstance(callback, DensityFallbackCallback) and callback.max_density == 0.03
+    assert default_callbacks(RunConfig(model=ModelConfig(ffn_impl="reference"))) == []
+
+
 def make_trainer():
     """A stand-in with the attributes the trainer exposes to callbacks."""
     torch.manual_seed(0)

@@ -7,15 +7,14 @@ density (l0 / H) a layer trains faster dense. The rule, per layer, on the measur
     dense  -> sparse  when density < hysteresis * max_density   (no flapping around the edge)
 
 Both paths compute the same function (exactly), so a switch changes speed, never the result;
-each switch is logged and reported as a metric. `max_density` is a speed knob to be set from GPU
-measurements of the kernels (scripts/benchmark_ffn.py --train); DEFAULT_MAX_DENSITY is a
-placeholder until then. Decisions use the global (all-rank) density, so every rank agrees.
+each switch is logged and reported as a metric. `max_density` is a speed knob measured with
+scripts/benchmark_ffn.py --train: on an H200 (D=2048, H=5632, 16384 tokens) the CUDA training
+FFN beats compiled dense up to ~65 active units per token and loses above, hence the default of
+1.2% (benchmarks/results/ffn_train_h200.md). Decisions use the global (all-rank) density, so
+every rank agrees.
 
-Wire it into training with a `callbacks:` config entry:
-
-    callbacks:
-      - _target_: sparse_llm.training.ffn_fallback.DensityFallbackCallback
-        max_density: 0.05
+The trainer adds the callback by itself for model.ffn_impl=cuda, with
+max_density = model.ffn_dense_above.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from sparse_llm.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DENSITY = 0.05  # placeholder: ~280 of 5632 units; to be measured on the GPU
+DEFAULT_MAX_DENSITY = 0.012  # ~68 of 5632 units (see the module docstring)
 DEFAULT_HYSTERESIS = 0.8
 
 
