@@ -41,6 +41,18 @@ def _select_device(name: str) -> str:
     return name
 
 
+def fsdp2_mixed_precision():
+    """FSDP2's bf16 policy: bf16 compute, fp32 gradient reduction, outputs left as computed.
+
+    accelerate's default for mixed_precision="bf16" also reduces gradients in bf16 and casts the
+    model's outputs to bf16, which would round the (fp32) loss that is logged and back-propagated
+    to 3 significant digits.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> None:
         t = cfg.train
@@ -91,10 +103,11 @@ class Trainer:
         # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
         # the prepared ones may be wrapped for data parallelism and mixed precision.
         self.model, self.optimizer = model, optimizer
+        if self.accelerator.is_fsdp2 and precision == "bf16":
+            self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
         self.forward = torch.compile(self.prepared_model) if t.compile else self.prepared_model
         # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
-        # Untested end to end (accelerate does not enable FSDP on CPU); see README "Multi-GPU".
         self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
         if self.sharded and cfg.sparsity.reinit.enabled:
             raise ConfigError(
