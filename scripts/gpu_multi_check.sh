@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# Multi-GPU checks for one call on a 2-GPU machine (issue 6); results under $OUT (the device
+# returns at most 8 files: everything lands in one tarball, rebuilt after every part, plus the log).
+#   ddp_match    100M model, same global batch (16 x 1024): 1 GPU (2 micro-batches of 8) against
+#                2-GPU DDP (one of 8 per GPU), and the 1-GPU run with 4 micro-batches of 4 as the
+#                noise floor of a changed summation order; per-step losses compared
+#                (scripts/compare_losses.py). MATCH_FP32=1 adds the same pair in fp32.
+#   fsdp_resume  FSDP2, the 1b preset: train with a checkpoint every FSDP_CKPT steps, SIGKILL the
+#                whole job once step FSDP_KILL_AFTER is logged, resume with train.resume=auto, and
+#                compare the resumed losses with the ones logged before the kill (and, with
+#                FSDP_REFERENCE=1, with an uninterrupted run); checks the Hugging Face export.
+#   scaling      the 1b preset compiled in bf16, 8 x 2048 tokens per GPU per step (bench_1b):
+#                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
+#   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda under DDP and FSDP2 (the kernels
+#                are built ahead, in the background, while the other parts run).
+# Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling
+# Env: DEADLINE (seconds for the whole script; a run that would not fit is skipped), MATCH_STEPS,
+#      SCALE_STEPS, FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER, WHEELS (wheel directory, default .whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+DEADLINE=${DEADLINE:-100000}
+OUT=${OUT:-/tmp/gpu_multi_out}
+WORK=${WORK:-/tmp/multi}
+mkdir -p "$OUT" "$WORK/runs" "$WORK/logs" "$WORK/results"
+# NVLink multicast stays off (device README): it can take the host's shared GPUs down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ]; then  # packages the device image lacks (hydra-core, omegaconf, datasets, ...)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+python3 -c "import torch, accelerate, hydra; print('torch', torch.__version__, 'accelerate', accelerate.__version__, \
+'gpus', torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.get_device_name())" 2>&1 \
+  | tee "$WORK/logs/device.log" || exit 1
+nvidia-smi topo -m >>"$WORK/logs/device.log" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >>"$WORK/logs/device.log" 2>&1
+echo "commit ${GIT_COMMIT:-unknown}" >>"$WORK/logs/device.log"
+
+RUNS=$WORK/runs
+COMMON="logger=none train.progress=false"
+# $EXTRA (overrides appended to every run; the last value of a key wins) shrinks the runs for a
+# smoke test on CPU, e.g. EXTRA="model=tiny train.seq_len=64 train.compile=false".
+one() {  # overrides: a 1-process run
+  echo python3 -m sparse_llm.train $COMMON "$@" ${EXTRA:-}
+}
+launch() {  # accelerate config name, then overrides: a 2-process accelerate launch on a fresh port
+  local config=$1 port; shift
+  port=$(($(cat "$WORK/port" 2>/dev/null || echo 29500) + 1))
+  echo $port >"$WORK/port"  # (called in a subshell: the counter lives in a file)
+  echo python3 -m accelerate.commands.launch --config_file "configs/accelerate/$config.yaml" --num_processes 2 \
+    --main_process_port $port -m sparse_llm.train $COMMON "$@" ${EXTRA:-}
+}
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+fits() {  # seconds a run needs: false (and a note) when the deadline leaves less
+  if [ "$(left)" -lt "$1" ]; then
+    echo "SKIP: $2 needs ~$1 s, $(left) s left" | tee -a "$WORK/logs/skipped.log"
+    return 1
+  fi
+}
+
+kill_tree() {  # pid: SIGKILL it and every process below it. Not a process-group kill: torch's
+  # launcher starts each worker in a session of its own, so the workers would outlive their group.
+  python3 - "$1" <<'EOF'
+import sys
+import psutil
+try:
+    root = psutil.Process(int(sys.argv[1]))
+    procs = [*root.children(recursive=True), root]
+except psutil.NoSuchProcess:
+    sys.exit(0)
+for proc in procs:
+    try:
+        proc.kill()
+    except psutil.NoSuchProcess:
+        pass
+psutil.wait_procs(procs, timeout=60)
+EOF
+}
+
+run_limited() {  # seconds, name, command...: the whole process tree is killed at the limit
+  local secs=$1 name=$2; shift 2
+  local log=$WORK/logs/$name.log cap=$(($(left) - 5))
+  [ "$secs" -gt "$cap" ] && secs=$cap
+  echo "== $name ($(date -u +%H:%M:%S), limit ${secs}s): $*" | tee -a "$WORK/logs/commands.log"
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  (sleep "$secs"; echo "TIMEOUT after ${secs}s" >>"$log"; kill_tree "$pid") &
+  local watchdog=$!
+  wait "$pid"
+  local rc=$?
+  kill "$watchdog" 2>/dev/null
+  wait "$watchdog" 2>/dev/null
+  echo "   $name: rc $rc, $(tail -n 1 "$log")"
+  [ "$rc" -ne 0 ] && tail -n 25 "$log"
+  return $rc
+}
+
+pack() {  # everything small that a part produced, as one tarball under $OUT
+  (cd "$WORK" && find runs -maxdepth 2 \( -name metrics.jsonl -o -name metrics_prekill.jsonl -o -name config.yaml \
+    -o -name run_info.json \) -print0 | tar -czf "$OUT/multi_results.tar.gz" --null -T - logs results)
+}
+
+# ---- the runs ---------------------------------------------------------------------------------
+MATCH_STEPS=${MATCH_STEPS:-30}
+# 100M model, 16 x 1024 tokens per step, L1 on (and dead-unit reinit, DDP) so the statistics'
+# reduction over ranks is in the loss.
+MATCH="model=100m train.seq_len=1024 train.global_batch_size=16 train.max_steps=$MATCH_STEPS train.lr=1e-3 \
+train.warmup_steps=5 train.log_every=1 train.eval_every=10 train.eval_batches=4 train.checkpoint_every=0 \
+train.export=false train.compile=false sparsity=paper sparsity.l1_coeff=3e-4 sparsity.l1_warmup_end=10"
+REINIT="sparsity.reinit.enabled=true sparsity.reinit.every=10"
+
+ddp_match() {
+  local prec=$1 tag=$2
+  fits 150 "ddp_match $prec" || return 0
+  # The two 1-GPU runs side by side, one per GPU.
+  CUDA_VISIBLE_DEVICES=0 run_limited 240 ${tag}_1gpu $(one $MATCH $REINIT train.precision=$prec \
+    train.micro_batch_size=8 run_dir=$RUNS/${tag}_1gpu) &
+  local first=$!
+  CUDA_VISIBLE_DEVICES=1 run_limited 240 ${tag}_1gpu_mb4 $(one $MATCH $REINIT train.precision=$prec \
+    train.micro_batch_size=4 run_dir=$RUNS/${tag}_1gpu_mb4) &
+  wait $first; wait $!
+  run_limited 240 ${tag}_ddp $(launch ddp $MATCH $REINIT train.precision=$prec train.micro_batch_size=8 \
+    run_dir=$RUNS/${tag}_ddp)
+  python3 scripts/compare_losses.py $RUNS/${tag}_1gpu $RUNS/${tag}_ddp $RUNS/${tag}_1gpu_mb4 \
+    --labels 1gpu,ddp2,1gpu_mb4 --json "$WORK/results/${tag}.json" 2>&1 | tail -n 6
+}
+
+FSDP_STEPS=${FSDP_STEPS:-8}
+FSDP_CKPT=${FSDP_CKPT:-4}
+FSDP_KILL_AFTER=${FSDP_KILL_AFTER:-6}
+FSDP="model=1b train.seq_len=2048 train.global_batch_size=8 train.micro_batch_size=4 train.max_steps=$FSDP_STEPS \
+train.lr=1e-3 train.warmup_steps=2 train.log_every=1 train.eval_every=0 train.eval_batches=2 \
+train.checkpoint_every=$FSDP_CKPT train.keep_last=2 train.export=true train.precision=bf16 \
+train.compile=${FSDP_COMPILE:-false} sparsity=paper sparsity.l1_coeff=2e-5 sparsity.l1_warmup_end=0"
+
+fsdp_resume() {
+  fits 200 fsdp_resume || return 0
+  local dir=$RUNS/fsdp_killed
+  local log=$WORK/logs/fsdp_killed.log
+  echo "== fsdp_killed ($(date -u +%H:%M:%S)): kill -9 after step $FSDP_KILL_AFTER" | tee -a "$WORK/logs/commands.log"
+  # shellcheck disable=SC2046
+  $(launch fsdp2 $FSDP run_dir=$dir) >"$log" 2>&1 &
+  local pid=$! waited=0
+  until python3 - "$dir/metrics.jsonl" "$FSDP_KILL_AFTER" <<'EOF' 2>/dev/null
+import json, sys
+steps = [json.loads(l)["step"] for l in open(sys.argv[1]) if l.strip()]
+sys.exit(0 if steps and max(steps) >= int(sys.argv[2]) else 1)
+EOF
+  do
+    if ! kill -0 "$pid" 2>/dev/null || [ $waited -ge 1500 ]; then
+      echo "FAILED: the FSDP2 run ended or stalled before step $FSDP_KILL_AFTER"; tail -n 30 "$log"
+      kill_tree "$pid"
+      return 1
+    fi
+    sleep 0.2; waited=$((waited + 1))
+  done
+  kill_tree "$pid"  # the launcher and both workers, SIGKILL: a crash, no clean-up
+  wait "$pid" 2>/dev/null
+  echo "   killed at $(date -u +%H:%M:%S); checkpoints: $(ls -a "$dir/checkpoints" | tr '\n' ' ')" | tee -a "$log"
+  cp "$dir/metrics.jsonl" "$dir/metrics_prekill.jsonl"
+  run_limited 300 fsdp_resumed $(launch fsdp2 $FSDP run_dir=$dir train.resume=auto) || return 1
+  local resumed_at
+  resumed_at=$(grep -ho "at step [0-9]*" "$WORK/logs/fsdp_resumed.log" | head -n 1 | awk '{print $3}')
+  echo "   resumed at step ${resumed_at:-?}"
+  # Steps after the checkpoint: logged before the kill, and again by the resumed run.
+  python3 scripts/compare_losses.py "$dir/metrics_prekill.jsonl" "$dir" --labels before_kill,resumed \
+    --keys loss,ce,l1,grad_norm --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
+    | tail -n 8
+  if [ "${FSDP_REFERENCE:-0}" = 1 ] && fits 150 fsdp_straight; then
+    run_limited 300 fsdp_straight $(launch fsdp2 $FSDP run_dir=$RUNS/fsdp_straight) \
+      && python3 scripts/compare_losses.py $RUNS/fsdp_straight "$dir" --labels straight,killed_resumed \
+        --keys loss,ce,l1,val_loss --json "$WORK/results/fsdp_resume_vs_straight.json" 2>&1 | tail -n 4
+  fi
+  # The export gathered from the shards: every weight of a transformers Llama, with its shape.
+  python3 - "$dir/export" "$WORK/results/fsdp_export.json" <<'EOF' 2>&1 | tail -n 3
+import json, sys
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+export, out = sys.argv[1], sys.argv[2]
+config = AutoConfig.from_pretrained(export)
+with torch.device("meta"):
+    expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+with safe_open(f"{export}/model.safetensors", "pt") as f:
+    saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+missing = sorted(set(expected) - set(saved) - tied)
+wrong = sorted(k for k in saved if k in expected and saved[k] != expected[k])
+result = {"tensors": len(saved), "missing": missing, "unexpected": sorted(set(saved) - set(expected)),
+          "wrong_shape": wrong, "ok": not missing and not wrong and set(saved) <= set(expected)}
+json.dump(result, open(out, "w"), indent=1)
+print("export check:", result)
+EOF
+}
+
+SCALE_STEPS=${SCALE_STEPS:-40}
+SCALE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5"
+scaling() {
+  fits 150 scaling_1gpu && run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
+    && python3 scripts/summarize_run.py $RUNS/scale_1gpu --name scale_1gpu --out "$WORK/results" --skip 2 >/dev/null
+  fits 150 scaling_ddp && run_limited 400 scale_ddp $(launch ddp $SCALE train.global_batch_size=16 \
+    run_dir=$RUNS/scale_ddp) \
+    && python3 scripts/summarize_run.py $RUNS/scale_ddp --name scale_ddp --out "$WORK/results" --skip 2 >/dev/null
+  if [ "${SCALING_FSDP:-1}" = 1 ] && fits 150 scaling_fsdp; then
+    run_limited 400 scale_fsdp $(launch fsdp2 $SCALE train.global_batch_size=16 run_dir=$RUNS/scale_fsdp) \
+      && python3 scripts/summarize_run.py $RUNS/scale_fsdp --name scale_fsdp --out "$WORK/results" --skip 2 >/dev/null
+  fi
+  python3 - "$WORK/results" <<'EOF'
+import json, pathlib, sys
+results = pathlib.Path(sys.argv[1])
+runs = {n: json.loads((results / f"scale_{n}.json").read_text()) for n in ("1gpu", "ddp", "fsdp")
+        if (results / f"scale_{n}.json").is_file()}
+base = runs.get("1gpu", {}).get("tokens_per_s_median")
+for name, r in runs.items():
+    speedup = r["tokens_per_s_median"] / base if base else float("nan")
+    print(f"scaling {name}: {r['tokens_per_s_median']:,.0f} tok/s, {speedup:.3f}x, "
+          f"MFU {100 * r.get('mfu_median', 0):.1f}%, {r['peak_mem_gib']:.1f} GiB, {r['windows']} windows")
+EOF
+}
+
+cuda_ffn() {
+  if [ -n "${BUILD_PID:-}" ]; then
+    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"
+  fi
+  fits 100 cuda_ffn_ddp && run_limited 240 cuda_ddp $(launch ddp $MATCH $REINIT train.precision=bf16 \
+    train.micro_batch_size=8 model.ffn_impl=cuda run_dir=$RUNS/cuda_ddp)
+  # FSDP2 refuses dead-unit reinit on sharded weights: this pair runs without it.
+  fits 100 cuda_ffn_fsdp && run_limited 240 cuda_fsdp $(launch fsdp2 $MATCH train.precision=bf16 \
+    train.micro_batch_size=8 model.ffn_impl=cuda run_dir=$RUNS/cuda_fsdp)
+  fits 100 dense_fsdp && run_limited 240 dense_fsdp $(launch fsdp2 $MATCH train.precision=bf16 \
+    train.micro_batch_size=8 run_dir=$RUNS/dense_fsdp)
+  grep -h -i "warn.*\(fall\|refer\)" "$WORK"/logs/cuda_*.log | sort | uniq -c | head -n 5
+  [ -d $RUNS/bf16_ddp ] && python3 scripts/compare_losses.py $RUNS/bf16_ddp $RUNS/cuda_ddp --labels dense_ddp,cuda_ddp \
+    --json "$WORK/results/cuda_ffn_ddp.json" 2>&1 | tail -n 4
+  [ -d $RUNS/dense_fsdp ] && python3 scripts/compare_losses.py $RUNS/dense_fsdp $RUNS/cuda_fsdp \
+    --labels dense_fsdp,cuda_fsdp --json "$WORK/results/cuda_ffn_fsdp.json" 2>&1 | tail -n 4
+}
+
+# ---- main ---------------------------------------------------------------------------------------
+for part in "$@"; do
+  case "$part" in ddp_match | fsdp_resume | scaling | cuda_ffn) ;; *) echo "unknown part $part"; exit 2 ;; esac
+done
+if [[ " $* " == *" cuda_ffn "* ]]; then  # CPU work: overlaps the GPU runs of the other parts
+  python3 -m sparse_llm.ops.build >"$WORK/logs/ops_build.log" 2>&1 &
+  BUILD_PID=$!
+fi
+for part in "$@"; do
+  echo "==== $part ($(date -u +%H:%M:%S), $(left) s left)"
+  case "$part" in
+    ddp_match)
+      ddp_match bf16 bf16
+      [ "${MATCH_FP32:-0}" = 1 ] && ddp_match fp32 fp32
+      ;;
+    fsdp_resume) fsdp_resume ;;
+    scaling) scaling ;;
+    cuda_ffn) cuda_ffn ;;
+  esac
+  pack
+done
+pack
+echo "==== done in $(($(date +%s) - START)) s"
+ls -la "$OUT"
