@@ -11,8 +11,10 @@
 #                FSDP_REFERENCE=1, with an uninterrupted run); checks the Hugging Face export.
 #   scaling      the 1b preset compiled in bf16, 8 x 2048 tokens per GPU per step (bench_1b):
 #                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
-#   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda under DDP and FSDP2 (the kernels
-#                are built ahead, in the background, while the other parts run).
+#   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda (CUDA training kernels every step:
+#                model.ffn_dense_above=1 turns the per-layer dense fallback off) under DDP and
+#                FSDP2, each compared with the same run on the dense FFN. The kernels are built
+#                ahead, in the background, while the other parts run.
 # Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling
 # Env: DEADLINE (seconds for the whole script; a run that would not fit is skipped), MATCH_STEPS,
 #      SCALE_STEPS, FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER, WHEELS (wheel directory, default .whl).
@@ -227,17 +229,21 @@ cuda_ffn() {
   if [ -n "${BUILD_PID:-}" ]; then
     wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"
   fi
+  local cuda="model.ffn_impl=cuda model.ffn_dense_above=1.0"
+  # The dense twin of cuda_ddp is ddp_match's DDP run.
+  [ -f $RUNS/bf16_ddp/metrics.jsonl ] || { fits 100 dense_ddp && run_limited 240 bf16_ddp $(launch ddp $MATCH $REINIT \
+    train.precision=bf16 train.micro_batch_size=8 run_dir=$RUNS/bf16_ddp); }
   fits 100 cuda_ffn_ddp && run_limited 240 cuda_ddp $(launch ddp $MATCH $REINIT train.precision=bf16 \
-    train.micro_batch_size=8 model.ffn_impl=cuda run_dir=$RUNS/cuda_ddp)
+    train.micro_batch_size=8 $cuda run_dir=$RUNS/cuda_ddp)
   # FSDP2 refuses dead-unit reinit on sharded weights: this pair runs without it.
   fits 100 cuda_ffn_fsdp && run_limited 240 cuda_fsdp $(launch fsdp2 $MATCH train.precision=bf16 \
-    train.micro_batch_size=8 model.ffn_impl=cuda run_dir=$RUNS/cuda_fsdp)
+    train.micro_batch_size=8 $cuda run_dir=$RUNS/cuda_fsdp)
   fits 100 dense_fsdp && run_limited 240 dense_fsdp $(launch fsdp2 $MATCH train.precision=bf16 \
     train.micro_batch_size=8 run_dir=$RUNS/dense_fsdp)
   grep -h -i "warn.*\(fall\|refer\)" "$WORK"/logs/cuda_*.log | sort | uniq -c | head -n 5
-  [ -d $RUNS/bf16_ddp ] && python3 scripts/compare_losses.py $RUNS/bf16_ddp $RUNS/cuda_ddp --labels dense_ddp,cuda_ddp \
+  [ -f $RUNS/cuda_ddp/metrics.jsonl ] && python3 scripts/compare_losses.py $RUNS/bf16_ddp $RUNS/cuda_ddp --labels dense_ddp,cuda_ddp \
     --json "$WORK/results/cuda_ffn_ddp.json" 2>&1 | tail -n 4
-  [ -d $RUNS/dense_fsdp ] && python3 scripts/compare_losses.py $RUNS/dense_fsdp $RUNS/cuda_fsdp \
+  [ -f $RUNS/cuda_fsdp/metrics.jsonl ] && python3 scripts/compare_losses.py $RUNS/dense_fsdp $RUNS/cuda_fsdp \
     --labels dense_fsdp,cuda_fsdp --json "$WORK/results/cuda_ffn_fsdp.json" 2>&1 | tail -n 4
 }
 
