@@ -22,6 +22,7 @@ gradients reach fp32 master weights through those casts.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, NamedTuple
 
 import torch
@@ -50,11 +51,20 @@ def resolve_train_impl(
     impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
 ) -> str:
     """'cuda' or 'reference' for these (checked) inputs: 'auto' takes the CUDA kernels where they
-    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192) and the reference elsewhere;
+    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192) and the reference elsewhere (with
+    a warning when the tensors are on a GPU: the reference is exact but slower than dense there);
     'cuda' raises with the reason instead of falling back."""
     if impl not in ("auto", "cuda", "reference"):
         raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-    return "cuda" if use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)) else "reference"
+    reason = cuda_unsupported_reason(x, wg, wu, wd)
+    if use_cuda_kernels(impl, reason):
+        return "cuda"
+    if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
+        warnings.warn(
+            f"ffn_forward_train: the CUDA training kernels cannot run ({reason}); using the reference",
+            stacklevel=3,
+        )
+    return "reference"
 
 
 def ffn_forward_train(
