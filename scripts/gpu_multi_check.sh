@@ -17,7 +17,8 @@
 #                ahead, in the background, while the other parts run.
 # Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling
 # Env: DEADLINE (seconds for the whole script; a run that would not fit is skipped), MATCH_STEPS,
-#      SCALE_STEPS, FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER, WHEELS (wheel directory, default .whl).
+#      SCALE_STEPS, SCALE_SKIP (warm-up windows dropped), FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER,
+#      FSDP_REFERENCE=1, MATCH_FP32=1, WHEELS (wheel directory, default .whl), GIT_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -204,13 +205,13 @@ SCALE_STEPS=${SCALE_STEPS:-40}
 SCALE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5"
 scaling() {
   fits 150 scaling_1gpu && run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
-    && python3 scripts/summarize_run.py $RUNS/scale_1gpu --name scale_1gpu --out "$WORK/results" --skip 2 >/dev/null
+    && python3 scripts/summarize_run.py $RUNS/scale_1gpu --name scale_1gpu --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
   fits 150 scaling_ddp && run_limited 400 scale_ddp $(launch ddp $SCALE train.global_batch_size=16 \
     run_dir=$RUNS/scale_ddp) \
-    && python3 scripts/summarize_run.py $RUNS/scale_ddp --name scale_ddp --out "$WORK/results" --skip 2 >/dev/null
+    && python3 scripts/summarize_run.py $RUNS/scale_ddp --name scale_ddp --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
   if [ "${SCALING_FSDP:-1}" = 1 ] && fits 150 scaling_fsdp; then
     run_limited 400 scale_fsdp $(launch fsdp2 $SCALE train.global_batch_size=16 run_dir=$RUNS/scale_fsdp) \
-      && python3 scripts/summarize_run.py $RUNS/scale_fsdp --name scale_fsdp --out "$WORK/results" --skip 2 >/dev/null
+      && python3 scripts/summarize_run.py $RUNS/scale_fsdp --name scale_fsdp --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
   fi
   python3 - "$WORK/results" <<'EOF'
 import json, pathlib, sys
