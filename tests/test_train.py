@@ -61,13 +61,15 @@ def test_short_run_loss_falls(tmp_path: Path):
     assert ckpt_io.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
-def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path):
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["in_loop", "prefetched"])
+def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path, prefetch: int):
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight = train(tiny_run_config(straight_dir, max_steps=8, checkpoint_every=4))
+    run = dict(max_steps=8, checkpoint_every=4, prefetch=prefetch)
+    straight = train(tiny_run_config(straight_dir, **run))
     with pytest.raises(SimulatedKill):
-        train(tiny_run_config(resumed_dir, max_steps=8, checkpoint_every=4), [KillAfterCheckpoint(4)])
+        train(tiny_run_config(resumed_dir, **run), [KillAfterCheckpoint(4)])
     assert [r["step"] for r in read_metrics(resumed_dir)] == [1, 2, 3, 4]
-    resumed = train(tiny_run_config(resumed_dir, max_steps=8, checkpoint_every=4, resume="auto"))
+    resumed = train(tiny_run_config(resumed_dir, resume="auto", **run))
 
     a, b = read_metrics(straight_dir), read_metrics(resumed_dir)
     assert [r["step"] for r in b] == list(range(1, 9))

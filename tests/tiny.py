@@ -25,14 +25,19 @@ TINY_TRAIN = dict(
 
 
 def tiny_run_config(
-    run_dir: Path, *, sparsity: dict[str, Any] | None = None, max_documents: int = 300, **train: Any
+    run_dir: Path,
+    *,
+    sparsity: dict[str, Any] | None = None,
+    max_documents: int = 300,
+    prefetch: int = -1,
+    **train: Any,
 ) -> RunConfig:
     """The tiny model on the embedded data, wandb off; `train` overrides TINY_TRAIN keys."""
     return load_config(
         {
             "run_dir": str(run_dir),
             "model": TINY_MODEL,
-            "data": dict(max_documents=max_documents),
+            "data": dict(max_documents=max_documents, prefetch=prefetch),
             "train": {**TINY_TRAIN, **train},
             "sparsity": {"l1_coeff": 1e-3, "plots": False, **(sparsity or {})},
             "logger": {"wandb": {"mode": "disabled"}},

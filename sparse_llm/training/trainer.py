@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from sparse_llm.config import ConfigError, RunConfig, validate
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
+from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
@@ -84,9 +85,15 @@ class Trainer:
         # Every rank reads the same global stream and takes its own rows of each global
         # micro-batch, so a step sees the same global batch for any number of processes and the
         # data state is the same on every rank (see RankSlice).
-        self.train_stream = RankSlice(
+        # A background thread reads (and tokenizes) the next batches while the GPU works.
+        self.train_stream: RankSlice | BatchPrefetcher = RankSlice(
             TokenStream(cfg.data, self.tokenizer, t.seq_len, "train"), self.rank, self.world_size
         )
+        prefetch = cfg.data.prefetch if cfg.data.prefetch >= 0 else (2 if device == "cuda" else 0)
+        if prefetch > 0:
+            self.train_stream = BatchPrefetcher(
+                self.train_stream, t.micro_batch_size, prefetch, pin_memory=device == "cuda"
+            )
         # The held-out batches are those of a single-process run, dealt round-robin to the ranks.
         all_val = validation_batches(cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches)
         self.val_batches = all_val[self.rank :: self.world_size]
@@ -149,6 +156,16 @@ class Trainer:
             disable=not (main and t.progress),
             dynamic_ncols=True,
         )
+        try:
+            self._loop(bar)
+        finally:
+            if isinstance(self.train_stream, BatchPrefetcher):
+                self.train_stream.close()
+        bar.close()
+        self._finish()
+
+    def _loop(self, bar: tqdm) -> None:
+        t = self.cfg.train
         window_start, window_tokens = time.perf_counter(), 0
         while self.step < t.max_steps:
             record = self._train_step()
@@ -176,8 +193,6 @@ class Trainer:
             if (t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0) or is_last:
                 path = self.save_checkpoint()
                 self.callbacks.on_checkpoint(self, self.step, path)
-        bar.close()
-        self._finish()
 
     def _train_step(self) -> dict[str, Any]:
         t = self.cfg.train
