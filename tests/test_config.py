@@ -62,7 +62,7 @@ def test_wrong_type_is_named():
         (["model.num_attention_heads=3"], "model.num_attention_heads"),
         (["model.ffn_impl=sparse"], "model.ffn_impl"),
         (["model.ffn_dense_above=0"], "model.ffn_dense_above"),
-        (["data.prefetch=-2"], "data.prefetch"),
+        (["data.prefetch=-1"], "data.prefetch"),
         (["data=files", "data.paths=[]"], "data.paths"),
         (["data=files", "data.paths=[/nonexistent/*.jsonl]"], "data.paths"),
         (["data.tokenizer=/nonexistent/tokenizer"], "data.tokenizer"),

@@ -85,14 +85,14 @@ class Trainer:
         # Every rank reads the same global stream and takes its own rows of each global
         # micro-batch, so a step sees the same global batch for any number of processes and the
         # data state is the same on every rank (see RankSlice).
-        # A background thread reads (and tokenizes) the next batches while the GPU works.
+        # With data.prefetch, a background thread reads (and tokenizes) the next batches while the
+        # GPU works.
         self.train_stream: RankSlice | BatchPrefetcher = RankSlice(
             TokenStream(cfg.data, self.tokenizer, t.seq_len, "train"), self.rank, self.world_size
         )
-        prefetch = cfg.data.prefetch if cfg.data.prefetch >= 0 else (2 if device == "cuda" else 0)
-        if prefetch > 0:
+        if cfg.data.prefetch > 0:
             self.train_stream = BatchPrefetcher(
-                self.train_stream, t.micro_batch_size, prefetch, pin_memory=device == "cuda"
+                self.train_stream, t.micro_batch_size, cfg.data.prefetch, pin_memory=device == "cuda"
             )
         # The held-out batches are those of a single-process run, dealt round-robin to the ranks.
         all_val = validation_batches(cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches)
