@@ -2,7 +2,8 @@
 # One device call: sparsify the 1b preset by a short high-L1 run on the embedded text, then time
 # inference (prefill + decode, dense vs cuda: scripts/benchmark_inference.py) and the training
 # step (dense vs cuda: scripts/benchmark_model.py) on those same weights. Results under $OUT.
-# Env: STEPS (sparsify steps, default 400), L1 (default 5e-3).
+# Env: STEPS (sparsify steps, default 400), L1 (default 3e-3: the committed results; it overshoots
+# to ~99.99% sparsity on the 1b preset, a lower value gives weights nearer the paper's ~99.5%).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_sparse_1b_out}
@@ -17,7 +18,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 status=0
 python3 -m sparse_llm.ops.build >/dev/null || exit 1
 python3 scripts/benchmark_inference.py --sparsify --preset 1b --sparsify-steps "${STEPS:-400}" \
-  --l1-coeff "${L1:-5e-3}" --prompt-len 1920 --decode-tokens 128 --out /tmp/inference 2>&1 \
+  --l1-coeff "${L1:-3e-3}" --prompt-len 1920 --decode-tokens 128 --out /tmp/inference 2>&1 \
   | grep -v -e Warning -e "it/s" -e "step/s" | tail -n 25 || status=1
 cp /tmp/inference/*.json /tmp/inference/*.md "$OUT"/ 2>/dev/null
 python3 scripts/benchmark_model.py --model /tmp/inference/sparsify_run --compile \
