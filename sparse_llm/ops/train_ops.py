@@ -6,11 +6,13 @@ the active entries for the backward):
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
   (sparse_llm.ops.train_reference), any device and float dtype.
 - `sparse_llm::ffn_train_fwd_cuda` / `ffn_train_bwd_cuda`: the CUDA kernels (kernels/csr.cuh,
-  kernels/train_bindings.cpp), bf16 on Hopper; same record layout with int32 columns, plus the
-  indices of the heavy rows (those on the dense GEMM path), so the backward reads nothing on the host.
+  kernels/train_bindings.cpp), bf16 on Hopper; same record layout with int32 columns, plus
+  the indices of the heavy rows (those on the dense GEMM path), so the backward reads nothing
+  on the host.
 
-The record's lengths are data-dependent (the number of active entries, of heavy rows), declared to the compiler
-as an unbacked size, so torch.compile(fullgraph=True) traces either pair without a graph break.
+The record's lengths are data-dependent (the numbers of active entries and of heavy rows),
+declared to the compiler as unbacked sizes, so torch.compile(fullgraph=True) traces either pair
+without a graph break.
 Autograd saves x, the three weights and the compact record; never a dense M x H tensor.
 """
 
@@ -32,7 +34,7 @@ _T = torch.Tensor
 # (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); the CUDA pair adds heavy_rows.
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T]
 CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
-TrainBackwardOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+TrainBackwardOutput = tuple[_T, _T, _T, _T]
 
 
 def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> RefForwardOutput:
