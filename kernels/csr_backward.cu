@@ -1,35 +1,25 @@
 // Training backward from the CSR record: every gradient comes from the active entries only.
 //
-// Rows kernel (one CTA per kRowsPerCta rows, like the forward up/down): grad_y rows staged in
-// shared memory; warps take the block's entries: dh = grad_y[r] . wd_t[unit] + L1 term, then
+// Rows kernel (one CTA per block of rows, csr_rows.cuh, like the forward up/down): grad_y rows
+// staged in shared memory; warps take the block's entries: dh = grad_y[r] . wd_t[unit] + L1 term, then
 // dg = dh * u and du = dh * a (fp32, kept for the units kernel); then every thread owns 8 columns
 // of dx[r] = sum_e dg_e wg[unit] + du_e wu[unit].
 //
 // Units kernel (one CTA per unit and column slice): walks the unit's entries in column order and
 // accumulates its rows of dWg, dWu (from x) and dWd^T (from grad_y) in registers, so every weight
 // gradient row is written once, with no atomics: deterministic.
-#include "csr.cuh"
-#include "vec.cuh"
+#include "csr_rows.cuh"
 
 namespace sparse_llm {
 namespace {
 
-constexpr int kRowsPerCta = 8;
-constexpr int kRowThreads = 256;
-constexpr int kWarps = kRowThreads / 32;
 constexpr int kDotLoads = 8;   // 16-byte wd_t loads in flight per lane
 constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows each)
 constexpr int kUnitThreads = 128;
 constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
 constexpr int kUnitUnroll = 4;                    // entries in flight per thread
 
-__device__ __forceinline__ int local_row(const int64_t* ptr, int n_rows, int64_t e) {
-  int r = 0;
-  while (r + 1 < n_rows && ptr[r + 1] <= e) ++r;
-  return r;
-}
-
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kCsrRowThreads)
     csr_backward_rows_kernel(const __nv_bfloat16* __restrict__ grad_y, const __nv_bfloat16* __restrict__ wg,
                              const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wd_t,
                              const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
@@ -37,23 +27,19 @@ __global__ void __launch_bounds__(kRowThreads)
                              const uint8_t* __restrict__ heavy, const float* __restrict__ grad_l1, int64_t rows,
                              int dim, float* dg, float* du, __nv_bfloat16* __restrict__ dx) {
   extern __shared__ uint4 smem[];
-  __nv_bfloat16* gys = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRowsPerCta][dim]
-  __shared__ int64_t ptr[kRowsPerCta + 1];
-  __shared__ bool skip[kRowsPerCta];  // heavy rows: the dense path owns them
+  __nv_bfloat16* gys = reinterpret_cast<__nv_bfloat16*>(smem);  // [kCsrRowsPerCta][dim]
+  __shared__ int64_t ptr[kCsrRowsPerCta + 1];
+  __shared__ bool skip[kCsrRowsPerCta];
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerCta;
-  const int n_rows = static_cast<int>(rows - row0 < kRowsPerCta ? rows - row0 : kRowsPerCta);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCsrRowsPerCta;
+  const int n_rows = row_block_size(rows, row0);
   const int vecs = dim / kChunk;
   const float l1_scale = *grad_l1 / static_cast<float>(rows);  // d(l1)/d|h| = 1 / M
-  if (threadIdx.x <= n_rows) ptr[threadIdx.x] = row_ptr[row0 + threadIdx.x];
-  if (threadIdx.x < n_rows) skip[threadIdx.x] = heavy[row0 + threadIdx.x] != 0;
-  for (int i = threadIdx.x; i < n_rows * vecs; i += kRowThreads)
-    reinterpret_cast<uint4*>(gys)[i] = reinterpret_cast<const uint4*>(grad_y + row0 * dim)[i];
-  __syncthreads();
+  load_row_block(row_ptr, heavy, grad_y, row0, n_rows, dim, ptr, skip, gys);
 
-  for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kWarps) {
+  for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kCsrRowWarps) {
     const int r = local_row(ptr, n_rows, e);
     if (skip[r]) continue;
     const float dot = warp_dot_row<kDotLoads>(gys + r * dim, wd_t + static_cast<int64_t>(cols[e]) * dim, dim, lane);
@@ -71,7 +57,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int r = 0; r < n_rows; ++r) {
     if (skip[r]) continue;
     const int64_t begin = ptr[r], end = ptr[r + 1];
-    for (int v = threadIdx.x; v < vecs; v += kRowThreads) {
+    for (int v = threadIdx.x; v < vecs; v += kCsrRowThreads) {
       float acc[kChunk] = {};
       int64_t e = begin;
       for (; e + kDxUnroll <= end; e += kDxUnroll) {
@@ -162,12 +148,12 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
                                      float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(kRowsPerCta) * dim * sizeof(__nv_bfloat16);
+  const size_t smem = static_cast<size_t>(kCsrRowsPerCta) * dim * sizeof(__nv_bfloat16);
   cudaError_t err = cudaFuncSetAttribute(csr_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const int64_t blocks = (rows + kRowsPerCta - 1) / kRowsPerCta;
-  csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(
+  const int64_t blocks = (rows + kCsrRowsPerCta - 1) / kCsrRowsPerCta;
+  csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kCsrRowThreads, smem, stream>>>(
       grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, heavy, grad_l1, rows, dim, dg, du, dx);
   return cudaGetLastError();
 }

@@ -68,26 +68,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRowsPerCta; ++r) {
     const int len = row_len[r];
     if (len <= 0) continue;
-    const uint4* xr = reinterpret_cast<const uint4*>(xs + r * dim);
     for (int e = (warp - flat % kWarps + kWarps) % kWarps; e < len; e += kWarps) {
       const int unit = ent_unit[r * max_row_nnz + e];
-      const uint4* wr = reinterpret_cast<const uint4*>(wu + static_cast<int64_t>(unit) * dim);
-      float acc = 0.0f;
-      for (int v0 = 0; v0 < vecs_per_row; v0 += 32 * kUpLoads) {
-        uint4 w[kUpLoads];
-#pragma unroll
-        for (int k = 0; k < kUpLoads; ++k) {
-          const int v = v0 + k * 32 + lane;
-          if (v < vecs_per_row) w[k] = __ldg(wr + v);
-        }
-#pragma unroll
-        for (int k = 0; k < kUpLoads; ++k) {
-          const int v = v0 + k * 32 + lane;
-          if (v < vecs_per_row) acc += dot_bf16x8(w[k], xr[v]);
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(kFullMask, acc, off);
+      const float acc = warp_dot_row<kUpLoads>(xs + r * dim, wu + static_cast<int64_t>(unit) * dim, dim, lane);
       if (lane == 0) ent_h[r * max_row_nnz + e] *= acc;
     }
     flat += len;
