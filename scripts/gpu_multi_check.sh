@@ -29,13 +29,7 @@ mkdir -p "$OUT" "$WORK/runs" "$WORK/logs" "$WORK/results"
 # NVLink multicast stays off (device README): it can take the host's shared GPUs down.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-WHEELS=${WHEELS:-.whl}
-if [ -d "$WHEELS" ]; then  # packages the device image lacks (hydra-core, omegaconf, datasets, ...)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/device_env.sh || exit 1
 python3 -c "import torch, accelerate, hydra; print('torch', torch.__version__, 'accelerate', accelerate.__version__, \
 'gpus', torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.get_device_name())" 2>&1 \
   | tee "$WORK/logs/device.log" || exit 1

@@ -8,13 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_sparse_1b_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # packages the device image lacks (hydra-core, omegaconf, datasets, ...)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/device_env.sh || exit 1
 status=0
 python3 -m sparse_llm.ops.build >/dev/null || exit 1
 python3 scripts/benchmark_inference.py --sparsify --preset 1b --sparsify-steps "${STEPS:-400}" \

@@ -11,13 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_train_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # packages the device image lacks (hydra-core, omegaconf, datasets, ...)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/device_env.sh || exit 1
 python3 -c "import torch, datasets, hydra; print('torch', torch.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name())" || exit 1
 RUNS=/tmp/runs
 TRAIN="python3 -m sparse_llm.train logger=none train.progress=false"

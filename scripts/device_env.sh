@@ -1,0 +1,12 @@
+# Sourced by the device scripts (gpu_train_check.sh, gpu_sparse_1b.sh, gpu_multi_check.sh), from the
+# repository root: installs the packages the device image lacks (hydra-core, omegaconf, datasets,
+# ...) from the wheels in $WHEELS (default .whl) into /tmp/site, and puts them and the repository
+# on PYTHONPATH. Returns non-zero if the install fails.
+export PYTHONUNBUFFERED=1
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || return 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
