@@ -36,7 +36,6 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.config import DataConfig  # noqa: E402
 from sparse_llm.inference import load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
 from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
 from sparse_llm.model import KVCache  # noqa: E402
@@ -125,12 +124,9 @@ def sparsify(args: argparse.Namespace) -> Path:
 
 def prompts(tokenizer, vocab: int, batch: int, length: int, random_tokens: bool) -> torch.Tensor:
     if not random_tokens:
-        from sparse_llm.data import validation_batches
+        from sparse_llm.data import heldout_text_ids
 
-        data = DataConfig(max_documents=2000, val_fraction=0.05)
-        batches = validation_batches(data, tokenizer, length, batch, 1)
-        if batches:
-            return batches[0][:, :length]
+        return heldout_text_ids(tokenizer, batch, length)
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
 

@@ -91,16 +91,11 @@ def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[Mode
 
 def text_batch(tokenizer, batch: int, length: int, vocab: int, seed: int) -> tuple[torch.Tensor, str]:
     """[batch, length] token ids of held-out text of the embedded corpus (random ids without a
-    tokenizer, or if the held-out text is too short), and which of the two it is."""
+    tokenizer), and which of the two it is."""
     if tokenizer is not None:
-        from sparse_llm.config import DataConfig
-        from sparse_llm.data import validation_batches
+        from sparse_llm.data import heldout_text_ids
 
-        batches = validation_batches(
-            DataConfig(max_documents=2000, val_fraction=0.05), tokenizer, length, batch, 1
-        )
-        if batches and batches[0].shape[1] >= length:
-            return batches[0][:, :length], "held-out text"
+        return heldout_text_ids(tokenizer, batch, length), "held-out text"
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=gen), "random tokens"
 

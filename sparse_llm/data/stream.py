@@ -321,3 +321,10 @@ def validation_batches(
         return []
     stream = TokenStream(cfg, tokenizer, seq_len, split="val", rank=rank, world_size=world_size)
     return [stream.next_batch(batch_size) for _ in range(num_batches)]
+
+
+def heldout_text_ids(tokenizer: PreTrainedTokenizerFast, batch_size: int, length: int) -> torch.Tensor:
+    """[batch_size, length] token ids of held-out text of the embedded corpus (the first 2000
+    documents, 5% held out): real text for benchmarks, the same on every call."""
+    data = DataConfig(max_documents=2000, val_fraction=0.05)
+    return validation_batches(data, tokenizer, length, batch_size, 1)[0][:, :length]
