@@ -1,11 +1,18 @@
-"""Gate patterns for the GPU kernel tests (DESIGN section 3): named sparsity patterns of
-g = x Wg^T on random bf16 inputs, and the relative error the exactness contract is stated in."""
+"""Shared by the GPU kernel tests: named sparsity patterns of g = x Wg^T on random bf16 inputs
+(DESIGN section 3), the relative error the exactness contract is stated in, and the Hopper skip."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparse_llm.ops.twell import SLOTS
+
+# The CUDA kernels are built for sm_90 (Hopper) only.
+needs_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the CUDA kernels need a Hopper GPU",
+)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -7,6 +7,7 @@ H200) returned corrupted fire counts at the token counts of real training (64 x 
 
 import pytest
 import torch
+from ffn_patterns import needs_hopper
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
@@ -51,9 +52,7 @@ def test_cuda_ffn_impl_matches_dense_logits():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs Hopper"
-)
+@needs_hopper
 def test_cuda_ffn_impl_trains_like_dense():
     """Five AdamW steps with the CUDA training kernels (bf16 autocast, fp32 master weights, compiled)
     follow the dense model: same losses within bf16 noise, identical per-unit statistics at step 0."""

@@ -6,7 +6,7 @@ floor), every output element written, on fresh random inputs and on adversarial 
 
 import pytest
 import torch
-from ffn_patterns import PATTERNS, gpu_pattern, rel_err
+from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
 
 from sparse_llm import ops
 from sparse_llm.ops.workload import make_workload
@@ -14,13 +14,6 @@ from sparse_llm.ops.workload import make_workload
 pytestmark = pytest.mark.gpu
 
 ABS_FLOOR = 1e-5
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the TwELL kernels need a Hopper GPU")
 
 
 def _ffn64(x, wg, wu, wd):

@@ -11,7 +11,7 @@ bf16's unit roundoff.
 
 import pytest
 import torch
-from ffn_patterns import PATTERNS, gpu_pattern, rel_err
+from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.ops.train import ffn_forward_train
@@ -23,13 +23,6 @@ LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 ABS_FLOOR = 1e-5
 SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-10
 NAMES = ("y", "l1", "nnz_per_token", "fire_counts", "dx", "dWg", "dWu", "dWd")
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="the training kernels need a Hopper GPU")
 
 
 def dense(x, wg, wu, wd):
