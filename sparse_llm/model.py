@@ -207,6 +207,12 @@ class ReluGatedMLP(nn.Module):
             return y, ()
         return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
 
+    @property
+    def _ops_impl(self) -> str:
+        """The ops front's impl for this layer's ffn_impl: `cuda` asks for the kernels where they
+        can run (`auto`), `reference` for the PyTorch reference."""
+        return "auto" if self.ffn_impl == "cuda" else "reference"
+
     def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through the sparse ops front: the CUDA kernels (`cuda`, falling back to the
         reference with a warning where they cannot run) or the PyTorch reference (`reference`)."""
@@ -218,8 +224,7 @@ class ReluGatedMLP(nn.Module):
             # Custom ops sit outside autocast: cast as autocast would for the dense matmuls.
             dtype = torch.get_autocast_dtype(x.device.type)
         wg, wu, wd = (w.to(dtype) for w in weights)
-        impl = "auto" if self.ffn_impl == "cuda" else "reference"
-        return ops.ffn_forward(x.to(dtype), wg, wu, wd, impl=impl)
+        return ops.ffn_forward(x.to(dtype), wg, wu, wd, impl=self._ops_impl)
 
     def _sparse_train_forward(
         self, x: torch.Tensor, with_stats: bool
@@ -231,8 +236,7 @@ class ReluGatedMLP(nn.Module):
         from sparse_llm import ops
 
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        impl = "auto" if self.ffn_impl == "cuda" else "reference"
-        out = ops.ffn_forward_train(x, *weights, impl=impl)
+        out = ops.ffn_forward_train(x, *weights, impl=self._ops_impl)
         if not with_stats:
             return out.y, ()
         return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)

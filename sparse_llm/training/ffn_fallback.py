@@ -26,11 +26,12 @@ from typing import Any
 
 from torch import nn
 
+from sparse_llm.config import ModelConfig
 from sparse_llm.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DENSITY = 0.012  # ~68 of 5632 units (see the module docstring)
+DEFAULT_MAX_DENSITY = ModelConfig.ffn_dense_above  # 1.2%, ~68 of 5632 units (module docstring)
 DEFAULT_HYSTERESIS = 0.8
 
 
