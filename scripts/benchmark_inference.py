@@ -1,8 +1,9 @@
 """Inference benchmark: batched prefill and decode throughput, dense FFN vs the TwELL kernels.
 
 The same weights run once per FFN implementation: prefill of B x L prompt tokens into a KV cache
-(tokens/s), then greedy decode of N tokens per row (tokens/s), with energy per token from NVML
-where available (pip install nvidia-ml-py). The sparsity the kernels see is measured on the same
+(tokens/s; eager, and under torch.compile on a GPU or with --compile), then greedy decode of N
+tokens per row (tokens/s, eager), with energy per token from NVML where available (pip install
+nvidia-ml-py). The sparsity the kernels see is measured on the same
 prompts. Writes inference_benchmark.json and .md (device, commit, date) into --out.
 
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
@@ -36,7 +37,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.inference import load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
+from sparse_llm.inference import compile_prefill, load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
 from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
 from sparse_llm.model import KVCache  # noqa: E402
 from sparse_llm.training.run_info import git_commit  # noqa: E402
@@ -62,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", default=["dense", "cuda"], choices=["dense", "reference", "cuda"])
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the prefill under torch.compile (default: on a CUDA device)",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--random-tokens", action="store_true", help="random prompts instead of held-out text")
@@ -77,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.preset == p.get_default("preset"):
             args.preset = "tiny"
         args.device = "cpu" if args.device == "auto" else args.device
+    if args.compile is None:
+        args.compile = args.device != "cpu" and torch.cuda.is_available()
     if args.model is None and not args.sparsify:
         p.error("give --model, --sparsify or --tiny")
     if args.model is not None and args.sparsify:
@@ -176,49 +186,75 @@ def measure_sparsity(model, ids: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _timed(device: torch.device, energy: Energy, fn, *args, **kwargs) -> tuple[Any, float, float | None]:
+    """fn(*args, **kwargs), its seconds and joules (None without NVML), synchronized on both ends."""
+    _sync(device)
+    e0, t0 = energy.read(), time.perf_counter()
+    out = fn(*args, **kwargs)
+    _sync(device)
+    e1, t1 = energy.read(), time.perf_counter()
+    return out, t1 - t0, None if e0 is None else e1 - e0
+
+
+def greedy_decode(model, first: torch.Tensor, cache: KVCache, tokens: int) -> list[torch.Tensor]:
+    """`tokens` greedy tokens per row ([B] each), `first` included, one model call per token."""
+    generated = [first]
+    for _ in range(tokens - 1):
+        generated.append(model(generated[-1][:, None], cache=cache).logits[:, -1].argmax(-1))
+    return generated
+
+
 @torch.no_grad()
-def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy) -> dict[str, Any]:
+def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled) -> dict[str, Any]:
+    """Prefill (eager, and through `compiled` when given) then greedy decode (eager) with `impl`."""
     device = ids.device
     batch, length = ids.shape
     dtype = model.lm_head.weight.dtype
-    prefill_s, prefill_j, decode_s, decode_j = [], [], [], []
-    tokens = logits_last = None
+    times: dict[str, list[float]] = {"prefill": [], "prefill_compiled": [], "decode": []}
+    joules: dict[str, list[float]] = {key: [] for key in times}
+    tokens = logits_last = compiled_logits = None
+    set_ffn_impl(model, impl)
     for rep in range(args.warmup + args.reps):
+        measured: dict[str, tuple[float, float | None]] = {}
+        if compiled is not None:  # first, so that only one KV cache is alive at a time
+            cache = KVCache(model.config, batch, length + args.decode_tokens, device, dtype)
+            out, *measured["prefill_compiled"] = _timed(
+                device, energy, compiled, ids, cache=cache, last_logits_only=True
+            )
+            compiled_logits = out.logits[:, -1].float().cpu()
+            del cache, out
         cache = KVCache(model.config, batch, length + args.decode_tokens, device, dtype)
-        set_ffn_impl(model, impl)
-        _sync(device)
-        e0, t0 = energy.read(), time.perf_counter()
-        logits = model(ids, cache=cache, last_logits_only=True).logits
-        _sync(device)
-        e1, t1 = energy.read(), time.perf_counter()
-        token = logits[:, -1].argmax(-1)
-        generated = [token]
-        for _ in range(args.decode_tokens - 1):
-            token = model(token[:, None], cache=cache).logits[:, -1].argmax(-1)
-            generated.append(token)
-        _sync(device)
-        e2, t2 = energy.read(), time.perf_counter()
+        out, *measured["prefill"] = _timed(device, energy, model, ids, cache=cache, last_logits_only=True)
+        first = out.logits[:, -1].argmax(-1)
+        generated, *measured["decode"] = _timed(
+            device, energy, greedy_decode, model, first, cache, args.decode_tokens
+        )
         if rep >= args.warmup:
-            prefill_s.append(t1 - t0)
-            decode_s.append(t2 - t1)
-            if e0 is not None:
-                prefill_j.append(e1 - e0)
-                decode_j.append(e2 - e1)
-        tokens, logits_last = torch.stack(generated, 1).cpu(), logits[:, -1].float().cpu()
-        del cache
+            for key, (seconds, energy_j) in measured.items():
+                times[key].append(seconds)
+                if energy_j is not None:
+                    joules[key].append(energy_j)
+        tokens, logits_last = torch.stack(generated, 1).cpu(), out.logits[:, -1].float().cpu()
+        del cache, out
     set_ffn_impl(model, "dense")
-    p, d = statistics.median(prefill_s), statistics.median(decode_s)
-    prefill_tokens, decode_tokens = batch * length, batch * args.decode_tokens
-    result = {
-        "impl": impl,
-        "prefill_s": p,
-        "prefill_tokens_per_s": prefill_tokens / p,
-        "decode_s": d,
-        "decode_tokens_per_s": decode_tokens / d,
-        "prefill_j_per_token": statistics.median(prefill_j) / prefill_tokens if prefill_j else None,
-        "decode_j_per_token": statistics.median(decode_j) / decode_tokens if decode_j else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    counts = {
+        "prefill": batch * length,
+        "prefill_compiled": batch * length,
+        "decode": batch * args.decode_tokens,
     }
+    result: dict[str, Any] = {"impl": impl}
+    for key, count in counts.items():
+        if not times[key]:
+            continue
+        seconds = statistics.median(times[key])
+        result[f"{key}_s"] = seconds
+        result[f"{key}_tokens_per_s"] = count / seconds
+        result[f"{key}_j_per_token"] = statistics.median(joules[key]) / count if joules[key] else None
+    if compiled_logits is not None:
+        result["compiled_vs_eager_max_logit_diff"] = (compiled_logits - logits_last).abs().max().item()
+    result["peak_mem_gib"] = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    )
     return result | {"_tokens": tokens, "_logits": logits_last}
 
 
@@ -235,16 +271,21 @@ def markdown(report: dict[str, Any]) -> str:
         f"FFN sparsity on the prompts: {s['mean']:.2%} (mean non-zeros per token {s['nnz_per_token_mean']:.1f}, "
         f"p99 {s['nnz_per_token_p99']:.0f}, of {report['intermediate_size']}).",
         "",
-        "| FFN | prefill tokens/s | vs dense | decode tokens/s | vs dense | prefill J/token | decode J/token "
+        "| FFN | prefill tokens/s, eager | vs dense | prefill tokens/s, compiled | vs dense "
+        "| decode tokens/s | vs dense | prefill J/token (compiled) | decode J/token "
         "| greedy tokens = dense | max abs logit diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v, f: "n/a" if v is None else format(v, f)
     for r in report["results"]:
+        compiled = "prefill_compiled_tokens_per_s" in r
         lines.append(
             f"| {r['impl']} | {r['prefill_tokens_per_s']:,.0f} | {r['prefill_vs_dense']:.2f}x "
+            f"| {fmt(r.get('prefill_compiled_tokens_per_s'), ',.0f')} "
+            f"| {fmt(r.get('prefill_compiled_vs_dense'), '.2f')}{'x' if compiled else ''} "
             f"| {r['decode_tokens_per_s']:,.0f} | {r['decode_vs_dense']:.2f}x "
-            f"| {fmt(r['prefill_j_per_token'], '.3e')} | {fmt(r['decode_j_per_token'], '.3e')} "
+            f"| {fmt(r.get('prefill_compiled_j_per_token', r['prefill_j_per_token']), '.3e')} "
+            f"| {fmt(r['decode_j_per_token'], '.3e')} "
             f"| {r['tokens_match_dense']:.1%} | {r['max_logit_diff_vs_dense']:.2e} |"
         )
     lines += ["", f"`auto` chooses: prefill {report['auto']['prefill']}, decode {report['auto']['decode']}."]
@@ -295,20 +336,32 @@ def main(argv: list[str] | None = None) -> int:
     energy = Energy(device)
     if energy.handle is None:
         notes.append("Energy: NVML not available here (pip install nvidia-ml-py on an NVIDIA GPU).")
+    compiled = None
+    if args.compile:
+        compiled = compile_prefill(model, backend=args.compile_backend)
+        notes.append(
+            f"Compiled prefill: torch.compile(model, backend={args.compile_backend!r}), one compilation "
+            "per FFN implementation in the warm-up; decode runs eager."
+        )
     results = []
     for impl in impls:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        results.append(run_impl(model, ids, impl, args, energy))
+        results.append(run_impl(model, ids, impl, args, energy, compiled))
+        r = results[-1]
+        compiled_note = (
+            f", compiled {r['prefill_compiled_tokens_per_s']:,.0f} tok/s" if "prefill_compiled_s" in r else ""
+        )
         print(
-            f"{impl}: prefill {results[-1]['prefill_tokens_per_s']:,.0f} tok/s, "
-            f"decode {results[-1]['decode_tokens_per_s']:,.0f} tok/s",
+            f"{impl}: prefill {r['prefill_tokens_per_s']:,.0f} tok/s{compiled_note}, "
+            f"decode {r['decode_tokens_per_s']:,.0f} tok/s",
             file=sys.stderr,
         )
     dense = results[0]
     for r in results:
-        r["prefill_vs_dense"] = r["prefill_tokens_per_s"] / dense["prefill_tokens_per_s"]
-        r["decode_vs_dense"] = r["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+        for phase in ("prefill", "prefill_compiled", "decode"):
+            if f"{phase}_s" in r:
+                r[f"{phase}_vs_dense"] = r[f"{phase}_tokens_per_s"] / dense[f"{phase}_tokens_per_s"]
         r["tokens_match_dense"] = (r["_tokens"] == dense["_tokens"]).float().mean().item()
         r["max_logit_diff_vs_dense"] = (r["_logits"] - dense["_logits"]).abs().max().item()
     for r in results:

@@ -37,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
     p.add_argument("--prefill-ffn", default="auto", choices=FFN_CHOICES)
     p.add_argument("--decode-ffn", default="auto", choices=FFN_CHOICES)
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the prefill (pays off for long prompts)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p.parse_args()
 
@@ -60,7 +63,7 @@ def main() -> int:
             stop_at_eos=not args.no_stop_at_eos,
         )
         loaded = load_model(args.model, args.device, args.dtype)
-        generator = Generator(loaded, args.prefill_ffn, args.decode_ffn)
+        generator = Generator(loaded, args.prefill_ffn, args.decode_ffn, compile=args.compile)
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

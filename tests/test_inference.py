@@ -17,6 +17,7 @@ from sparse_llm.export import export_hf
 from sparse_llm.inference import (
     Generator,
     SamplingParams,
+    compile_prefill,
     filter_logits,
     generate_ids,
     load_model,
@@ -119,6 +120,16 @@ def test_batched_generation_with_different_lengths_equals_one_by_one(loaded):
         alone = generate_ids(loaded.model, [ids], greedy(10), loaded.eos_token_ids)
         assert batched.tokens[i] == alone.tokens[0]
         assert batched.finish_reasons[i] == alone.finish_reasons[0]
+
+
+def test_compiled_prefill_gives_the_same_tokens(loaded):
+    # backend="eager" checks that dynamo traces the cached forward (KV cache writes, padding
+    # mask, the cache length update) without a C++ compiler; inductor runs on the GPU benchmark.
+    prompts = encode(loaded, PROMPTS)
+    eager = generate_ids(loaded.model, prompts, greedy(10), loaded.eos_token_ids)
+    forward = compile_prefill(loaded.model, backend="eager")
+    compiled = generate_ids(loaded.model, prompts, greedy(10), loaded.eos_token_ids, prefill_forward=forward)
+    assert compiled.tokens == eager.tokens and compiled.finish_reasons == eager.finish_reasons
 
 
 def test_eos_stops_each_sequence(loaded):
@@ -274,6 +285,9 @@ def test_benchmark_script_tiny(tmp_path):
             "--tiny",
             "--sparsify-steps",
             "3",
+            "--compile",
+            "--compile-backend",
+            "eager",
             "--out",
             str(out),
         ],
@@ -287,7 +301,10 @@ def test_benchmark_script_tiny(tmp_path):
     assert {"device", "commit", "date", "sparsity", "results"} <= set(result)
     impls = {r["impl"] for r in result["results"]}
     assert impls == {"dense", "reference"}  # cuda is replaced by its reference on CPU
-    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in result["results"])
+    for r in result["results"]:
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["prefill_compiled_tokens_per_s"] > 0 and r["prefill_compiled_vs_dense"] > 0
+        assert r["compiled_vs_eager_max_logit_diff"] < 1e-4  # fp32 on CPU: the same arithmetic
     assert (out / "inference_benchmark.md").read_text().startswith("# Inference benchmark")
 
 

@@ -6,7 +6,7 @@ print(gen.generate("def main():", max_new_tokens=32).texts[0])
 """
 
 from sparse_llm.inference.ffn_select import measure_ffn_impls, resolve_ffn_impls, set_ffn_impl
-from sparse_llm.inference.generate import GenerationOutput, Generator, generate_ids
+from sparse_llm.inference.generate import GenerationOutput, Generator, compile_prefill, generate_ids
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, filter_logits, sample_next
 
@@ -15,6 +15,7 @@ __all__ = [
     "Generator",
     "LoadedModel",
     "SamplingParams",
+    "compile_prefill",
     "filter_logits",
     "generate_ids",
     "load_model",

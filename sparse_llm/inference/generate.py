@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import torch
 from sparse_llm.inference.ffn_select import resolve_ffn_impls, set_ffn_impl
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, sample_next
-from sparse_llm.model import KVCache, SparseLlamaForCausalLM
+from sparse_llm.model import CausalLMOutput, KVCache, SparseLlamaForCausalLM
 
 
 @dataclass
@@ -46,12 +46,14 @@ def generate_ids(
     eos_token_ids: Sequence[int] = (),
     prefill_ffn: str = "dense",
     decode_ffn: str = "dense",
+    prefill_forward: Callable[..., CausalLMOutput] | None = None,
 ) -> GenerationOutput:
     """Generate for a batch of token-id prompts of any lengths (left-padded internally).
 
     Each row stops at its first EOS (when params.stop_at_eos) or after max_new_tokens; the batch
     ends when every row has stopped. Rows are independent: a prompt gives the same tokens alone
-    or in a batch (up to floating-point ties).
+    or in a batch (up to floating-point ties). `prefill_forward` runs the prefill instead of
+    `model` itself, e.g. `torch.compile(model)` (see `compile_prefill`); decode runs `model`.
     """
     cfg = model.config
     check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings, params.max_new_tokens)
@@ -74,7 +76,8 @@ def generate_ids(
     eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
 
     set_ffn_impl(model, prefill_ffn)
-    logits = model(
+    prefill = model if prefill_forward is None else prefill_forward
+    logits = prefill(
         ids, cache=cache, position_ids=positions, attention_mask=mask, last_logits_only=True
     ).logits
     set_ffn_impl(model, decode_ffn)
@@ -110,20 +113,38 @@ def generate_ids(
     return GenerationOutput(tokens, reasons)
 
 
+def compile_prefill(model: SparseLlamaForCausalLM, **compile_kwargs) -> Callable[..., CausalLMOutput]:
+    """`model` under torch.compile, for prefills: thousands of tokens per layer call, where the
+    eager RMSNorm, rotary and residual passes cost as much as the attention they surround.
+    Decode (one token per row) stays eager: its cache length changes every step. Each FFN
+    implementation compiles once, on its first prefill."""
+    return torch.compile(model, **compile_kwargs)
+
+
 class Generator:
     """A loaded model with its tokenizer and per-phase FFN implementations.
 
     gen = Generator.from_pretrained("runs/x/export", prefill_ffn="auto", decode_ffn="auto")
     out = gen.generate(["def main():"], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=0)
     out.texts[0]
+
+    `compile=True` runs prefills through torch.compile (`compile_prefill`): the first prefill of
+    each shape family pays the compilation, later ones run faster.
     """
 
-    def __init__(self, loaded: LoadedModel, prefill_ffn: str = "auto", decode_ffn: str = "auto") -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        prefill_ffn: str = "auto",
+        decode_ffn: str = "auto",
+        compile: bool = False,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.ffn, self.ffn_measurement = resolve_ffn_impls(self.model, prefill_ffn, decode_ffn)
+        self.prefill_forward = compile_prefill(self.model) if compile else None
 
     @classmethod
     def from_pretrained(
@@ -133,8 +154,9 @@ class Generator:
         dtype: str | torch.dtype = "auto",
         prefill_ffn: str = "auto",
         decode_ffn: str = "auto",
+        compile: bool = False,
     ) -> Generator:
-        return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn)
+        return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn, compile)
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -143,7 +165,13 @@ class Generator:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         return generate_ids(
-            self.model, prompts, params, self.eos_token_ids, self.ffn["prefill"], self.ffn["decode"]
+            self.model,
+            prompts,
+            params,
+            self.eos_token_ids,
+            self.ffn["prefill"],
+            self.ffn["decode"],
+            self.prefill_forward,
         )
 
     def generate(self, prompts: str | Sequence[str], **sampling) -> GenerationOutput:
