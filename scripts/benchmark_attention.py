@@ -61,7 +61,9 @@ def time_ms(fn, reps: int) -> float:
 def measure(backend, batch: int, seq: int, args: argparse.Namespace, backward: bool) -> float | str:
     """Median ms of one call (forward, or forward + backward), or why the backend refused."""
     shape = (batch, args.heads, seq, args.head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3)
+    )
     grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
     def call() -> None:
@@ -94,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"ms": ms, "tflops": flops / ms / 1e9} if isinstance(ms, float) else {"error": ms}
             rows.append(row)
             print(row, file=sys.stderr)
-    meta = collect_run_info(torch.device("cuda"), world_size=1) | {"heads": args.heads, "head_dim": args.head_dim}
+    meta = collect_run_info(torch.device("cuda"), world_size=1) | {
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+    }
     lines = [
         f"# SDPA backends, causal bf16: {meta['device']}",
         "",

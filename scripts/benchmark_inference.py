@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time the prefill under torch.compile (default: on a CUDA device)",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
+    p.add_argument(
+        "--profile", action="store_true", help="write each impl's prefill kernel table to <out>/profile_*.txt"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--random-tokens", action="store_true", help="random prompts instead of held-out text")
@@ -258,6 +261,26 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
     return result | {"_tokens": tokens, "_logits": logits_last}
 
 
+@torch.no_grad()
+def profile_prefill(model, ids: torch.Tensor, impl: str, forward, path: Path) -> None:
+    """One prefill through `forward` with `impl` under torch.profiler: its kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = ids.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    set_ffn_impl(model, impl)
+    cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, device, model.lm_head.weight.dtype)
+    forward(ids, cache=cache, last_logits_only=True)  # warm (and compiled) before the trace
+    cache.length = 0
+    _sync(device)
+    with profile(activities=activities) as prof:
+        forward(ids, cache=cache, last_logits_only=True)
+        _sync(device)
+    set_ffn_impl(model, "dense")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+
+
 def markdown(report: dict[str, Any]) -> str:
     s = report["sparsity"]
     lines = [
@@ -357,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             f"decode {r['decode_tokens_per_s']:,.0f} tok/s",
             file=sys.stderr,
         )
+        if args.profile:
+            forward = model if compiled is None else compiled
+            profile_prefill(model, ids, impl, forward, args.out / f"profile_prefill_{impl}.txt")
     dense = results[0]
     for r in results:
         for phase in ("prefill", "prefill_compiled", "decode"):

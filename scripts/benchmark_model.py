@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparsify-lr", type=float, default=1e-3)
     p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
+    p.add_argument("--profile", type=Path, default=None, help="write each impl's step kernel table here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
@@ -135,6 +136,18 @@ def time_impl(
 
     for _ in range(args.warmup):
         step()
+    if args.profile is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        args.profile.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        (args.profile / f"profile_step_{impl}.txt").write_text(table + "\n")
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -159,7 +159,10 @@ class Attention(nn.Module):
             # given when rows are padded or queries start after cached columns; None means plain
             # causal attention over the T new columns only (a prefill into an empty cache).
             is_causal = cache.length == 0 and attn_mask is None
-            k, v = cache.update(layer_idx, k, v)
+            cached_k, cached_v = cache.update(layer_idx, k, v)
+            if cache.length > 0:
+                # A prefill into an empty cache attends over its own (denser) k, v instead.
+                k, v = cached_k, cached_v
             out = F.scaled_dot_product_attention(
                 q,
                 k,
