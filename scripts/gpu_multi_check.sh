@@ -11,6 +11,9 @@
 #                FSDP_REFERENCE=1, with an uninterrupted run); checks the Hugging Face export.
 #   scaling      the 1b preset compiled in bf16, 8 x 2048 tokens per GPU per step (bench_1b):
 #                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
+#                SCALE_EXTRA: overrides of every scaling run (e.g. data.prefetch=2);
+#                SCALE_BASELINE_EXTRA: also a 1-GPU run with these overrides instead, on the
+#                second GPU at the same time as the first 1-GPU run (an A/B in one call).
 #   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda (CUDA training kernels every step:
 #                model.ffn_dense_above=1 turns the per-layer dense fallback off) under DDP and
 #                FSDP2, each compared with the same run on the dense FFN. The kernels are built
@@ -196,21 +199,30 @@ EOF
 }
 
 SCALE_STEPS=${SCALE_STEPS:-40}
-SCALE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5"
+SCALE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5 ${SCALE_EXTRA:-}"
+summarize() {  # run name: its tokens/s summary into $WORK/results
+  python3 scripts/summarize_run.py "$RUNS/$1" --name "$1" --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
+}
 scaling() {
-  fits 150 scaling_1gpu && run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
-    && python3 scripts/summarize_run.py $RUNS/scale_1gpu --name scale_1gpu --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
+  if [ -n "${SCALE_BASELINE_EXTRA:-}" ]; then
+    # A/B on one GPU, side by side: the baseline overrides run on GPU 1 while the main run uses GPU 0.
+    fits 150 scaling_1gpu_base && (CUDA_VISIBLE_DEVICES=1 run_limited 400 scale_1gpu_base $(one experiment=bench_1b \
+      train.max_steps=$SCALE_STEPS train.log_every=5 $SCALE_BASELINE_EXTRA run_dir=$RUNS/scale_1gpu_base) \
+      && summarize scale_1gpu_base) &
+  fi
+  fits 150 scaling_1gpu && CUDA_VISIBLE_DEVICES=0 run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
+    && summarize scale_1gpu
+  wait
   fits 150 scaling_ddp && run_limited 400 scale_ddp $(launch ddp $SCALE train.global_batch_size=16 \
-    run_dir=$RUNS/scale_ddp) \
-    && python3 scripts/summarize_run.py $RUNS/scale_ddp --name scale_ddp --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
+    run_dir=$RUNS/scale_ddp) && summarize scale_ddp
   if [ "${SCALING_FSDP:-1}" = 1 ] && fits 150 scaling_fsdp; then
     run_limited 400 scale_fsdp $(launch fsdp2 $SCALE train.global_batch_size=16 run_dir=$RUNS/scale_fsdp) \
-      && python3 scripts/summarize_run.py $RUNS/scale_fsdp --name scale_fsdp --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
+      && summarize scale_fsdp
   fi
   python3 - "$WORK/results" <<'EOF'
 import json, pathlib, sys
 results = pathlib.Path(sys.argv[1])
-runs = {n: json.loads((results / f"scale_{n}.json").read_text()) for n in ("1gpu", "ddp", "fsdp")
+runs = {n: json.loads((results / f"scale_{n}.json").read_text()) for n in ("1gpu", "1gpu_base", "ddp", "fsdp")
         if (results / f"scale_{n}.json").is_file()}
 base = runs.get("1gpu", {}).get("tokens_per_s_median")
 for name, r in runs.items():

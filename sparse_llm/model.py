@@ -113,9 +113,27 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        if torch.compiler.is_compiling():
+            # Traced, a slice assignment into the cache (a graph input) is functionalized into a
+            # copy of the whole cache per write (measured: 20% of a compiled 1B prefill); the
+            # custom op's declared mutation is re-inplaced by Inductor instead.
+            torch.ops.sparse_llm.kv_cache_write(self.k, layer, start, k)
+            torch.ops.sparse_llm.kv_cache_write(self.v, layer, start, v)
+        else:
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@torch.library.custom_op("sparse_llm::kv_cache_write", mutates_args=("cache",))
+def kv_cache_write(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
+    """cache[layer, :, :, start:start + T] = new ([B, heads, T, head_dim]), in place."""
+    cache[layer, :, :, start : start + new.shape[2]].copy_(new)
+
+
+@kv_cache_write.register_fake
+def _(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
+    return None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

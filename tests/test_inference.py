@@ -132,6 +132,31 @@ def test_compiled_prefill_gives_the_same_tokens(loaded):
     assert compiled.tokens == eager.tokens and compiled.finish_reasons == eager.finish_reasons
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_prefill_fills_the_kv_cache_like_eager(loaded, backend):
+    """Under compile the cache write is a custom op with a declared mutation (see KVCache.update):
+    the cache it leaves equals eager's, and Inductor writes it in place (no whole-cache copy)."""
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+        from torch._inductor.utils import run_and_get_code
+    model, cfg = loaded.model, loaded.model.config
+    ids = torch.tensor([encode(loaded, PROMPTS[:1])[0][:8]] * 2)
+    caches = [KVCache(cfg, 2, 64, "cpu", torch.float32) for _ in range(2)]
+    with torch.no_grad():
+        eager = model(ids, cache=caches[0], last_logits_only=True).logits
+        compiled = compile_prefill(model, backend=backend)
+        if backend == "inductor":
+            out, code = run_and_get_code(compiled, ids, cache=caches[1], last_logits_only=True)
+            assert "kv_cache_write.default(" in "\n".join(code)
+            assert "empty_strided_cpu((2, 2, 2, 64, 16)" not in "\n".join(code)  # no cache-sized buffer
+        else:
+            out = compiled(ids, cache=caches[1], last_logits_only=True)
+    torch.testing.assert_close(out.logits, eager, rtol=1e-5, atol=1e-5)
+    assert caches[1].length == caches[0].length == ids.shape[1]
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
+
+
 def test_eos_stops_each_sequence(loaded):
     prompts = encode(loaded, PROMPTS[:2])
     free = generate_ids(loaded.model, prompts, greedy(10), eos_token_ids=())
