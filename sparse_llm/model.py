@@ -89,7 +89,9 @@ class KVCache:
     """Keys and values of every layer for incremental decoding, preallocated for `max_len` positions.
 
     Column s of the cache holds the token at input column s (padding included); which columns a
-    row may attend to is the caller's padding mask. `length` columns are filled.
+    row may attend to is the caller's padding mask. `length` columns are filled. The layout is
+    [layers, B, max_len, kv_heads, head_dim]: the projections' own token-major layout, so that a
+    write is a block copy (a head-major cache made every prefill write a strided transpose).
     """
 
     def __init__(
@@ -102,14 +104,15 @@ class KVCache:
     ) -> None:
         kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         head_dim = cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, batch_size, kv_heads, max_len, head_dim)
+        shape = (cfg.num_hidden_layers, batch_size, max_len, kv_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's k, v ([B, kv_heads, T, head_dim]) after the filled columns; return all."""
+        """Write this step's k, v ([B, kv_heads, T, head_dim]) after the filled columns; return all
+        filled columns as [B, kv_heads, length + T, head_dim] views."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
@@ -119,16 +122,17 @@ class KVCache:
             # custom op's declared mutation is re-inplaced by Inductor instead.
             torch.ops.sparse_llm.kv_cache_write(self.k, layer, start, k)
             torch.ops.sparse_llm.kv_cache_write(self.v, layer, start, v)
-        else:
-            self.k[layer, :, :, start:end] = k
-            self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        else:  # eager: the same copy without the custom op's dispatch (decode runs eager)
+            self.k[layer, :, start:end] = k.transpose(1, 2)
+            self.v[layer, :, start:end] = v.transpose(1, 2)
+        return self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
 
 
 @torch.library.custom_op("sparse_llm::kv_cache_write", mutates_args=("cache",))
 def kv_cache_write(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
-    """cache[layer, :, :, start:start + T] = new ([B, heads, T, head_dim]), in place."""
-    cache[layer, :, :, start : start + new.shape[2]].copy_(new)
+    """cache[layer, :, start:start + T] = new ([B, heads, T, head_dim]) in the cache's
+    [layers, B, max_len, heads, head_dim] layout, in place."""
+    cache[layer, :, start : start + new.shape[2]].copy_(new.transpose(1, 2))
 
 
 @kv_cache_write.register_fake

@@ -25,7 +25,7 @@ from sparse_llm.inference import (
     resolve_ffn_impls,
     set_ffn_impl,
 )
-from sparse_llm.model import KVCache, build_model
+from sparse_llm.model import KVCache, build_model, rope_inv_freq
 from sparse_llm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,13 +148,22 @@ def test_compiled_prefill_fills_the_kv_cache_like_eager(loaded, backend):
         if backend == "inductor":
             out, code = run_and_get_code(compiled, ids, cache=caches[1], last_logits_only=True)
             assert "kv_cache_write.default(" in "\n".join(code)
-            assert "empty_strided_cpu((2, 2, 2, 64, 16)" not in "\n".join(code)  # no cache-sized buffer
+            assert "empty_strided_cpu((2, 2, 64, 2, 16)" not in "\n".join(code)  # no cache-sized buffer
         else:
             out = compiled(ids, cache=caches[1], last_logits_only=True)
     torch.testing.assert_close(out.logits, eager, rtol=1e-5, atol=1e-5)
     assert caches[1].length == caches[0].length == ids.shape[1]
     torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_load_keeps_float32_rope_frequencies(run_dir):
+    model = load_model(run_dir, "cpu", "bfloat16").model
+    cfg = model.config
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert inv_freq.dtype == torch.float32
+    assert torch.equal(inv_freq, rope_inv_freq(cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta))
 
 
 def test_eos_stops_each_sequence(loaded):

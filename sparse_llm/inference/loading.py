@@ -159,7 +159,11 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval()
-    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()
+    # .to(dtype) rounded the RoPE frequencies too: recompute them in float32 (bf16 frequencies
+    # put the angles of late positions radians off).
+    model.model.rotary_emb.inv_freq = rope_inv_freq(
+        cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta
+    ).to(device)
     if eos is None:
         eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
