@@ -58,9 +58,10 @@ class DataConfig:
     tokenizer: str = "embedded"  # "embedded", a local directory, or a hub id
     val_fraction: float = 0.02  # share of documents held out for validation (by content hash)
     max_documents: int = 0  # > 0: read only the first N documents (rows) of the source
-    # Training batches read ahead by a background thread (0: read in the loop). Off by default
-    # until measured on a GPU; on CPU the thread takes cores from the model's compute (~5% slower).
-    prefetch: int = 0
+    # Training batches read ahead by a background thread (0: read in the loop); None: 2 on a GPU
+    # (measured +3.7% tokens/s on the 1b preset, H200), 0 on CPU (there the thread takes cores
+    # from the model's compute: ~5% slower on 2 cores).
+    prefetch: int | None = None
 
 
 @dataclass
@@ -171,7 +172,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         _positive(f"model.{key}", getattr(m, key))
-    if d.prefetch < 0:
+    if d.prefetch is not None and d.prefetch < 0:
         raise ConfigError(f"config key 'data.prefetch': must be >= 0, got {d.prefetch}")
     if not 0 < m.ffn_dense_above <= 1:
         raise ConfigError(f"config key 'model.ffn_dense_above': must be in (0, 1], got {m.ffn_dense_above}")

@@ -182,3 +182,16 @@ def test_l1_sweep_multirun_and_summary(tmp_path: Path):
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert [row["l1_coeff"] for row in rows] == [0.0, 0.01]
     assert (sweep_dir / "sweep_val_ce_vs_sparsity.png").stat().st_size > 0
+
+
+def test_prefetch_defaults_to_the_loop_on_cpu(tmp_path: Path):
+    """data.prefetch unset (None): no background thread on CPU (2 on a GPU)."""
+    from sparse_llm.data.prefetch import BatchPrefetcher
+
+    cfg = tiny_run_config(tmp_path, max_steps=1, prefetch=None)
+    assert cfg.data.prefetch is None
+    trainer = Trainer(cfg, tmp_path)
+    assert not isinstance(trainer.train_stream, BatchPrefetcher)
+    explicit = Trainer(tiny_run_config(tmp_path / "explicit", max_steps=1, prefetch=2), tmp_path / "explicit")
+    assert isinstance(explicit.train_stream, BatchPrefetcher)
+    explicit.train_stream.close()

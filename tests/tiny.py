@@ -29,7 +29,7 @@ def tiny_run_config(
     *,
     sparsity: dict[str, Any] | None = None,
     max_documents: int = 300,
-    prefetch: int = 0,
+    prefetch: int | None = 0,
     **train: Any,
 ) -> RunConfig:
     """The tiny model on the embedded data, wandb off; `train` overrides TINY_TRAIN keys."""

@@ -90,9 +90,12 @@ class Trainer:
         self.train_stream: RankSlice | BatchPrefetcher = RankSlice(
             TokenStream(cfg.data, self.tokenizer, t.seq_len, "train"), self.rank, self.world_size
         )
-        if cfg.data.prefetch > 0:
+        prefetch = cfg.data.prefetch
+        if prefetch is None:
+            prefetch = 2 if self.device.type == "cuda" else 0
+        if prefetch > 0:
             self.train_stream = BatchPrefetcher(
-                self.train_stream, t.micro_batch_size, cfg.data.prefetch, pin_memory=device == "cuda"
+                self.train_stream, t.micro_batch_size, prefetch, pin_memory=self.device.type == "cuda"
             )
         # The held-out batches are those of a single-process run, dealt round-robin to the ranks.
         all_val = validation_batches(cfg.data, self.tokenizer, t.seq_len, t.micro_batch_size, t.eval_batches)
