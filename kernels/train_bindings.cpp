@@ -100,18 +100,19 @@ ffn_train_forward(
   const at::Tensor g = at::mm(x, wg.t());
   at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
   check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
+  // Launched before the host read of the sizes, so that the GPU has them queued meanwhile.
+  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
+  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
+  at::Tensor y = at::empty_like(x);
   const RowSplit split = split_rows(nnz, heavy_threshold, stream);
   const int64_t* row_ptr = split.row_ptr.data_ptr<int64_t>();
 
   at::Tensor cols = at::empty({split.total}, x.options().dtype(at::kInt));
   at::Tensor a_vals = at::empty({split.total}, x.options());
   at::Tensor u_vals = at::empty({split.total}, x.options());
-  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, row_ptr, cols.data_ptr<int32_t>(),
                                          bf16_mut_ptr(a_vals), fire.data_ptr<int32_t>(), stream),
              "csr_fill");
-  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
-  at::Tensor y = at::empty_like(x);
   check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr,
                                            cols.data_ptr<int32_t>(), bf16_ptr(a_vals), heavy_ptr(split), rows, dim,
                                            bf16_mut_ptr(u_vals), bf16_mut_ptr(y), stream),
