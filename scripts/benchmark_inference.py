@@ -291,7 +291,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['prompt_len']} tokens, decode {report['decode_tokens']} tokens per row; median of "
         f"{report['reps']} after {report['warmup']} warm-up.",
         "",
-        f"FFN sparsity on the prompts: {s['mean']:.2%} (mean non-zeros per token {s['nnz_per_token_mean']:.1f}, "
+        f"FFN sparsity on the prompts: {s['mean']:.3%} (mean non-zeros per token {s['nnz_per_token_mean']:.1f}, "
         f"p99 {s['nnz_per_token_p99']:.0f}, of {report['intermediate_size']}).",
         "",
         "| FFN | prefill tokens/s, eager | vs dense | prefill tokens/s, compiled | vs dense "
