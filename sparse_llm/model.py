@@ -60,29 +60,47 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE, laid out as in transformers (rotate_half convention)."""
+def rope_tables(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ([positions, head_dim], float32) of the RoPE angles, as transformers computes them."""
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inv_freq(head_dim, theta))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE, laid out as in transformers (rotate_half convention).
+
+    cos and sin of every position below `max_positions` are computed once, in float32: a forward
+    looks them up. (Computed per forward, Inductor inlined cos and sin into every layer's rotary
+    kernel: ~9% of a compiled 1B prefill.)
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        cos, sin = rope_tables(head_dim, theta, max_positions)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def reset_tables(self) -> None:
+        """Recompute the tables on their device (e.g. after `to_empty`, which leaves them unset)."""
+        cos, sin = rope_tables(self.head_dim, self.theta, self.cos_table.shape[0])
+        self.cos_table = cos.to(self.cos_table.device)
+        self.sin_table = sin.to(self.sin_table.device)
 
     def forward(
-        self,
-        seq_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        position_ids: torch.Tensor | None = None,
+        self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ...]:
-        """cos, sin of shape [T, head_dim], or [B, 1, T, head_dim] for per-row `position_ids` [B, T]."""
+        """cos, sin of shape [T, head_dim], or [B, 1, T, head_dim] for per-row `position_ids` [B, T]
+        (every position below max_position_embeddings)."""
         if position_ids is not None:
-            freqs = position_ids.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(device)
-            emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+            cos, sin = self.cos_table[position_ids].unsqueeze(1), self.sin_table[position_ids].unsqueeze(1)
+            return cos.to(dtype), sin.to(dtype)
+        if seq_len > self.cos_table.shape[0]:
+            raise ValueError(
+                f"{seq_len} positions exceed max_position_embeddings ({self.cos_table.shape[0]})"
+            )
+        return self.cos_table[:seq_len].to(dtype), self.sin_table[:seq_len].to(dtype)
 
 
 class KVCache:
@@ -302,7 +320,9 @@ class LlamaBody(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta, cfg.max_position_embeddings
+        )
 
 
 class SparseLlamaForCausalLM(nn.Module):
@@ -354,7 +374,7 @@ class SparseLlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, labels: torch.Tensor | None, with_stats: bool, last_logits_only: bool
     ) -> CausalLMOutput:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(input_ids.shape[1], x.device, x.dtype)
+        cos, sin = self.model.rotary_emb(input_ids.shape[1], x.dtype)
         per_layer = []
         for layer in self.model.layers:
             if self.activation_checkpointing and self.training:
@@ -404,7 +424,7 @@ class SparseLlamaForCausalLM(nn.Module):
             else:
                 attn_mask = attn_mask[None, None]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(t, x.device, x.dtype, position_ids)
+        cos, sin = self.model.rotary_emb(t, x.dtype, position_ids)
         for i, layer in enumerate(self.model.layers):
             x, _ = layer(x, cos, sin, False, cache, i, attn_mask)
         cache.length = total

@@ -25,7 +25,7 @@ from sparse_llm.inference import (
     resolve_ffn_impls,
     set_ffn_impl,
 )
-from sparse_llm.model import KVCache, build_model, rope_inv_freq
+from sparse_llm.model import KVCache, build_model, rope_tables
 from sparse_llm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,13 +157,17 @@ def test_compiled_prefill_fills_the_kv_cache_like_eager(loaded, backend):
     torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_load_keeps_float32_rope_frequencies(run_dir):
+def test_loaded_rope_tables_are_the_float32_tables_rounded_once(run_dir):
+    """The tables are not in the checkpoint: a bf16 load recomputes them in float32 and rounds them
+    once, as the rotary casts them (never angles from rounded frequencies)."""
     model = load_model(run_dir, "cpu", "bfloat16").model
     cfg = model.config
     assert model.lm_head.weight.dtype == torch.bfloat16
-    inv_freq = model.model.rotary_emb.inv_freq
-    assert inv_freq.dtype == torch.float32
-    assert torch.equal(inv_freq, rope_inv_freq(cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta))
+    cos, sin = rope_tables(
+        cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta, cfg.max_position_embeddings
+    )
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.cos_table, cos.bfloat16()) and torch.equal(rotary.sin_table, sin.bfloat16())
 
 
 def test_eos_stops_each_sequence(loaded):

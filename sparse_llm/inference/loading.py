@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.data import load_tokenizer
-from sparse_llm.model import SparseLlamaForCausalLM, build_model, rope_inv_freq
+from sparse_llm.model import SparseLlamaForCausalLM, build_model
 from sparse_llm.training import checkpoint as ckpt_io
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -151,19 +151,13 @@ def load_model(
     with torch.device("meta"):
         model = build_model(cfg)
     model.to_empty(device="cpu")
-    # to_empty leaves buffers uninitialised; the RoPE frequencies are not in the checkpoint.
-    model.model.rotary_emb.inv_freq = rope_inv_freq(
-        cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta
-    )
+    # to_empty leaves buffers uninitialised; the RoPE tables are not in the checkpoint.
+    model.model.rotary_emb.reset_tables()
     ckpt_io.load_model_state(model, state)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    # .to(dtype) also rounds the RoPE cos/sin tables to `dtype`: what the rotary would cast them to.
     model = model.to(device=device, dtype=dtype).eval()
-    # .to(dtype) rounded the RoPE frequencies too: recompute them in float32 (bf16 frequencies
-    # put the angles of late positions radians off).
-    model.model.rotary_emb.inv_freq = rope_inv_freq(
-        cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta
-    ).to(device)
     if eos is None:
         eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
