@@ -246,6 +246,8 @@ def test_generator_text_api_and_ffn_selection(run_dir):
     assert len(out.texts) == 2 and all(len(t) <= 6 for t in out.tokens)
     dense = Generator(gen.loaded, "dense", "dense").generate(PROMPTS[:2], max_new_tokens=6)
     assert dense.tokens == out.tokens
+    compiled = Generator(gen.loaded, "dense", "dense", compile=True)  # Inductor on CPU
+    assert compiled.generate(PROMPTS[:2], max_new_tokens=6).tokens == out.tokens
     measured = measure_ffn_impls(gen.model, 2, 16, candidates=("dense", "reference"), reps=1)
     assert set(measured["choice"].values()) <= {"dense", "reference"}
     assert set(measured["timings_s"]["prefill"]) == {"dense", "reference"}
