@@ -108,8 +108,8 @@ class KVCache:
 
     Column s of the cache holds the token at input column s (padding included); which columns a
     row may attend to is the caller's padding mask. `length` columns are filled. The layout is
-    [layers, B, max_len, kv_heads, head_dim]: the projections' own token-major layout, so that a
-    write is a block copy (a head-major cache made every prefill write a strided transpose).
+    [layers, B, max_len, kv_heads, head_dim], the projections' token-major layout: writing a
+    token-major k or v is a block copy (the rotary's k still comes head-major: a strided copy).
     """
 
     def __init__(
