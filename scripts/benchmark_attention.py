@@ -10,7 +10,6 @@ the prefill shape (forward) of the 1b preset by default. Prints Markdown, writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sparse_llm.benchmarking import write_report  # noqa: E402
 from sparse_llm.training.run_info import collect_run_info  # noqa: E402
 
 BACKENDS = {
@@ -117,12 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             figures = f"{row['error']} | | "
         lines.append(f"| {row['case']} | {row['batch']} x {row['seq']} | {row['backend']} | {figures} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    write_report("\n".join(lines) + "\n", meta, rows, args.json, args.md)
     return 0
 
 

@@ -11,7 +11,6 @@ the call before, as in a model with many layers. Prints a Markdown table, writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm import ops
+from sparse_llm.benchmarking import write_report
 from sparse_llm.ops import _extension
 from sparse_llm.ops.workload import make_workload
 from sparse_llm.training.run_info import collect_run_info
@@ -349,12 +349,7 @@ def run_cases(args: argparse.Namespace, bench, render, describe, extra_meta: dic
             rows.append(bench(m, nnz))
             print(f"M={m} nnz={nnz:g}: {describe(rows[-1])}", flush=True)
             torch.cuda.empty_cache()
-    text = render(meta, rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    write_report(render(meta, rows), meta, rows, args.json, args.md)
 
 
 def main_train(args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sparse_llm.benchmarking import kernel_table  # noqa: E402
 from sparse_llm.inference import compile_prefill, load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
 from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
 from sparse_llm.model import KVCache  # noqa: E402
@@ -264,24 +265,12 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
 @torch.no_grad()
 def profile_prefill(model, ids: torch.Tensor, impl: str, forward, path: Path) -> None:
     """One prefill through `forward` with `impl` under torch.profiler: its kernels by GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = ids.device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     set_ffn_impl(model, impl)
-    cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, device, model.lm_head.weight.dtype)
+    cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, ids.device, model.lm_head.weight.dtype)
     forward(ids, cache=cache, last_logits_only=True)  # warm (and compiled) before the trace
     cache.length = 0
-    _sync(device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        forward(ids, cache=cache, last_logits_only=True)
-        _sync(device)
-        wall_ms = 1000 * (time.perf_counter() - start)
+    path.write_text(kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
     set_ffn_impl(model, "dense")
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=30)
-    path.write_text(f"{table}\nWall time of the profiled prefill: {wall_ms:.1f} ms\n")
 
 
 def markdown(report: dict[str, Any]) -> str:

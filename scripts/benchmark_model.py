@@ -12,7 +12,6 @@ peak memory, the measured L0/sparsity and the loss. Prints Markdown, writes JSON
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sparse_llm.benchmarking import kernel_table, write_report  # noqa: E402
 from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
@@ -137,17 +137,9 @@ def time_impl(
     for _ in range(args.warmup):
         step()
     if args.profile is not None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
         args.profile.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by=sort, row_limit=40)
-        (args.profile / f"profile_step_{impl}.txt").write_text(table + "\n")
+        table = kernel_table(step, torch.device(device), row_limit=40)
+        (args.profile / f"profile_step_{impl}.txt").write_text(table)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -224,12 +216,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
     rows = [time_impl(impl, mcfg, state, ids, args, device) for impl in args.impls]
-    text = markdown(meta, rows)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    if args.md:
-        args.md.write_text(text)
+    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 
 

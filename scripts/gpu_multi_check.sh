@@ -199,15 +199,16 @@ EOF
 }
 
 SCALE_STEPS=${SCALE_STEPS:-40}
-SCALE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5 ${SCALE_EXTRA:-}"
+SCALE_BASE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5"
+SCALE="$SCALE_BASE ${SCALE_EXTRA:-}"
 summarize() {  # run name: its tokens/s summary into $WORK/results
   python3 scripts/summarize_run.py "$RUNS/$1" --name "$1" --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
 }
 scaling() {
   if [ -n "${SCALE_BASELINE_EXTRA:-}" ]; then
     # A/B on one GPU, side by side: the baseline overrides run on GPU 1 while the main run uses GPU 0.
-    fits 150 scaling_1gpu_base && (CUDA_VISIBLE_DEVICES=1 run_limited 400 scale_1gpu_base $(one experiment=bench_1b \
-      train.max_steps=$SCALE_STEPS train.log_every=5 $SCALE_BASELINE_EXTRA run_dir=$RUNS/scale_1gpu_base) \
+    fits 150 scaling_1gpu_base && (CUDA_VISIBLE_DEVICES=1 run_limited 400 scale_1gpu_base $(one $SCALE_BASE \
+      $SCALE_BASELINE_EXTRA run_dir=$RUNS/scale_1gpu_base) \
       && summarize scale_1gpu_base) &
   fi
   fits 150 scaling_1gpu && CUDA_VISIBLE_DEVICES=0 run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \

@@ -141,16 +141,21 @@ class KVCache:
             torch.ops.sparse_llm.kv_cache_write(self.k, layer, start, k)
             torch.ops.sparse_llm.kv_cache_write(self.v, layer, start, v)
         else:  # eager: the same copy without the custom op's dispatch (decode runs eager)
-            self.k[layer, :, start:end] = k.transpose(1, 2)
-            self.v[layer, :, start:end] = v.transpose(1, 2)
+            _write_kv(self.k, layer, start, k)
+            _write_kv(self.v, layer, start, v)
         return self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
+
+
+def _write_kv(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
+    """cache[layer, :, start:start + T] = new ([B, heads, T, head_dim]) in the cache's
+    [layers, B, max_len, heads, head_dim] layout, in place."""
+    cache[layer, :, start : start + new.shape[2]].copy_(new.transpose(1, 2))
 
 
 @torch.library.custom_op("sparse_llm::kv_cache_write", mutates_args=("cache",))
 def kv_cache_write(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
-    """cache[layer, :, start:start + T] = new ([B, heads, T, head_dim]) in the cache's
-    [layers, B, max_len, heads, head_dim] layout, in place."""
-    cache[layer, :, start : start + new.shape[2]].copy_(new.transpose(1, 2))
+    """`_write_kv` as an op with a declared mutation (what torch.compile traces)."""
+    _write_kv(cache, layer, start, new)
 
 
 @kv_cache_write.register_fake
