@@ -2,6 +2,7 @@
 // passed in: the extension keeps no state between calls.
 #include <tuple>
 
+#include "gate_gemm.h"
 #include "torch_glue.h"
 #include "twell.cuh"
 
@@ -14,28 +15,67 @@ using sparse_llm_glue::bf16_ptr;
 using sparse_llm_glue::check_cuda;
 using sparse_llm_glue::check_matrix;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> twell_pack(const at::Tensor& g,
-                                                                                    int64_t heavy_threshold) {
+using TwellPack = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// (values, cols, counts, row_nnz, heavy), allocated for the pack of an [rows, hidden] matrix.
+TwellPack empty_pack(const at::Tensor& like, int64_t rows, int hidden) {
+  const int n_tiles = sparse_llm::twell_n_tiles(hidden);
+  auto opts = like.options();
+  return {at::empty({rows, n_tiles, kTwellSlots}, opts), at::empty({rows, n_tiles, kTwellSlots}, opts.dtype(at::kByte)),
+          at::empty({rows, n_tiles}, opts.dtype(at::kInt)), at::empty({rows}, opts.dtype(at::kInt)),
+          at::empty({rows}, opts.dtype(at::kBool))};
+}
+
+void check_pack_args(const at::Tensor& g, int64_t heavy_threshold) {
   check_matrix(g, "g");
   TORCH_CHECK(g.size(1) % 8 == 0, "g: H must be a multiple of 8, got ", g.size(1));
   TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+}
+
+TwellPack twell_pack(const at::Tensor& g, int64_t heavy_threshold) {
+  check_pack_args(g, heavy_threshold);
   const c10::cuda::CUDAGuard guard(g.device());
   const int64_t rows = g.size(0);
   const int hidden = static_cast<int>(g.size(1));
-  const int n_tiles = sparse_llm::twell_n_tiles(hidden);
-  auto opts = g.options();
-  at::Tensor values = at::empty({rows, n_tiles, kTwellSlots}, opts);
-  at::Tensor cols = at::empty({rows, n_tiles, kTwellSlots}, opts.dtype(at::kByte));
-  at::Tensor counts = at::empty({rows, n_tiles}, opts.dtype(at::kInt));
-  at::Tensor row_nnz = at::empty({rows}, opts.dtype(at::kInt));
-  at::Tensor heavy = at::empty({rows}, opts.dtype(at::kBool));
+  auto pack = empty_pack(g, rows, hidden);
+  auto& [values, cols, counts, row_nnz, heavy] = pack;
   check_cuda(sparse_llm::launch_twell_pack(bf16_ptr(g), rows, hidden, static_cast<int>(heavy_threshold),
                                            bf16_mut_ptr(values), cols.data_ptr<uint8_t>(),
                                            counts.data_ptr<int32_t>(), row_nnz.data_ptr<int32_t>(),
                                            reinterpret_cast<uint8_t*>(heavy.data_ptr<bool>()),
                                            c10::cuda::getCurrentCUDAStream().stream()),
              "twell_pack");
-  return {values, cols, counts, row_nnz, heavy};
+  return pack;
+}
+
+// The pack of a = relu(g) from a and the gate GEMM's bit mask (see gate_gemm.h).
+TwellPack twell_pack_masked(const at::Tensor& a, const at::Tensor& mask, int64_t heavy_threshold) {
+  check_pack_args(a, heavy_threshold);
+  const int64_t rows = a.size(0);
+  const int hidden = static_cast<int>(a.size(1));
+  TORCH_CHECK(mask.is_cuda() && mask.scalar_type() == at::kInt && mask.is_contiguous() &&
+                  mask.sizes() == at::IntArrayRef({rows, 4 * sparse_llm::twell_n_tiles(hidden)}),
+              "mask must be a contiguous int32 CUDA tensor of [M, 4 * ceil(H / 128)]");
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto pack = empty_pack(a, rows, hidden);
+  auto& [values, cols, counts, row_nnz, heavy] = pack;
+  check_cuda(sparse_llm::launch_twell_pack_masked(
+                 bf16_ptr(a), reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()), rows, hidden,
+                 static_cast<int>(heavy_threshold), bf16_mut_ptr(values), cols.data_ptr<uint8_t>(),
+                 counts.data_ptr<int32_t>(), row_nnz.data_ptr<int32_t>(),
+                 reinterpret_cast<uint8_t*>(heavy.data_ptr<bool>()), c10::cuda::getCurrentCUDAStream().stream()),
+             "twell_pack_masked");
+  return pack;
+}
+
+// (a, mask) of the gate GEMM with the ReLU bit mask, or None where cuBLASLt offers no algorithm.
+std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg) {
+  check_matrix(x, "x");
+  check_matrix(wg, "wg");
+  TORCH_CHECK(wg.size(1) == x.size(1), "wg must be [H, D] with D = x.size(1)");
+  auto gate = sparse_llm_glue::gate_relu_mask(x, wg);
+  if (!gate) return std::nullopt;
+  return std::make_tuple(gate->a, gate->mask);
 }
 
 // Sparse path into y for the light rows; heavy rows of y are left as they are.
@@ -81,8 +121,9 @@ at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Ten
 
 at::Tensor transpose(const at::Tensor& t) { return sparse_llm_glue::transpose_bf16(t); }
 
-// The whole inference FFN: cuBLAS gate GEMM, TwELL pack, sparse up/down for the light rows and
-// dense GEMMs on the gathered heavy rows: exact for any pattern. The heavy-row count sizes those
+// The whole inference FFN: gate GEMM (cuBLASLt with the ReLU bit mask, else cuBLAS), TwELL pack,
+// sparse up/down for the light rows and dense GEMMs on the gathered heavy rows: exact for any
+// pattern. The heavy-row count sizes those
 // GEMMs, so the host reads it, while the sparse kernel keeps the GPU busy.
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                        const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
@@ -99,8 +140,17 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   at::Tensor y = at::empty_like(x);
   if (rows == 0) return y;
   const at::Tensor wd_t = cached_wd_t.has_value() ? *cached_wd_t : transpose(wd);
-  const at::Tensor g = at::mm(x, wg.t());
-  auto [values, cols, counts, row_nnz, heavy] = twell_pack(g, heavy_threshold);
+  // g: relu(x @ wg^T) on the masked path, x @ wg^T otherwise; the heavy rows' gate takes relu(g).
+  at::Tensor g;
+  TwellPack pack;
+  if (auto gate = sparse_llm_glue::gate_relu_mask(x, wg)) {
+    g = gate->a;
+    pack = twell_pack_masked(g, gate->mask, heavy_threshold);
+  } else {
+    g = at::mm(x, wg.t());
+    pack = twell_pack(g, heavy_threshold);
+  }
+  auto& [values, cols, counts, row_nnz, heavy] = pack;
 
   const at::Tensor pos = at::cumsum(heavy, 0, at::kInt);
   at::Tensor heavy_list = at::empty({rows}, x.options().dtype(at::kLong));
@@ -138,6 +188,8 @@ void register_train_ops(pybind11::module_& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
   m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
+  m.def("twell_pack_masked", &twell_pack_masked, "twell_pack of a = relu(g) from a and its ReLU bit mask");
+  m.def("gate_relu_mask", &gate_relu_mask, "(relu(x @ wg^T), ReLU bit mask) by cuBLASLt, or None");
   m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
   m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
   m.def("transpose", &transpose, "bf16 matrix transpose");

@@ -36,6 +36,14 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
                               __nv_bfloat16* values, uint8_t* cols, int32_t* counts, int32_t* row_nnz,
                               uint8_t* heavy, cudaStream_t stream);
 
+// The same TwELL, from a = relu(g) and the gate GEMM's ReLU bit mask (kernels/gate_gemm.cpp):
+// mask[row] holds n_tiles * 4 words, tile t in words 4t .. 4t+3, bit j of word w set where
+// a[row, 128 t + 32 w + j] > 0 (bits past H are ignored). Reads the mask and only the active
+// values of a: 1/16 of the dense pack's bytes when the rows are sparse.
+cudaError_t launch_twell_pack_masked(const __nv_bfloat16* a, const uint32_t* mask, int64_t rows, int hidden,
+                                     int heavy_threshold, __nv_bfloat16* values, uint8_t* cols, int32_t* counts,
+                                     int32_t* row_nnz, uint8_t* heavy, cudaStream_t stream);
+
 // y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0; rows with
 // heavy[r] != 0 are left untouched (the dense path writes them). x: [M, D], wu: [H, D],
 // wd_t: [H, D] (down_proj.weight transposed), y: [M, D], all bf16 row-major, 16-byte aligned,

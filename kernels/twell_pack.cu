@@ -1,6 +1,10 @@
-// Pack relu(g) into TwELL. One warp per row; a half-warp covers one 128-column tile with 16-byte
-// loads (8 columns per lane), a segmented warp scan places the non-zeros, and the slots are staged
-// in shared memory (zero-filled) so that values, columns and counts leave in 16-byte stores.
+// Pack relu(g) into TwELL, from g or from a = relu(g) plus the gate GEMM's ReLU bit mask.
+// From g: one warp per row; a half-warp covers one 128-column tile with 16-byte loads (8 columns
+// per lane), a segmented warp scan places the non-zeros, and the slots are staged in shared memory
+// (zero-filled) so that values, columns and counts leave in 16-byte stores.
+// From the mask: one warp per row, one lane per tile; a lane reads its tile's 128 mask bits in one
+// 16-byte load, zero-fills the tile's slots with 16-byte stores and loads a's value for each set
+// bit only.
 #include "twell.cuh"
 
 namespace sparse_llm {
@@ -102,6 +106,56 @@ __global__ void __launch_bounds__(kPackWarps * 32)
   }
 }
 
+// Visits the set bits of a tile's mask in column order; a value counts only if a > 0 in bf16 (a
+// positive fp32 product below bf16's range rounds to 0: its bit may be set, its value is 0).
+__global__ void __launch_bounds__(kPackWarps * 32)
+    twell_pack_masked_kernel(const __nv_bfloat16* __restrict__ a, const uint4* __restrict__ mask, int64_t rows,
+                             int hidden, int n_tiles, int heavy_threshold, __nv_bfloat16* __restrict__ values,
+                             uint8_t* __restrict__ cols, int32_t* __restrict__ counts, int32_t* __restrict__ row_nnz,
+                             uint8_t* __restrict__ heavy) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kPackWarps + threadIdx.x / 32;
+  if (row >= rows) return;
+  const __nv_bfloat16* a_row = a + row * hidden;
+  int total = 0;
+  bool overflow = false;
+  for (int t = lane; t < n_tiles; t += 32) {
+    const uint4 bits4 = __ldcs(mask + row * n_tiles + t);
+    const uint32_t words[4] = {bits4.x, bits4.y, bits4.z, bits4.w};
+    const int64_t slot0 = (row * n_tiles + t) * kTwellSlots;
+    uint4* value_slots = reinterpret_cast<uint4*>(values + slot0);
+    value_slots[0] = make_uint4(0u, 0u, 0u, 0u);
+    value_slots[1] = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(cols + slot0) = make_uint4(0u, 0u, 0u, 0u);
+    int count = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      for (uint32_t bits = words[w]; bits != 0; bits &= bits - 1) {
+        const int in_tile = 32 * w + __ffs(bits) - 1;
+        const int col = t * kTwellTile + in_tile;
+        if (col >= hidden) break;
+        const __nv_bfloat16 v = a_row[col];
+        if (!(__bfloat162float(v) > 0.0f)) continue;
+        if (count < kTwellSlots) {
+          values[slot0 + count] = v;
+          cols[slot0 + count] = static_cast<uint8_t>(in_tile);
+        }
+        ++count;
+      }
+    }
+    counts[row * n_tiles + t] = count;
+    total += count;
+    overflow |= count > kTwellSlots;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(kFullMask, total, off);
+  overflow = __any_sync(kFullMask, overflow);
+  if (lane == 0) {
+    row_nnz[row] = total;
+    heavy[row] = (total > heavy_threshold || overflow) ? 1 : 0;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, int heavy_threshold,
@@ -112,6 +166,17 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
   const int64_t blocks = (rows + kPackWarps - 1) / kPackWarps;
   twell_pack_kernel<<<static_cast<unsigned>(blocks), kPackWarps * 32, 0, stream>>>(
       g, rows, hidden, twell_n_tiles(hidden), heavy_threshold, values, cols, counts, row_nnz, heavy);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_twell_pack_masked(const __nv_bfloat16* a, const uint32_t* mask, int64_t rows, int hidden,
+                                     int heavy_threshold, __nv_bfloat16* values, uint8_t* cols, int32_t* counts,
+                                     int32_t* row_nnz, uint8_t* heavy, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = (rows + kPackWarps - 1) / kPackWarps;
+  twell_pack_masked_kernel<<<static_cast<unsigned>(blocks), kPackWarps * 32, 0, stream>>>(
+      a, reinterpret_cast<const uint4*>(mask), rows, hidden, twell_n_tiles(hidden), heavy_threshold, values, cols,
+      counts, row_nnz, heavy);
   return cudaGetLastError();
 }
 

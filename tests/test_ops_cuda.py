@@ -9,6 +9,8 @@ import torch
 from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
 
 from sparse_llm import ops
+from sparse_llm.ops.cuda_ops import extension
+from sparse_llm.ops.twell import TILE, n_tiles
 from sparse_llm.ops.workload import make_workload
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +87,50 @@ def test_pack_kernel_matches_reference():
     g = x @ wg.T
     got = ops.twell_pack(g, heavy_threshold=50, impl="cuda")
     want = ops.twell_pack(g, heavy_threshold=50, impl="reference")
+    for got_t, want_t, name in zip(got, want, ops.TwellPacked._fields, strict=True):
+        assert torch.equal(got_t, want_t), name
+
+
+def _relu_bit_mask(a: torch.Tensor) -> torch.Tensor:
+    """The gate GEMM's bit-mask layout built in PyTorch: [M, 4 * n_tiles] int32, bit j of word w of
+    a row set where a[row, 32 w + j] > 0."""
+    m, h = a.shape
+    bits = torch.zeros(m, n_tiles(h) * TILE, dtype=torch.int64, device=a.device)
+    bits[:, :h] = (a > 0).long()
+    words = (bits.view(m, -1, 32) << torch.arange(32, device=a.device)).sum(-1)
+    return (words - (words >= 2**31).long() * 2**32).int()  # as two's-complement int32
+
+
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (517, 2048, 5632)])
+def test_gate_gemm_bit_mask(pattern, m, d, h):
+    """cuBLASLt's ReLU epilogue: a = relu(x Wg^T) within bf16 rounding of the dense GEMM, and the
+    bit mask is exactly a > 0, in the layout the masked pack reads."""
+    x, wg, _, _ = gpu_pattern(pattern, m, d, h, seed=11)
+    gate = extension().gate_relu_mask(x, wg)
+    if gate is None:  # the FFN falls back to at::mm and the dense pack: fine for odd small shapes
+        assert h < 5632, "cuBLASLt offered no algorithm for the standard shape"
+        pytest.skip(f"cuBLASLt offers no ReLU-mask algorithm for {(m, d, h)}")
+    a, mask = gate
+    ref = torch.relu(x.double() @ wg.double().T)
+    assert (a >= 0).all()
+    assert rel_err(a, ref) <= 2 * rel_err(torch.relu(x @ wg.T), ref) + ABS_FLOOR
+    assert torch.equal(mask, _relu_bit_mask(a))
+
+
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("heavy_threshold", [0, 50, 512])
+def test_masked_pack_matches_dense_pack(pattern, heavy_threshold):
+    x, wg, _, _ = gpu_pattern(pattern, 517, 256, 1000, seed=12)
+    a = torch.relu(x @ wg.T)
+    a[3, 7] = 1e-40  # a bf16 subnormal: positive, so active
+    mask = _relu_bit_mask(a)
+    mask[5, 0] |= 1  # a set bit over a zero value (an fp32 product that bf16 rounds to 0): inactive
+    a[5, 0] = 0.0
+    got = extension().twell_pack_masked(a, mask, heavy_threshold)
+    want = ops.twell_pack(a, heavy_threshold=heavy_threshold, impl="reference")
     for got_t, want_t, name in zip(got, want, ops.TwellPacked._fields, strict=True):
         assert torch.equal(got_t, want_t), name
 

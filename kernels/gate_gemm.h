@@ -1,0 +1,21 @@
+// The gate GEMM of the inference FFN with a ReLU bit mask (cuBLASLt epilogue), for the masked
+// TwELL pack (launch_twell_pack_masked in twell.cuh).
+#pragma once
+
+#include <optional>
+
+#include <torch/extension.h>
+
+namespace sparse_llm_glue {
+
+struct GateWithMask {
+  at::Tensor a;     // [M, H] bf16: relu(x @ wg^T)
+  at::Tensor mask;  // [M, 4 * n_tiles] int32: bit j of word w of a row set where a[row, 32 w + j] > 0
+};
+
+// a = relu(x @ wg^T) and its bit mask in one cuBLASLt GEMM. nullopt where cuBLASLt is not in the
+// build or offers no algorithm for the shapes (the caller then runs at::mm and the dense pack).
+// x: [M, D], wg: [H, D], bf16, contiguous, checked by the caller.
+std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg);
+
+}  // namespace sparse_llm_glue
