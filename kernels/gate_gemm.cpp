@@ -1,5 +1,5 @@
 // The gate GEMM with cuBLASLt's RELU_AUX epilogue: a = relu(x @ wg^T) plus one bit per element
-// (a > 0), written by the GEMM itself. The TwELL pack then reads the bits (1/16 of a's bytes)
+// (g >= 0), written by the GEMM itself. The TwELL pack then reads the bits (1/16 of a's bytes)
 // and only the active values of a, instead of all of g: the dense pack read 1.4 GB per layer of
 // a 1B prefill of 64 x 1920 tokens.
 #include "gate_gemm.h"

@@ -10,7 +10,8 @@ namespace sparse_llm_glue {
 
 struct GateWithMask {
   at::Tensor a;     // [M, H] bf16: relu(x @ wg^T)
-  at::Tensor mask;  // [M, 4 * n_tiles] int32: bit j of word w of a row set where a[row, 32 w + j] > 0
+  at::Tensor mask;  // [M, 4 * n_tiles] int32: bit j of word w of a row set where g[row, 32 w + j] >= 0
+                    // (so wherever a > 0); the bits past H are not written
 };
 
 // a = relu(x @ wg^T) and its bit mask in one cuBLASLt GEMM. nullopt where cuBLASLt is not in the

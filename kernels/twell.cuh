@@ -37,9 +37,10 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
                               uint8_t* heavy, cudaStream_t stream);
 
 // The same TwELL, from a = relu(g) and the gate GEMM's ReLU bit mask (kernels/gate_gemm.cpp):
-// mask[row] holds n_tiles * 4 words, tile t in words 4t .. 4t+3, bit j of word w set where
-// a[row, 128 t + 32 w + j] > 0 (bits past H are ignored). Reads the mask and only the active
-// values of a: 1/16 of the dense pack's bytes when the rows are sparse.
+// mask[row] holds n_tiles * 4 words, tile t in words 4t .. 4t+3; bit j of word w is set at least
+// where a[row, 128 t + 32 w + j] > 0 (cuBLASLt sets it where g >= 0: the pack skips zero values;
+// bits past H are ignored). Reads the mask and the values under set bits only: 1/16 of the dense
+// pack's bytes when the rows are sparse.
 cudaError_t launch_twell_pack_masked(const __nv_bfloat16* a, const uint32_t* mask, int64_t rows, int hidden,
                                      int heavy_threshold, __nv_bfloat16* values, uint8_t* cols, int32_t* counts,
                                      int32_t* row_nnz, uint8_t* heavy, cudaStream_t stream);

@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kPackWarps * 32)
   }
 }
 
-// Visits the set bits of a tile's mask in column order; a value counts only if a > 0 in bf16 (a
-// positive fp32 product below bf16's range rounds to 0: its bit may be set, its value is 0).
+// Visits the set bits of a tile's mask in column order; a value counts only if a > 0 (cuBLASLt
+// sets the bit of g == 0 too).
 __global__ void __launch_bounds__(kPackWarps * 32)
     twell_pack_masked_kernel(const __nv_bfloat16* __restrict__ a, const uint4* __restrict__ mask, int64_t rows,
                              int hidden, int n_tiles, int heavy_threshold, __nv_bfloat16* __restrict__ values,

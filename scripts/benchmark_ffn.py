@@ -142,10 +142,18 @@ def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Call
     for name in ("ms_dense_eager", "ms_dense_compiled", "ms_ours_cached_wdT"):
         row[name] = min(passes[name])
     row["ms_ours"] = {t: min(passes[f"ours@{t}"]) for t in args.heavy_threshold}
-    # Parts of our forward, each timed alone on the same rotating inputs.
+    # Parts of our forward, each timed alone on the same rotating inputs: the gate GEMM with its
+    # ReLU bit mask and the masked pack (what ours runs), next to plain cuBLAS and the dense pack.
     row["ms_gate_gemm"] = median_ms(lambda x, wg, *_: x @ wg.T, sets, args.warmup, args.reps)
+    row["ms_gate_mask"] = median_ms(lambda x, wg, *_: ext.gate_relu_mask(x, wg), sets, args.warmup, args.reps)
     gates = [(s[0] @ s[1].T,) for s in sets]
+    masked = [ext.gate_relu_mask(s[0], s[1]) for s in sets]
+    if any(gate is None for gate in masked):
+        raise SystemExit("cuBLASLt offers no ReLU-mask gate GEMM here: ours runs at::mm + the dense pack")
     row["ms_pack"] = median_ms(lambda g: ext.twell_pack(g, threshold), gates, args.warmup, args.reps)
+    row["ms_pack_masked"] = median_ms(
+        lambda a, mask: ext.twell_pack_masked(a, mask, threshold), masked, args.warmup, args.reps
+    )
     packs = [(*s, *ext.twell_pack(gk[0], threshold)) for s, gk in zip(sets, gates, strict=True)]
     row["ms_sparse_updown"] = median_ms(
         lambda x, wg, wu, wd, wd_t, values, cols, counts, row_nnz, heavy: ext.twell_updown(
@@ -160,7 +168,7 @@ def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Call
     )
     # What the parts leave: the heavy rows' dense path, the host read of their count, glue.
     row["ms_rest"] = (
-        row["ms_ours_cached_wdT"] - row["ms_gate_gemm"] - row["ms_pack"] - row["ms_sparse_updown"]
+        row["ms_ours_cached_wdT"] - row["ms_gate_mask"] - row["ms_pack_masked"] - row["ms_sparse_updown"]
     )
     if args.profile:
         print_profile(lambda: ops.ffn_forward(*dense[0], impl="cuda", heavy_threshold=threshold))
@@ -192,15 +200,19 @@ def markdown(meta: dict, rows: list[dict], thresholds: list[int]) -> str:
         )
     lines += [
         "",
-        "Parts of ours, each timed alone (ms); sparse up/down covers the light rows only.",
+        "Parts of ours, each timed alone (ms): the gate GEMM with the ReLU bit mask (cuBLASLt) and the "
+        "masked pack, which ours runs, next to plain cuBLAS and the dense pack; sparse up/down covers "
+        "the light rows only; rest = ours (cached Wd^T) minus the masked gate, masked pack and up/down.",
         "",
-        "| M | nnz | gate GEMM | pack | sparse up/down | Wd^T | rest: heavy rows, sync, glue |",
-        "|---|---|---|---|---|---|---|",
+        "| M | nnz | gate GEMM + mask | plain gate GEMM | masked pack | dense pack | sparse up/down | Wd^T "
+        "| rest: heavy rows, sync, glue |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['M']} | {r['nnz_target']:g} | {r['ms_gate_gemm']:.3f} | {r['ms_pack']:.3f} "
-            f"| {r['ms_sparse_updown']:.3f} | {r['ms_transpose_wd']:.3f} | {r['ms_rest']:.3f} |"
+            f"| {r['M']} | {r['nnz_target']:g} | {r['ms_gate_mask']:.3f} | {r['ms_gate_gemm']:.3f} "
+            f"| {r['ms_pack_masked']:.3f} | {r['ms_pack']:.3f} | {r['ms_sparse_updown']:.3f} "
+            f"| {r['ms_transpose_wd']:.3f} | {r['ms_rest']:.3f} |"
         )
     if len(thresholds) > 1:
         lines += ["", "Ours (ms) by heavy-row threshold:", ""]

@@ -5,7 +5,7 @@
 # Env: STEPS (sparsify steps, default 400), L1 (default 3e-3: the committed results; it overshoots
 # to ~99.99% sparsity on the 1b preset, a lower value gives weights nearer the paper's ~99.5%),
 # PROFILE=1 (kernel tables of one prefill and one training step per FFN impl, in $OUT),
-# TRAIN_ARGS (extra benchmark_model.py arguments).
+# TRAIN_ARGS (extra benchmark_model.py arguments), SKIP_TRAIN=1 (inference only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_sparse_1b_out}
@@ -19,7 +19,7 @@ python3 scripts/benchmark_inference.py --sparsify --preset 1b --sparsify-steps "
   | grep -v -e Warning -e "it/s" -e "step/s" | tail -n 25 || status=1
 cp /tmp/inference/*.json /tmp/inference/*.md /tmp/inference/*.txt "$OUT"/ 2>/dev/null
 # shellcheck disable=SC2086
-python3 scripts/benchmark_model.py --model /tmp/inference/sparsify_run --compile ${TRAIN_ARGS:-} \
+[ "${SKIP_TRAIN:-0}" = 1 ] || python3 scripts/benchmark_model.py --model /tmp/inference/sparsify_run --compile ${TRAIN_ARGS:-} \
   ${PROFILE:+--profile "$OUT"} \
   --json "$OUT/train_1b_sparse.json" --md "$OUT/train_1b_sparse.md" 2>&1 | grep -v Warning | tail -n 12 || status=1
 ls "$OUT"

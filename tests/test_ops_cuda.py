@@ -105,8 +105,9 @@ def _relu_bit_mask(a: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (517, 2048, 5632)])
 def test_gate_gemm_bit_mask(pattern, m, d, h):
-    """cuBLASLt's ReLU epilogue: a = relu(x Wg^T) within bf16 rounding of the dense GEMM, and the
-    bit mask is exactly a > 0, in the layout the masked pack reads."""
+    """cuBLASLt's ReLU epilogue: a = relu(x Wg^T) within bf16 rounding of the dense GEMM; every
+    a > 0 has its bit set (cuBLASLt also sets it where g == 0, and leaves the bits past H
+    unwritten: the pack skips zero values and those bits); the pack from it is the reference's."""
     x, wg, _, _ = gpu_pattern(pattern, m, d, h, seed=11)
     gate = extension().gate_relu_mask(x, wg)
     if gate is None:  # the FFN falls back to at::mm and the dense pack: fine for odd small shapes
@@ -116,7 +117,14 @@ def test_gate_gemm_bit_mask(pattern, m, d, h):
     ref = torch.relu(x.double() @ wg.double().T)
     assert (a >= 0).all()
     assert rel_err(a, ref) <= 2 * rel_err(torch.relu(x @ wg.T), ref) + ABS_FLOOR
-    assert torch.equal(mask, _relu_bit_mask(a))
+    bits = (mask.long()[..., None] >> torch.arange(32, device=a.device)) & 1
+    bits = bits.flatten(1)[:, :h].bool()
+    assert bits[a > 0].all()
+    assert not bits[(x @ wg.T) < -1].any()  # clearly negative (beyond rounding): never set
+    got = extension().twell_pack_masked(a, mask, 64)
+    want = ops.twell_pack(a, heavy_threshold=64, impl="reference")
+    for got_t, want_t, name in zip(got, want, ops.TwellPacked._fields, strict=True):
+        assert torch.equal(got_t, want_t), name
 
 
 @needs_hopper
