@@ -3,6 +3,7 @@
 #include <tuple>
 
 #include "gate_gemm.h"
+#include "kv_cache.cuh"
 #include "torch_glue.h"
 #include "twell.cuh"
 
@@ -69,11 +70,12 @@ TwellPack twell_pack_masked(const at::Tensor& a, const at::Tensor& mask, int64_t
 }
 
 // (a, mask) of the gate GEMM with the ReLU bit mask, or None where cuBLASLt offers no algorithm.
-std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg) {
+std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg,
+                                                                 int64_t algo_index) {
   check_matrix(x, "x");
   check_matrix(wg, "wg");
   TORCH_CHECK(wg.size(1) == x.size(1), "wg must be [H, D] with D = x.size(1)");
-  auto gate = sparse_llm_glue::gate_relu_mask(x, wg);
+  auto gate = sparse_llm_glue::gate_relu_mask(x, wg, static_cast<int>(algo_index));
   if (!gate) return std::nullopt;
   return std::make_tuple(gate->a, gate->mask);
 }
@@ -180,6 +182,38 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   return y;
 }
 
+// k_cache[layer, :, start:start + T] = rope(k) and v_cache[...] = v, in place (kv_cache.cuh).
+// Caches: [layers, B, max_len, heads, head_dim]; k, v: [B, T, heads, head_dim]; cos, sin: T x
+// head_dim values shared by the rows or B x T x head_dim (per-row positions); all bf16, contiguous.
+void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+                                {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(), name,
+                " must be a contiguous bf16 CUDA tensor");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must both be [layers, B, max_len, heads, head_dim]");
+  const int64_t batch = k_cache.size(1), max_len = k_cache.size(2), heads = k_cache.size(3), head_dim = k_cache.size(4);
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(2) == heads && k.size(3) == head_dim && v.sizes() == k.sizes(),
+              "k and v must be [B, T, heads, head_dim] matching the cache, got ", k.sizes(), " and ", v.sizes());
+  const int64_t tokens = k.size(1);
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " out of range");
+  TORCH_CHECK(start >= 0 && start + tokens <= max_len, "columns [", start, ", ", start + tokens,
+              ") exceed the cache's ", max_len);
+  TORCH_CHECK(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
+  const bool shared = cos.numel() == tokens * head_dim;
+  TORCH_CHECK((shared || cos.numel() == batch * tokens * head_dim) && sin.sizes() == cos.sizes(),
+              "cos and sin must hold T x head_dim or B x T x head_dim values");
+  const c10::cuda::CUDAGuard guard(k.device());
+  const int64_t layer_offset = layer * batch * max_len * heads * head_dim + start * heads * head_dim;
+  check_cuda(sparse_llm::launch_kv_cache_write_rope(
+                 bf16_ptr(k), bf16_ptr(v), bf16_ptr(cos), bf16_ptr(sin), shared ? 0 : tokens * head_dim, batch,
+                 tokens, static_cast<int>(heads), static_cast<int>(head_dim), bf16_mut_ptr(k_cache) + layer_offset,
+                 bf16_mut_ptr(v_cache) + layer_offset, max_len * heads * head_dim,
+                 c10::cuda::getCurrentCUDAStream().stream()),
+             "kv_cache_write_rope");
+}
+
 }  // namespace
 
 // The training ops, defined in train_bindings.cpp.
@@ -189,9 +223,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
   m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
   m.def("twell_pack_masked", &twell_pack_masked, "twell_pack of a = relu(g) from a and its ReLU bit mask");
-  m.def("gate_relu_mask", &gate_relu_mask, "(relu(x @ wg^T), ReLU bit mask) by cuBLASLt, or None");
+  m.def("gate_relu_mask", &gate_relu_mask, "(relu(x @ wg^T), ReLU bit mask) by cuBLASLt, or None",
+        pybind11::arg("x"), pybind11::arg("wg"), pybind11::arg("algo_index") = 0);
   m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
   m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
   m.def("transpose", &transpose, "bf16 matrix transpose");
+  m.def("kv_cache_write_rope", &kv_cache_write_rope, "rope(k) and v into the KV cache's columns [start, start + T)");
   register_train_ops(m);
 }

@@ -21,6 +21,7 @@ namespace sparse_llm_glue {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation on Hopper
+constexpr int kMaxAlgos = 8;
 
 void check_lt(cublasStatus_t status, const char* what) {
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLASLt ", what, " failed with status ", static_cast<int>(status));
@@ -49,7 +50,8 @@ void set_op(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attribute, c
 
 }  // namespace
 
-std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg) {
+std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg, int algo_index) {
+  TORCH_CHECK(algo_index >= 0 && algo_index < kMaxAlgos, "algo_index must be in [0, ", kMaxAlgos, ")");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), dim = x.size(1), hidden = wg.size(0);
   const int64_t mask_words = 4 * sparse_llm::twell_n_tiles(static_cast<int>(hidden));
@@ -75,12 +77,13 @@ std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor
            "MatmulPreferenceSetAttribute");
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic{};
+  cublasLtMatmulHeuristicResult_t heuristics[kMaxAlgos] = {};
   int found = 0;
   const cublasStatus_t searched =
       cublasLtMatmulAlgoGetHeuristic(handle, call.op, call.w_layout, call.x_layout, call.a_layout, call.a_layout,
-                                     call.preference, 1, &heuristic, &found);
-  if (searched != CUBLAS_STATUS_SUCCESS || found == 0) return std::nullopt;
+                                     call.preference, kMaxAlgos, heuristics, &found);
+  if (searched != CUBLAS_STATUS_SUCCESS || found <= algo_index) return std::nullopt;
+  const cublasLtMatmulHeuristicResult_t& heuristic = heuristics[algo_index];
 
   const at::Tensor workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, x.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = 0.0f;
@@ -93,7 +96,7 @@ std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor
 
 #else  // no cuBLASLt headers in this build: the callers use at::mm and the dense pack
 
-std::optional<GateWithMask> gate_relu_mask(const at::Tensor&, const at::Tensor&) { return std::nullopt; }
+std::optional<GateWithMask> gate_relu_mask(const at::Tensor&, const at::Tensor&, int) { return std::nullopt; }
 
 #endif
 

@@ -14,9 +14,10 @@ struct GateWithMask {
                     // (so wherever a > 0); the bits past H are not written
 };
 
-// a = relu(x @ wg^T) and its bit mask in one cuBLASLt GEMM. nullopt where cuBLASLt is not in the
-// build or offers no algorithm for the shapes (the caller then runs at::mm and the dense pack).
+// a = relu(x @ wg^T) and its bit mask in one cuBLASLt GEMM, by the algo_index-th algorithm of
+// cuBLASLt's heuristic (0: its first choice; the others are for benchmarks). nullopt where cuBLASLt
+// is not in the build or offers no such algorithm (the caller then runs at::mm and the dense pack).
 // x: [M, D], wg: [H, D], bf16, contiguous, checked by the caller.
-std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg);
+std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg, int algo_index = 0);
 
 }  // namespace sparse_llm_glue

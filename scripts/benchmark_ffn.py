@@ -50,6 +50,11 @@ def parse_args() -> argparse.Namespace:
         help="time forward+backward (with L1) of ffn_forward_train vs dense, and saved-activation bytes",
     )
     p.add_argument(
+        "--gate-algos",
+        action="store_true",
+        help="only time the gate GEMM: plain cuBLAS vs each of cuBLASLt's ReLU-mask algorithms (by rank)",
+    )
+    p.add_argument(
         "--train-impl", default="cuda", choices=["cuda", "reference"], help="ffn_forward_train impl (--train)"
     )
     return p.parse_args()
@@ -380,8 +385,30 @@ def main_train(args: argparse.Namespace) -> None:
     )
 
 
+def main_gate_algos(args: argparse.Namespace) -> None:
+    """Which of cuBLASLt's ranked ReLU-mask algorithms is fastest, against the plain GEMM."""
+    ext = _extension.load()
+    for m in args.M:
+        sets = [
+            make_workload(m, args.D, args.H, 30, seed=args.seed + k, device="cuda") for k in range(args.sets)
+        ]
+        inputs = [(w.x, w.wg) for w in sets]
+        cells = [f"plain {median_ms(lambda x, wg: x @ wg.T, inputs, args.warmup, args.reps):.3f}"]
+        for rank in range(8):
+            if ext.gate_relu_mask(*inputs[0], rank) is None:
+                break
+            ms = median_ms(lambda x, wg, r=rank: ext.gate_relu_mask(x, wg, r), inputs, args.warmup, args.reps)
+            cells.append(f"mask#{rank} {ms:.3f}")
+        print(f"gate GEMM M={m} D={args.D} H={args.H} (ms): " + ", ".join(cells), flush=True)
+        del sets, inputs
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     args = parse_args()
+    if args.gate_algos:
+        main_gate_algos(args)
+        return
     if args.train:
         main_train(args)
         return

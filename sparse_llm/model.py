@@ -20,7 +20,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
+from sparse_llm.kv_cache import KVCache
 from sparse_llm.ops.activation_counts import activation_counts
+from sparse_llm.rope import RotaryEmbedding, apply_rotary
 
 
 class FFNStats(NamedTuple):
@@ -55,124 +57,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """The RoPE inverse frequencies (float32), as transformers' default rope computes them."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
-def rope_tables(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ([positions, head_dim], float32) of the RoPE angles, as transformers computes them."""
-    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), rope_inv_freq(head_dim, theta))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE, laid out as in transformers (rotate_half convention).
-
-    cos and sin of every position below `max_positions` are computed once, in float32: a forward
-    looks them up. (Computed per forward, Inductor inlined cos and sin into every layer's rotary
-    kernel: ~9% of a compiled 1B prefill.)
-    """
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        cos, sin = rope_tables(head_dim, theta, max_positions)
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
-
-    def reset_tables(self) -> None:
-        """Recompute the tables on their device (e.g. after `to_empty`, which leaves them unset)."""
-        cos, sin = rope_tables(self.head_dim, self.theta, self.cos_table.shape[0])
-        self.cos_table = cos.to(self.cos_table.device)
-        self.sin_table = sin.to(self.sin_table.device)
-
-    def forward(
-        self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """cos, sin shaped to broadcast over token-major q, k ([B, T, heads, head_dim]): [T, 1, head_dim],
-        or [B, T, 1, head_dim] for per-row `position_ids` [B, T] (every position below
-        max_position_embeddings)."""
-        if position_ids is not None:
-            cos, sin = self.cos_table[position_ids].unsqueeze(2), self.sin_table[position_ids].unsqueeze(2)
-            return cos.to(dtype), sin.to(dtype)
-        if seq_len > self.cos_table.shape[0]:
-            raise ValueError(
-                f"{seq_len} positions exceed max_position_embeddings ({self.cos_table.shape[0]})"
-            )
-        return self.cos_table[:seq_len, None].to(dtype), self.sin_table[:seq_len, None].to(dtype)
-
-
-class KVCache:
-    """Keys and values of every layer for incremental decoding, preallocated for `max_len` positions.
-
-    Column s of the cache holds the token at input column s (padding included); which columns a
-    row may attend to is the caller's padding mask. `length` columns are filled. The layout is
-    [layers, B, max_len, kv_heads, head_dim], the projections' token-major layout, in which RoPE is
-    applied too: a write is a block copy per row (a head-major k was a strided transpose, 8% of a
-    compiled 1B prefill).
-    """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch_size: int,
-        max_len: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> None:
-        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, batch_size, max_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-        self.length = 0
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's k, v ([B, T, kv_heads, head_dim]) after the filled columns; return all
-        filled columns as [B, kv_heads, length + T, head_dim] views (SDPA's layout)."""
-        start, end = self.length, self.length + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
-        if torch.compiler.is_compiling():
-            # Traced, a slice assignment into the cache (a graph input) is functionalized into a
-            # copy of the whole cache per write (measured: 20% of a compiled 1B prefill); the
-            # custom op's declared mutation is re-inplaced by Inductor instead.
-            torch.ops.sparse_llm.kv_cache_write(self.k, layer, start, k)
-            torch.ops.sparse_llm.kv_cache_write(self.v, layer, start, v)
-        else:  # eager: the same copy without the custom op's dispatch (decode runs eager)
-            _write_kv(self.k, layer, start, k)
-            _write_kv(self.v, layer, start, v)
-        return self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
-
-
-def _write_kv(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
-    """cache[layer, :, start:start + T] = new ([B, T, heads, head_dim]), in place."""
-    cache[layer, :, start : start + new.shape[1]].copy_(new)
-
-
-@torch.library.custom_op("sparse_llm::kv_cache_write", mutates_args=("cache",))
-def kv_cache_write(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
-    """`_write_kv` as an op with a declared mutation (what torch.compile traces)."""
-    _write_kv(cache, layer, start, new)
-
-
-@kv_cache_write.register_fake
-def _(cache: torch.Tensor, layer: int, start: int, new: torch.Tensor) -> None:
-    return None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -201,21 +85,23 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.attn_impl == "flash" and cache is None:
-            from flash_attn import flash_attn_func  # optional extra; checked in build_model
-
-            return self.o_proj(flash_attn_func(q, k, v, causal=True).reshape(b, t, -1))
+        q = apply_rotary(q, cos, sin)
         is_causal = True
-        # A prefill into an empty cache attends over its own k, v; later calls over the cache.
-        attend_cached = cache is not None and cache.length > 0
         if cache is not None:
-            # Inference. `attn_mask` (bool, [B, 1, T, S]) is given when rows are padded or queries
-            # start after cached columns; None means plain causal attention over the T new columns.
-            is_causal = not attend_cached and attn_mask is None
-            cached_k, cached_v = cache.update(layer_idx, k, v)
+            # Inference: attend over the cache's filled columns, this step's included (the cache
+            # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
+            # padded or queries start after cached columns; None means plain causal attention
+            # (a prefill into an empty cache).
+            is_causal = cache.length == 0 and attn_mask is None
+            k, v = cache.update(layer_idx, k, v, cos, sin)
+        else:
+            k = apply_rotary(k, cos, sin)
+            if self.attn_impl == "flash":
+                from flash_attn import flash_attn_func  # optional extra; checked in build_model
+
+                return self.o_proj(flash_attn_func(q, k, v, causal=True).reshape(b, t, -1))
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         q = q.transpose(1, 2)
-        k, v = (cached_k, cached_v) if attend_cached else (k.transpose(1, 2), v.transpose(1, 2))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads
         ).transpose(1, 2)

@@ -25,7 +25,9 @@ from sparse_llm.inference import (
     resolve_ffn_impls,
     set_ffn_impl,
 )
-from sparse_llm.model import KVCache, build_model, rope_tables
+from sparse_llm.kv_cache import KVCache
+from sparse_llm.model import build_model
+from sparse_llm.rope import rope_tables
 from sparse_llm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

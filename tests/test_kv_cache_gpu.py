@@ -1,0 +1,55 @@
+"""GPU tests of the fused KV-cache write (kernels/kv_cache.cu): RoPE(k) and v land in the right
+columns, equal to the PyTorch write within one bf16 rounding, and nothing else is touched."""
+
+import pytest
+import torch
+from ffn_patterns import needs_hopper
+
+from sparse_llm.kv_cache import write_kv
+from sparse_llm.rope import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.gpu
+
+
+@needs_hopper
+@pytest.mark.parametrize("per_row_positions", [False, True])
+@pytest.mark.parametrize(
+    ("batch", "tokens", "heads", "head_dim", "start"), [(3, 5, 2, 16, 0), (2, 37, 4, 64, 11)]
+)
+def test_fused_write_matches_pytorch(per_row_positions, batch, tokens, heads, head_dim, start):
+    layers, layer, max_len = 3, 1, 64
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    k, v = (
+        torch.randn(batch, tokens, heads, head_dim, generator=gen, device="cuda").bfloat16() for _ in range(2)
+    )
+    rope = RotaryEmbedding(head_dim, 1e4, max_len).cuda()
+    if per_row_positions:
+        positions = torch.randint(0, max_len, (batch, tokens), generator=gen, device="cuda")
+        cos, sin = rope(tokens, torch.bfloat16, positions)
+    else:
+        cos, sin = rope(tokens, torch.bfloat16)
+    shape = (layers, batch, max_len, heads, head_dim)
+    k_cache = torch.full(shape, 7.0, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.full(shape, 7.0, device="cuda", dtype=torch.bfloat16)
+    write_kv(k_cache, v_cache, layer, start, k, v, cos, sin)
+
+    want_k = apply_rotary(k.float(), cos.float(), sin.float())  # fp32, then one rounding
+    got_k = k_cache[layer, :, start : start + tokens]
+    torch.testing.assert_close(got_k.float(), want_k.bfloat16().float(), rtol=8e-3, atol=1e-2)
+    assert torch.equal(v_cache[layer, :, start : start + tokens], v)
+    untouched = torch.ones(shape, dtype=torch.bool, device="cuda")
+    untouched[layer, :, start : start + tokens] = False
+    assert (k_cache[untouched] == 7.0).all() and (v_cache[untouched] == 7.0).all()
+
+
+@needs_hopper
+def test_fused_write_rejects_bad_shapes():
+    from sparse_llm.ops.cuda_ops import extension
+
+    cache = torch.zeros(1, 2, 8, 2, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(2, 4, 2, 16, device="cuda", dtype=torch.bfloat16)
+    cos = torch.zeros(4, 1, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="exceed the cache"):
+        extension().kv_cache_write_rope(cache, cache.clone(), 0, 6, k, k, cos, cos)
+    with pytest.raises(RuntimeError, match="matching the cache"):
+        extension().kv_cache_write_rope(cache, cache.clone(), 0, 0, k[:1], k[:1], cos, cos)
