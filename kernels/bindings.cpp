@@ -183,19 +183,28 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
 }
 
 // k_cache[layer, :, start:start + T] = rope(k) and v_cache[...] = v, in place (kv_cache.cuh).
-// Caches: [layers, B, max_len, heads, head_dim]; k, v: [B, T, heads, head_dim]; cos, sin: T x
-// head_dim values shared by the rows or B x T x head_dim (per-row positions); all bf16, contiguous.
+// Caches: [layers, B, max_len, heads, head_dim], contiguous; k, v: [B, T, heads, head_dim] with
+// the same strides, contiguous but for the token stride (views of a fused q|k|v GEMM qualify);
+// cos, sin: T x head_dim values shared by the rows or B x T x head_dim, contiguous; all bf16.
 void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                                 {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(), name,
-                " must be a contiguous bf16 CUDA tensor");
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16, name, " must be a bf16 CUDA tensor");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &cos, &sin})
+    TORCH_CHECK(t->is_contiguous(), "the caches, cos and sin must be contiguous");
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must both be [layers, B, max_len, heads, head_dim]");
   const int64_t batch = k_cache.size(1), max_len = k_cache.size(2), heads = k_cache.size(3), head_dim = k_cache.size(4);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(2) == heads && k.size(3) == head_dim && v.sizes() == k.sizes(),
               "k and v must be [B, T, heads, head_dim] matching the cache, got ", k.sizes(), " and ", v.sizes());
+  const int64_t token_stride = k.stride(1);
+  TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == head_dim &&
+                  k.stride(0) == k.size(1) * token_stride && token_stride >= heads * head_dim && token_stride % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+              "k and v must share 16-byte aligned strides, contiguous but for the token stride, got ", k.strides(),
+              " and ", v.strides());
   const int64_t tokens = k.size(1);
   TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " out of range");
   TORCH_CHECK(start >= 0 && start + tokens <= max_len, "columns [", start, ", ", start + tokens,
@@ -207,7 +216,7 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
   const c10::cuda::CUDAGuard guard(k.device());
   const int64_t layer_offset = layer * batch * max_len * heads * head_dim + start * heads * head_dim;
   check_cuda(sparse_llm::launch_kv_cache_write_rope(
-                 bf16_ptr(k), bf16_ptr(v), bf16_ptr(cos), bf16_ptr(sin), shared ? 0 : tokens * head_dim, batch,
+                 bf16_ptr(k), bf16_ptr(v), token_stride, bf16_ptr(cos), bf16_ptr(sin), shared ? 0 : tokens * head_dim, batch,
                  tokens, static_cast<int>(heads), static_cast<int>(head_dim), bf16_mut_ptr(k_cache) + layer_offset,
                  bf16_mut_ptr(v_cache) + layer_offset, max_len * heads * head_dim,
                  c10::cuda::getCurrentCUDAStream().stream()),

@@ -21,7 +21,8 @@ constexpr int kTwellSlots = 16;
 constexpr int kMaxLightRowNnz = 512;
 
 struct TwellView {
-  const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) hold 0
+  const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) hold 0,
+                                // except in the empty tiles of the masked pack (never read)
   const uint8_t* cols;          // [M, n_tiles, kTwellSlots]; column inside the tile
   const int32_t* counts;        // [M, n_tiles]; true number of non-zeros of the tile
   int n_tiles;
@@ -39,8 +40,8 @@ cudaError_t launch_twell_pack(const __nv_bfloat16* g, int64_t rows, int hidden, 
 // The same TwELL, from a = relu(g) and the gate GEMM's ReLU bit mask (kernels/gate_gemm.cpp):
 // mask[row] holds n_tiles * 4 words, tile t in words 4t .. 4t+3; bit j of word w is set at least
 // where a[row, 128 t + 32 w + j] > 0 (cuBLASLt sets it where g >= 0: the pack skips zero values;
-// bits past H are ignored). Reads the mask and the values under set bits only: 1/16 of the dense
-// pack's bytes when the rows are sparse.
+// bits past H are ignored). Reads the mask and the values under set bits only, and leaves the
+// slots of empty tiles unwritten: ~1/16 of the dense pack's traffic when the rows are sparse.
 cudaError_t launch_twell_pack_masked(const __nv_bfloat16* a, const uint32_t* mask, int64_t rows, int hidden,
                                      int heavy_threshold, __nv_bfloat16* values, uint8_t* cols, int32_t* counts,
                                      int32_t* row_nnz, uint8_t* heavy, cudaStream_t stream);

@@ -3,8 +3,8 @@
 // per lane), a segmented warp scan places the non-zeros, and the slots are staged in shared memory
 // (zero-filled) so that values, columns and counts leave in 16-byte stores.
 // From the mask: one warp per row, one lane per tile; a lane reads its tile's 128 mask bits in one
-// 16-byte load, zero-fills the tile's slots with 16-byte stores and loads a's value for each set
-// bit only.
+// 16-byte load and, where any is set, zero-fills the tile's slots with 16-byte stores and loads
+// a's value for each set bit only.
 #include "twell.cuh"
 
 namespace sparse_llm {
@@ -122,12 +122,16 @@ __global__ void __launch_bounds__(kPackWarps * 32)
   for (int t = lane; t < n_tiles; t += 32) {
     const uint4 bits4 = __ldcs(mask + row * n_tiles + t);
     const uint32_t words[4] = {bits4.x, bits4.y, bits4.z, bits4.w};
-    const int64_t slot0 = (row * n_tiles + t) * kTwellSlots;
-    uint4* value_slots = reinterpret_cast<uint4*>(values + slot0);
-    value_slots[0] = make_uint4(0u, 0u, 0u, 0u);
-    value_slots[1] = make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(cols + slot0) = make_uint4(0u, 0u, 0u, 0u);
     int count = 0;
+    const int64_t slot0 = (row * n_tiles + t) * kTwellSlots;
+    // An empty tile's slots are left unwritten (readers stop at the count): at 99.99% sparsity
+    // the slots were 3/4 of the pack's traffic.
+    if ((bits4.x | bits4.y | bits4.z | bits4.w) != 0) {
+      uint4* value_slots = reinterpret_cast<uint4*>(values + slot0);
+      value_slots[0] = make_uint4(0u, 0u, 0u, 0u);
+      value_slots[1] = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(cols + slot0) = make_uint4(0u, 0u, 0u, 0u);
+    }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       for (uint32_t bits = words[w]; bits != 0; bits &= bits - 1) {

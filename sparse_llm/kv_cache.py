@@ -56,11 +56,20 @@ class KVCache:
 
 
 def _fused_write_applies(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    tensors = (k, v, cos, sin)
+    """Whether kernels/kv_cache.cu takes these inputs: bf16 on a Hopper GPU with the extension;
+    k and v contiguous but for their token stride (views of a fused q|k|v GEMM qualify)."""
+    tokens, head_dim = k.shape[1], k.shape[3]
+    token_stride = k.stride(1)
     return (
         k.is_cuda
-        and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
-        and k.shape[-1] % 16 == 0
+        and all(t.dtype == torch.bfloat16 for t in (k, v, cos, sin))
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and k.stride() == v.stride() == (tokens * token_stride, token_stride, head_dim, 1)
+        and token_stride % 8 == 0
+        and k.data_ptr() % 16 == 0
+        and v.data_ptr() % 16 == 0
+        and head_dim % 16 == 0
         and _extension.unavailable_reason() is None  # no build attempt (or warning) without Hopper
         and _extension.load() is not None
     )
