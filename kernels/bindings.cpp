@@ -184,7 +184,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
 
 // k_cache[layer, :, start:start + T] = rope(k) and v_cache[...] = v, in place (kv_cache.cuh).
 // Caches: [layers, B, max_len, heads, head_dim], contiguous; k, v: [B, T, heads, head_dim] with
-// the same strides, contiguous but for the token stride (views of a fused q|k|v GEMM qualify);
+// the same strides, contiguous but for the token stride (e.g. views of one q|k|v tensor);
 // cos, sin: T x head_dim values shared by the rows or B x T x head_dim, contiguous; all bf16.
 void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {

@@ -10,7 +10,7 @@
 namespace sparse_llm {
 
 // For every batch row b, token t, head h (k, v: [B, T, heads, head_dim] bf16; token rows
-// token_stride elements apart, heads contiguous within a row, e.g. views of a fused q|k|v GEMM):
+// token_stride elements apart, heads contiguous within a row, e.g. views of one q|k|v tensor):
 //   k_out[b * out_batch_stride + (t * heads + h) * head_dim + i] = rope(k[b, t, h])[i]
 //   v_out[same] = v[b, t, h, i]
 // with rope(x) = x * cos + rotate_half(x) * sin (transformers' convention), computed in fp32 and

@@ -57,7 +57,7 @@ class KVCache:
 
 def _fused_write_applies(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether kernels/kv_cache.cu takes these inputs: bf16 on a Hopper GPU with the extension;
-    k and v contiguous but for their token stride (views of a fused q|k|v GEMM qualify)."""
+    k and v contiguous but for their token stride."""
     tokens, head_dim = k.shape[1], k.shape[3]
     token_stride = k.stride(1)
     return (

@@ -69,22 +69,6 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.attn_impl = cfg.attn_impl
-        self._qkv_sizes = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
-        # Set by fuse_qkv (inference): q, k and v in one GEMM.
-        self.register_buffer("qkv_weight", None, persistent=False)
-
-    def fuse_qkv(self) -> None:
-        """One GEMM for q, k and v: the three weights become views of one [q + k + v rows, D]
-        tensor, so no memory is added and the parameter names stay. For inference: a later
-        optimizer step or `load_state_dict` into the views keeps them in sync, a new Parameter
-        assigned to one projection does not."""
-        with torch.no_grad():
-            fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        for proj, weight in zip(
-            (self.q_proj, self.k_proj, self.v_proj), fused.split(self._qkv_sizes), strict=True
-        ):
-            proj.weight = nn.Parameter(weight, requires_grad=proj.weight.requires_grad)
-        self.qkv_weight = fused
 
     def forward(
         self,
@@ -98,13 +82,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # Token-major [B, T, heads, head_dim] as the projections leave them: RoPE and the KV-cache
         # write need no transpose; SDPA takes the head-major views.
-        if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split(self._qkv_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         is_causal = True
         if cache is not None:
@@ -337,11 +317,6 @@ class SparseLlamaForCausalLM(nn.Module):
         if last_logits_only:
             x = x[:, -1:]
         return CausalLMOutput(self.lm_head(self.model.norm(x)), None, None)
-
-    def fuse_qkv(self) -> None:
-        """Every attention's q, k, v projections as one GEMM (Attention.fuse_qkv); for inference."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_qkv()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

@@ -200,21 +200,3 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     assert sparse["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
     assert sparse["l0_mean"] == pytest.approx(dense["l0_mean"])
     assert "| dense |" in (tmp_path / "bench.md").read_text()
-
-
-@pytest.mark.parametrize("kv_heads", [0, 2])
-def test_fused_qkv_keeps_outputs_names_and_memory(kv_heads):
-    torch.manual_seed(0)
-    model = build_model(small_config(num_key_value_heads=kv_heads)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    with torch.no_grad():
-        before = model(ids).logits
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        model.fuse_qkv()
-        after = model(ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-    fused_state = model.state_dict()
-    assert fused_state.keys() == state.keys()
-    assert all(torch.equal(fused_state[k], state[k]) for k in state)
-    attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()

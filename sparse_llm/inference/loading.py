@@ -131,8 +131,7 @@ def _run_config(checkpoint: Path) -> tuple[ModelConfig, str]:
 def load_model(
     path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
 ) -> LoadedModel:
-    """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`, with
-    its q, k, v projections fused into one GEMM per layer."""
+    """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source, directory = detect_source(Path(path).expanduser())
@@ -159,7 +158,6 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     # .to(dtype) also rounds the RoPE cos/sin tables to `dtype`: what the rotary would cast them to.
     model = model.to(device=device, dtype=dtype).eval()
-    model.fuse_qkv()
     if eos is None:
         eos = tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
