@@ -22,7 +22,7 @@ constexpr int kMaxLightRowNnz = 512;
 
 struct TwellView {
   const __nv_bfloat16* values;  // [M, n_tiles, kTwellSlots]; slots >= min(count, kTwellSlots) hold 0,
-                                // except in the empty tiles of the masked pack (never read)
+                                // except in empty tiles: unwritten (never read)
   const uint8_t* cols;          // [M, n_tiles, kTwellSlots]; column inside the tile
   const int32_t* counts;        // [M, n_tiles]; true number of non-zeros of the tile
   int n_tiles;

@@ -1,7 +1,8 @@
 // Pack relu(g) into TwELL, from g or from a = relu(g) plus the gate GEMM's ReLU bit mask.
 // From g: one warp per row; a half-warp covers one 128-column tile with 16-byte loads (8 columns
-// per lane), a segmented warp scan places the non-zeros, and the slots are staged in shared memory
-// (zero-filled) so that values, columns and counts leave in 16-byte stores.
+// per lane), a segmented warp scan places the non-zeros (skipped when a load holds none), and the
+// slots are staged in shared memory (zero-filled) so that values, columns and counts leave in
+// 16-byte stores; empty tiles' slots are not written.
 // From the mask: one warp per row, one lane per tile; a lane reads its tile's 128 mask bits in one
 // 16-byte load and, where any is set, zero-fills the tile's slots with 16-byte stores and loads
 // a's value for each set bit only.
@@ -62,6 +63,10 @@ __global__ void __launch_bounds__(kPackWarps * 32)
         int mask = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i) mask |= (__bfloat162float(v[i]) > 0.0f) << i;
+        if (!__any_sync(kFullMask, mask != 0)) {  // both tiles empty (most, at high sparsity)
+          if (local_t < chunk && sub == 0) st.counts[local_t] = 0;
+          continue;
+        }
         const int mine = __popc(mask);
         int incl = mine;
 #pragma unroll
@@ -87,11 +92,13 @@ __global__ void __launch_bounds__(kPackWarps * 32)
       }
     }
     __syncwarp();
+    // Slots of empty tiles stay unwritten (readers stop at the count).
     const int64_t slot0 = (row * n_tiles + c0) * kTwellSlots;  // 16-byte aligned: 16 slots per tile
     for (int i = lane; i < chunk * kTwellSlots / 8; i += 32)
-      reinterpret_cast<uint4*>(values + slot0)[i] = reinterpret_cast<const uint4*>(st.values)[i];
+      if (st.counts[i / 2] > 0)
+        reinterpret_cast<uint4*>(values + slot0)[i] = reinterpret_cast<const uint4*>(st.values)[i];
     for (int i = lane; i < chunk * kTwellSlots / 16; i += 32)
-      reinterpret_cast<uint4*>(cols + slot0)[i] = reinterpret_cast<const uint4*>(st.cols)[i];
+      if (st.counts[i] > 0) reinterpret_cast<uint4*>(cols + slot0)[i] = reinterpret_cast<const uint4*>(st.cols)[i];
     for (int i = lane; i < chunk; i += 32) counts[row * n_tiles + c0 + i] = st.counts[i];
     __syncwarp();
   }

@@ -75,6 +75,24 @@ def _fused_write_applies(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
     )
 
 
+def _check_write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    layers, batch, max_len, heads, head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"k_cache, v_cache must match and k, v too; got {k_cache.shape}, {v_cache.shape}, {k.shape}"
+        )
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, heads, head_dim):
+        raise ValueError(
+            f"k, v must be [B, T, heads, head_dim] matching the cache {tuple(k_cache.shape)}, got {k.shape}"
+        )
+    if not 0 <= layer < layers or start < 0 or start + k.shape[1] > max_len:
+        raise ValueError(
+            f"layer {layer}, columns [{start}, {start + k.shape[1]}) exceed the cache's {layers} x {max_len}"
+        )
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -86,6 +104,7 @@ def write_kv(
     sin: torch.Tensor,
 ) -> None:
     """k_cache[layer, :, start:start + T] = RoPE(k) and v_cache[...] = v, in place."""
+    _check_write(k_cache, v_cache, layer, start, k, v)
     if _fused_write_applies(k, v, cos, sin):
         extension().kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
         return

@@ -380,3 +380,16 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
     torch.testing.assert_close(sparse_logits, dense_logits, rtol=0.05, atol=0.05)
     gen = Generator(loaded, "auto", "auto")
     assert gen.ffn_measurement is not None and set(gen.ffn.values()) <= {"dense", "cuda"}
+
+
+def test_kv_write_rejects_bad_shapes_before_writing():
+    from sparse_llm.kv_cache import write_kv
+
+    cache = torch.zeros(1, 2, 8, 2, 16)
+    k = torch.ones(2, 4, 2, 16)
+    cos, sin = torch.ones(4, 1, 16), torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match="exceed the cache"):
+        write_kv(cache, cache.clone(), 0, 6, k, k, cos, sin)
+    with pytest.raises(ValueError, match="matching the cache"):
+        write_kv(cache, cache.clone(), 0, 0, k[:1], k[:1], cos, sin)
+    assert not cache.any()

@@ -18,8 +18,8 @@ SLOTS = 16  # stored non-zeros per (row, tile): TILE / C with compression factor
 
 
 class TwellPacked(NamedTuple):
-    values: torch.Tensor  # [M, n_tiles, SLOTS], dtype of g; slots past min(count, SLOTS): 0, or
-    # unset in the empty tiles of the CUDA masked pack (readers stop at the count)
+    values: torch.Tensor  # [M, n_tiles, SLOTS], dtype of g; slots past min(count, SLOTS): 0 (the
+    # CUDA packs leave empty tiles' slots unwritten: readers stop at the count)
     cols: torch.Tensor  # [M, n_tiles, SLOTS] uint8, column inside the tile
     counts: torch.Tensor  # [M, n_tiles] int32, true non-zeros of the tile (may exceed SLOTS)
     row_nnz: torch.Tensor  # [M] int32, true non-zeros of the row
