@@ -2,7 +2,7 @@
 # One GPU call: build the extension, run the kernel GPU tests, a compute-sanitizer memcheck of small
 # cases, and the FFN benchmarks (inference forward; training forward+backward). Logs and results
 # go to $OUT (default ./gpu_check_out).
-# Env: TESTS (pytest paths, default the two kernel test files), BENCH_ARGS / TRAIN_BENCH_ARGS (extra
+# Env: TESTS (pytest paths, default the kernel test files), BENCH_ARGS / TRAIN_BENCH_ARGS (extra
 # benchmark_ffn.py arguments), SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_TRAIN_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step "pytest -m gpu"
   # shellcheck disable=SC2086
-  $PY -m pytest -m gpu -v -rs -s ${TESTS:-tests/test_ops_cuda.py tests/test_ops_train_cuda.py} 2>&1 \
+  $PY -m pytest -m gpu -v -rs -s ${TESTS:-tests/test_ops_cuda.py tests/test_ops_train_cuda.py tests/test_kv_cache_gpu.py} 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=1
 fi
 

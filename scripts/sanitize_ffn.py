@@ -6,7 +6,8 @@ import torch
 from sparse_llm import ops
 from sparse_llm.ops.workload import make_workload
 
-CASES = [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512)]  # M, D, H, nnz, threshold
+# M, D, H, nnz, threshold; the last case is past masked_gate_min_rows (the masked gate and pack).
+CASES = [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512), (65536, 64, 1000, 5, 16)]
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
