@@ -181,11 +181,11 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
   if (n_heavy > 0) {
     const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
-    at::Tensor h = at::mm(x.index_select(0, heavy_rows), wu.t());  // u, then h in place
+    at::Tensor h = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // u, then h in place
     check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
                                                 bf16_mut_ptr(h), stream),
                "gate_mul_rows");
-    y.index_copy_(0, heavy_rows, at::mm(h, wd_t));
+    y.index_copy_(0, heavy_rows, at::mm(h, wd_t).narrow(0, 0, n_heavy));
   }
   return y;
 }

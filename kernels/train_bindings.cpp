@@ -118,14 +118,14 @@ ffn_train_forward(
                                            bf16_mut_ptr(u_vals), bf16_mut_ptr(y), stream),
              "csr_updown");
   if (split.n_heavy > 0) {
-    at::Tensor u = at::mm(x.index_select(0, split.list), wu.t());  // [n_heavy, H]; then h in place
+    at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, split.list), wu.t());  // [padded, H]; then h
     check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), split.list.data_ptr<int64_t>(), split.n_heavy, hidden,
                                                   row_ptr, cols.data_ptr<int32_t>(), bf16_mut_ptr(u_vals), stream),
                "csr_gather_rows");
     check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), split.list.data_ptr<int64_t>(), split.n_heavy, hidden,
                                                 bf16_mut_ptr(u), stream),
                "gate_mul_rows");
-    y.index_copy_(0, split.list, at::mm(u, wd_t));
+    y.index_copy_(0, split.list, at::mm(u, wd_t).narrow(0, 0, split.n_heavy));
   }
   // l1 = mean over rows of sum |h|, with h = a * u in fp32 as the kernels use it.
   const at::Tensor l1 = rows > 0 ? (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum() / static_cast<double>(rows)
@@ -192,10 +192,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
              "csr_backward_units");
 
   if (n_heavy > 0) {
-    const at::Tensor x_h = x.index_select(0, heavy_rows);
-    const at::Tensor gy_h = grad_y.index_select(0, heavy_rows);
-    at::Tensor a_h = at::zeros({n_heavy, hidden}, x.options());  // then du
-    at::Tensor u_h = at::zeros({n_heavy, hidden}, x.options());  // then h
+    // Padded rows (kHeavyRowsGranule) are zero in x_h, gy_h, a_h and u_h: they add nothing.
+    const at::Tensor x_h = sparse_llm_glue::gather_rows_padded(x, heavy_rows);
+    const at::Tensor gy_h = sparse_llm_glue::gather_rows_padded(grad_y, heavy_rows);
+    const int64_t padded = x_h.size(0);
+    at::Tensor a_h = at::zeros({padded, hidden}, x.options());  // then du
+    at::Tensor u_h = at::zeros({padded, hidden}, x.options());  // then h
     check_cuda(sparse_llm::launch_csr_scatter_rows(heavy_rows.data_ptr<int64_t>(), n_heavy, hidden, row_ptr,
                                                    cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                    bf16_mut_ptr(a_h), bf16_mut_ptr(u_h), stream),
@@ -207,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
                "heavy_backward_elementwise");
     at::Tensor dx_h = at::mm(dh, wg);
     dx_h.addmm_(a_h, wu);
-    dx.index_copy_(0, heavy_rows, dx_h);
+    dx.index_copy_(0, heavy_rows, dx_h.narrow(0, 0, n_heavy));
     dwg.addmm_(dh.t(), x_h);
     dwu.addmm_(a_h.t(), x_h);
     dwd_t.addmm_(u_h.t(), gy_h);
