@@ -131,8 +131,8 @@ constexpr int64_t kMaskedGateMinRows = 65536;
 
 // The whole inference FFN: gate GEMM (cuBLASLt with the ReLU bit mask, else cuBLAS), TwELL pack,
 // sparse up/down for the light rows and dense GEMMs on the gathered heavy rows: exact for any
-// pattern. The heavy-row count sizes those
-// GEMMs, so the host reads it, while the sparse kernel keeps the GPU busy.
+// pattern. The heavy-row count sizes those GEMMs, so the host reads it, while the sparse kernel
+// keeps the GPU busy.
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                        const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
   check_matrix(x, "x");
