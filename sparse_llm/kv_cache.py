@@ -42,9 +42,7 @@ class KVCache:
         """Write this step's RoPE(k) and v (k, v: [B, T, kv_heads, head_dim] before RoPE; cos, sin
         as the model's rotary embedding gives them) after the filled columns; return all filled
         columns as [B, kv_heads, length + T, head_dim] views (SDPA's layout)."""
-        start, end = self.length, self.length + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        start, end = self.length, self.length + k.shape[1]  # write_kv checks end <= max_len
         if torch.compiler.is_compiling():
             # Traced, a slice assignment into the cache (a graph input) is functionalized into a
             # copy of the whole cache per write (measured: 20% of a compiled 1B prefill); the
@@ -113,19 +111,10 @@ def write_kv(
     v_cache[layer, :, start:end].copy_(v)
 
 
-@torch.library.custom_op("sparse_llm::kv_cache_write", mutates_args=("k_cache", "v_cache"))
-def kv_cache_write(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    layer: int,
-    start: int,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> None:
-    """`write_kv` as an op with a declared mutation (what torch.compile traces)."""
-    write_kv(k_cache, v_cache, layer, start, k, v, cos, sin)
+# `write_kv` as an op with a declared mutation (what torch.compile traces; eager calls write_kv).
+kv_cache_write = torch.library.custom_op(
+    "sparse_llm::kv_cache_write", write_kv, mutates_args=("k_cache", "v_cache")
+)
 
 
 @kv_cache_write.register_fake
