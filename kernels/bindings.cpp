@@ -80,10 +80,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tenso
   return std::make_tuple(gate->a, gate->mask);
 }
 
-// Sparse path into y for the light rows; heavy rows of y are left as they are.
+// Sparse path into y (or added into y) for the light rows; heavy rows of y are left as they are.
 void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wd_t, const at::Tensor& values,
                        const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
-                       int64_t max_row_nnz, at::Tensor& y) {
+                       int64_t max_row_nnz, bool accumulate, at::Tensor& y) {
   check_matrix(x, "x");
   check_matrix(wu, "wu");
   check_matrix(wd_t, "wd_t");
@@ -108,7 +108,7 @@ void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tens
   sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(), n_tiles};
   check_cuda(sparse_llm::launch_twell_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), view,
                                              reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()), rows,
-                                             static_cast<int>(dim), static_cast<int>(max_row_nnz),
+                                             static_cast<int>(dim), static_cast<int>(max_row_nnz), accumulate,
                                              bf16_mut_ptr(y), c10::cuda::getCurrentCUDAStream().stream()),
              "twell_updown");
 }
@@ -117,7 +117,7 @@ at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Ten
                         const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
                         int64_t max_row_nnz) {
   at::Tensor y = at::empty_like(x);
-  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, max_row_nnz, y);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, max_row_nnz, /*accumulate=*/false, y);
   return y;
 }
 
@@ -129,15 +129,18 @@ at::Tensor transpose(const at::Tensor& t) { return sparse_llm_glue::transpose_bf
 // pack saves: 0.65 vs 0.58 at 16384 rows). Either way the result is exact.
 constexpr int64_t kMaskedGateMinRows = 65536;
 
-// The whole inference FFN: gate GEMM (cuBLASLt with the ReLU bit mask, else cuBLAS), TwELL pack,
-// sparse up/down for the light rows and dense GEMMs on the gathered heavy rows: exact for any
-// pattern. The heavy-row count sizes those GEMMs, so the host reads it, while the sparse kernel
-// keeps the GPU busy.
-at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                       const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
+// The whole inference FFN into y (y = ffn(x), or y += ffn(x) with `accumulate`): gate GEMM
+// (cuBLASLt with the ReLU bit mask, else cuBLAS), TwELL pack, sparse up/down for the light rows
+// and dense GEMMs on the gathered heavy rows: exact for any pattern. The heavy-row count sizes
+// those GEMMs, so the host reads it, while the sparse kernel keeps the GPU busy.
+void ffn_forward_into(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                      const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold, bool accumulate,
+                      at::Tensor& y) {
   check_matrix(x, "x");
   check_matrix(wg, "wg");
   check_matrix(wd, "wd");
+  check_matrix(y, "y");
+  TORCH_CHECK(y.sizes() == x.sizes(), "y must be shaped like x");
   TORCH_CHECK(wg.sizes() == wu.sizes(), "wg and wu must have the same shape [H, D]");
   TORCH_CHECK(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
               "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
@@ -145,8 +148,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t rows = x.size(0);
   const int hidden = static_cast<int>(wg.size(0));
-  at::Tensor y = at::empty_like(x);
-  if (rows == 0) return y;
+  if (rows == 0) return;
   const at::Tensor wd_t = cached_wd_t.has_value() ? *cached_wd_t : transpose(wd);
   // g: relu(x @ wg^T) on the masked path, x @ wg^T otherwise; the heavy rows' gate takes relu(g).
   at::Tensor g;
@@ -173,7 +175,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
   check_cuda(cudaEventCreateWithFlags(&count_ready, cudaEventDisableTiming), "cudaEventCreate");
   check_cuda(cudaEventRecord(count_ready, stream), "cudaEventRecord");
 
-  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, y);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, accumulate, y);
 
   const cudaError_t synced = cudaEventSynchronize(count_ready);
   cudaEventDestroy(count_ready);
@@ -185,9 +187,28 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
     check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
                                                 bf16_mut_ptr(h), stream),
                "gate_mul_rows");
-    y.index_copy_(0, heavy_rows, at::mm(h, wd_t).narrow(0, 0, n_heavy));
+    const at::Tensor y_heavy = at::mm(h, wd_t).narrow(0, 0, n_heavy);
+    if (accumulate)
+      y.index_add_(0, heavy_rows, y_heavy);  // unique rows: one bf16 rounding of the sum, as an add
+    else
+      y.index_copy_(0, heavy_rows, y_heavy);
   }
+}
+
+at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                       const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
+  at::Tensor y = at::empty_like(x);
+  ffn_forward_into(x, wg, wu, wd, cached_wd_t, heavy_threshold, /*accumulate=*/false, y);
   return y;
+}
+
+// out += ffn(x) in place: rows with no active unit are not touched at all. out: [..., D]
+// contiguous, x: [M, D] with M = out's rows.
+void ffn_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+              const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
+  TORCH_CHECK(out.dim() >= 1 && out.is_contiguous(), "out must be contiguous");
+  at::Tensor out_rows = out.view({-1, out.size(-1)});
+  ffn_forward_into(x, wg, wu, wd, cached_wd_t, heavy_threshold, /*accumulate=*/true, out_rows);
 }
 
 // k_cache[layer, :, start:start + T] = rope(k) and v_cache[...] = v, in place (kv_cache.cuh).
@@ -244,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("wg"), pybind11::arg("algo_index") = 0);
   m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
   m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
+  m.def("ffn_add_", &ffn_add_, "out += the exact TwELL inference FFN of x, in place; wd_t (Wd^T) may be None");
   m.def("transpose", &transpose, "bf16 matrix transpose");
   m.attr("masked_gate_min_rows") = kMaskedGateMinRows;
   m.def("kv_cache_write_rope", &kv_cache_write_rope, "rope(k) and v into the KV cache's columns [start, start + T)");

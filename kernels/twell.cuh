@@ -46,14 +46,15 @@ cudaError_t launch_twell_pack_masked(const __nv_bfloat16* a, const uint32_t* mas
                                      int heavy_threshold, __nv_bfloat16* values, uint8_t* cols, int32_t* counts,
                                      int32_t* row_nnz, uint8_t* heavy, cudaStream_t stream);
 
-// y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0; rows with
+// y[r] = sum_j a[r, j] * (x[r] . wu[j]) * wd_t[j] for every row r with heavy[r] == 0, or with
+// `accumulate` y[r] += that sum (rounded to bf16 first, as a separate add would); rows with
 // heavy[r] != 0 are left untouched (the dense path writes them). x: [M, D], wu: [H, D],
 // wd_t: [H, D] (down_proj.weight transposed), y: [M, D], all bf16 row-major, 16-byte aligned,
 // D % 8 == 0, D <= kMaxDim; light rows hold at most max_row_nnz <= kMaxLightRowNnz non-zeros.
 constexpr int kMaxDim = 8192;
 cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                                 TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
-                                int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream);
+                                int max_row_nnz, bool accumulate, __nv_bfloat16* y, cudaStream_t stream);
 
 // list[0 .. count) = the rows with heavy[row] != 0, in order, given inclusive_pos = cumsum(heavy).
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,

@@ -2,10 +2,12 @@
 //
 // One CTA owns kRowsPerCta rows. (1) Each warp turns one row's TwELL tiles into a list of
 // (unit, a) entries in shared memory and stages the row of x there (a row without entries gets
-// its zeros written right there: at 99.99% sparsity that is nearly every row). (2) Warps share the block's
+// its zeros written right there, or is left as it is when accumulating: at 99.99% sparsity that
+// is nearly every row). (2) Warps share the block's
 // entries: h = a * (x[r] . wu[unit]) with a 16-byte gather of the wu row and a warp reduction.
 // (3) Every thread owns 8 output columns and accumulates y[r] += h * wd_t[unit] over the row's
-// entries: one coalesced 16-byte gather per entry and thread, fp32 accumulation.
+// entries: one coalesced 16-byte gather per entry and thread, fp32 accumulation. With `accumulate`
+// the row is then added into y (y <- bf16(y + bf16(sum)): the rounding of a separate add).
 #include "twell.cuh"
 #include "vec.cuh"
 
@@ -22,7 +24,7 @@ __global__ void __launch_bounds__(kThreads)
     twell_updown_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wu,
                         const __nv_bfloat16* __restrict__ wd_t, TwellView tw,
                         const uint8_t* __restrict__ heavy, int64_t rows, int dim, int max_row_nnz,
-                        __nv_bfloat16* __restrict__ y) {
+                        bool accumulate, __nv_bfloat16* __restrict__ y) {
   extern __shared__ uint4 smem[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);                     // [R][dim]
   int* ent_unit = reinterpret_cast<int*>(xs + kRowsPerCta * dim);                 // [R][max_row_nnz]
@@ -56,8 +58,10 @@ __global__ void __launch_bounds__(kThreads)
       written += __shfl_sync(kFullMask, incl, 31);
     }
     if (written == 0) {  // nothing to gather: its zero row is written now and the row skipped after
-      uint4* out = reinterpret_cast<uint4*>(y + row * dim);
-      for (int v = lane; v < vecs_per_row; v += 32) out[v] = make_uint4(0u, 0u, 0u, 0u);
+      if (!accumulate) {
+        uint4* out = reinterpret_cast<uint4*>(y + row * dim);
+        for (int v = lane; v < vecs_per_row; v += 32) out[v] = make_uint4(0u, 0u, 0u, 0u);
+      }
       if (lane == 0) row_len[r] = -1;
       continue;
     }
@@ -113,11 +117,21 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) acc[i] = fmaf(h, f[i], acc[i]);
       }
+      uint4* dst = reinterpret_cast<uint4*>(y + row * dim) + v;
       uint4 out;
       __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      reinterpret_cast<uint4*>(y + row * dim)[v] = out;
+      if (accumulate) {
+        const uint4 prev = *dst;
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&prev);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 a = __bfloat1622float2(p[i]), b = __bfloat1622float2(o[i]);
+          o[i] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
+        }
+      }
+      *dst = out;
     }
   }
 }
@@ -126,7 +140,7 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                                 TwellView twell, const uint8_t* heavy, int64_t rows, int dim,
-                                int max_row_nnz, __nv_bfloat16* y, cudaStream_t stream) {
+                                int max_row_nnz, bool accumulate, __nv_bfloat16* y, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxDim || max_row_nnz < 0 || max_row_nnz > kMaxLightRowNnz)
     return cudaErrorInvalidValue;
@@ -138,7 +152,7 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
   if (err != cudaSuccess) return err;
   const int64_t blocks = (rows + kRowsPerCta - 1) / kRowsPerCta;
   twell_updown_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-      x, wu, wd_t, twell, heavy, rows, dim, list_cap, y);
+      x, wu, wd_t, twell, heavy, rows, dim, list_cap, accumulate, y);
   return cudaGetLastError();
 }
 

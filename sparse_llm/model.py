@@ -122,13 +122,15 @@ class ReluGatedMLP(nn.Module):
         # sparse training path slower than dense; only read when ffn_impl is not dense.
         self.train_dense_fallback = False
 
+    def runs_sparse_inference(self, with_stats: bool) -> bool:
+        """Whether a forward now takes the sparse inference ops (no gradients, no statistics)."""
+        return self.ffn_impl != "dense" and not torch.is_grad_enabled() and not with_stats
+
     def forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        if self.ffn_impl != "dense":
-            if not torch.is_grad_enabled():
-                if not with_stats:
-                    return self._sparse_forward(x), ()
-            elif not self.train_dense_fallback:
-                return self._sparse_train_forward(x, with_stats)
+        if self.runs_sparse_inference(with_stats):
+            return self._sparse_forward(x), ()
+        if self.ffn_impl != "dense" and torch.is_grad_enabled() and not self.train_dense_fallback:
+            return self._sparse_train_forward(x, with_stats)
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
@@ -142,18 +144,32 @@ class ReluGatedMLP(nn.Module):
         can run (`auto`), `reference` for the PyTorch reference."""
         return "auto" if self.ffn_impl == "cuda" else "reference"
 
+    def _inference_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x, Wg, Wu, Wd) in the dtype the dense matmuls would compute in: custom ops sit
+        outside autocast, so cast as autocast would."""
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return (x.to(dtype), *(w.to(dtype) for w in weights))
+
     def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Inference through the sparse ops front: the CUDA kernels (`cuda`, falling back to the
         reference with a warning where they cannot run) or the PyTorch reference (`reference`)."""
         from sparse_llm import ops
 
-        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            # Custom ops sit outside autocast: cast as autocast would for the dense matmuls.
-            dtype = torch.get_autocast_dtype(x.device.type)
-        wg, wu, wd = (w.to(dtype) for w in weights)
-        return ops.ffn_forward(x.to(dtype), wg, wu, wd, impl=self._ops_impl)
+        return ops.ffn_forward(*self._inference_operands(x), impl=self._ops_impl)
+
+    def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) for sparse inference, added in place into `residual` (a fresh
+        tensor of the residual stream) when it has the compute dtype: the CUDA path then touches
+        only the rows with an active unit, and the separate y tensor and its add disappear."""
+        from sparse_llm import ops
+
+        operands = self._inference_operands(x)
+        if residual.dtype != operands[0].dtype:  # e.g. an fp32 stream under bf16 autocast
+            return residual + ops.ffn_forward(*operands, impl=self._ops_impl)
+        return ops.ffn_add_(residual, *operands, impl=self._ops_impl)
 
     def _sparse_train_forward(
         self, x: torch.Tensor, with_stats: bool
@@ -196,6 +212,9 @@ class DecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask)
+        if self.mlp.runs_sparse_inference(with_stats):
+            # x is this layer's own sum, so adding into it in place is safe.
+            return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x)), ()
         y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
         return x + y, stats
 

@@ -53,6 +53,35 @@ def test_cuda_ffn_impl_matches_dense_logits():
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("cached", [False, True])
+def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
+    """A bf16 model (as inference loads it) adds the FFN into the residual stream in place: the
+    logits match dense, and the compiled graph (mutation of an intermediate) matches eager."""
+    from sparse_llm.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    dense_cfg = ModelConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
+    )
+    dense = build_model(dense_cfg).cuda().bfloat16().eval()
+    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"})).cuda().bfloat16().eval()
+    sparse.load_state_dict(dense.state_dict())
+    ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
+
+    def logits(model):
+        cache = KVCache(model.config, 4, 200, "cuda", torch.bfloat16) if cached else None
+        with torch.no_grad():
+            return model(ids, cache=cache).logits.float()
+
+    expected = logits(dense)
+    eager = logits(sparse)
+    compiled = logits(torch.compile(sparse))
+    assert ((eager - expected).norm() / expected.norm()).item() < 2e-2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_cuda_ffn_impl_trains_like_dense():
     """Five AdamW steps with the CUDA training kernels (bf16 autocast, fp32 master weights, compiled)
     follow the dense model: same losses within bf16 noise, identical per-unit statistics at step 0."""

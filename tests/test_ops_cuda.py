@@ -182,3 +182,43 @@ def test_opcheck_and_torch_compile():
         torch.library.opcheck(torch.ops.sparse_llm.twell_ffn_forward, (x, wg, wu, wd, wd_t, 16))
     compiled = torch.compile(lambda *a: ops.ffn_forward(*a, impl="cuda"), fullgraph=True)
     torch.testing.assert_close(compiled(x, wg, wu, wd), ops.ffn_forward(x, wg, wu, wd, impl="cuda"))
+
+
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(13, 24, 40), (4099, 2048, 5632), (65539, 64, 1000)])
+def test_ffn_add_equals_out_plus_forward(pattern, m, d, h):
+    """In place into a residual: bit for bit the separate forward and add, rows without an active
+    unit included (the kernel leaves them as they are), on both gate paths (65539 rows: masked)."""
+    x, wg, wu, wd = gpu_pattern(pattern, m, d, h, seed=m + h)
+    out = torch.randn(x.shape, device="cuda").bfloat16()
+    expected = out + ops.ffn_forward(x, wg, wu, wd, impl="cuda")
+    assert ops.ffn_add_(out, x, wg, wu, wd, impl="cuda") is out
+    assert torch.equal(out, expected)
+
+
+@needs_hopper
+@pytest.mark.parametrize(("m", "nnz"), [(16384, 30), (65536, 30)])
+def test_ffn_add_standard_workload(m, nnz):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    w = make_workload(m, 2048, 5632, nnz, seed=seed, device="cuda")
+    out = torch.randn(w.x.shape, device="cuda").bfloat16()
+    expected = out + ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda")
+    ops.ffn_add_(out, w.x, w.wg, w.wu, w.wd, impl="cuda", wd_t=w.wd.t().contiguous())
+    assert torch.equal(out, expected), f"seed {seed}"
+
+
+@needs_hopper
+def test_ffn_add_opcheck_and_torch_compile_keep_it_in_place():
+    x, wg, wu, wd = gpu_pattern("random", 100, 128, 256, seed=5)
+    out = torch.randn(4, 25, 128, device="cuda").bfloat16()
+    torch.library.opcheck(torch.ops.sparse_llm.twell_ffn_add_, (out.clone(), x, wg, wu, wd, None, 16))
+
+    def residual_block(h, x):
+        h = h * 2  # an intermediate, as the residual stream is in the model
+        return ops.ffn_add_(h, x, wg, wu, wd, impl="cuda")
+
+    compiled = torch.compile(residual_block, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(out, x.view(4, 25, 128)), residual_block(out, x.view(4, 25, 128)), rtol=0, atol=0
+    )

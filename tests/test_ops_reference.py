@@ -150,3 +150,42 @@ def test_fake_kernel_gives_shapes():
         packed = torch.ops.sparse_llm.twell_pack(torch.empty(5, 200, dtype=torch.bfloat16), 8)
     assert y.shape == (5, 16)
     assert packed[0].shape == (5, 2, SLOTS) and packed[4].dtype == torch.bool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ffn_add_is_out_plus_forward_in_place(dtype):
+    wg, wu, wd = _weights(32, 48, dtype)
+    x = torch.randn(2, 5, 32).to(dtype)
+    out = torch.randn(2, 5, 32).to(dtype)
+    expected = out + ops.ffn_forward(x, wg, wu, wd)
+    got = ops.ffn_add_(out, x, wg, wu, wd)
+    assert got is out
+    assert torch.equal(out, expected)
+
+
+def test_ffn_add_input_checks():
+    wg, wu, wd = _weights(16, 24)
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="out must be shaped like x"):
+        ops.ffn_add_(torch.zeros(3, 16), x, wg, wu, wd)
+    with pytest.raises(ValueError, match="out must be shaped like x"):
+        ops.ffn_add_(torch.zeros(4, 16, dtype=torch.float64), x, wg, wu, wd)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.ffn_add_(torch.zeros(16, 4).t(), x, wg, wu, wd)
+    with pytest.raises(ValueError, match="share memory with x"):
+        ops.ffn_add_(x, x, wg, wu, wd)
+    with pytest.raises(RuntimeError, match="no autograd"):
+        ops.ffn_add_(torch.zeros(4, 16), x, wg.requires_grad_(), wu, wd)
+    with torch.no_grad():
+        ops.ffn_add_(torch.zeros(4, 16), x, wg, wu, wd)  # fine without gradients
+
+
+def test_fake_ffn_add_mutates_nothing_it_should_not():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.empty(2, 5, 16, dtype=torch.bfloat16)
+        x = torch.empty(10, 16, dtype=torch.bfloat16)
+        w = torch.empty(24, 16, dtype=torch.bfloat16)
+        assert torch.ops.sparse_llm.twell_ffn_add_(out, x, w, w, w.t(), None, 8) is None
+    assert out.shape == (2, 5, 16)

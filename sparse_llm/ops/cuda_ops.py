@@ -35,6 +35,29 @@ def _(x, wg, wu, wd, wd_t, heavy_threshold):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("sparse_llm::twell_ffn_add_", mutates_args=("out",))
+def twell_ffn_add_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wd_t: torch.Tensor | None,
+    heavy_threshold: int,
+) -> None:
+    """out += twell_ffn_forward(x, ...) in place (x: [M, D]; out: [..., D] with M rows, bf16
+    contiguous, not overlapping x). Taking out whole, not a 2-D view of it, keeps the traced
+    mutation on the tensor itself.
+    The declared mutation lets Inductor keep it in place on an intermediate such as the residual
+    stream, where the rows with no active unit cost nothing."""
+    extension().ffn_add_(out, x, wg, wu, wd, wd_t, heavy_threshold)
+
+
+@twell_ffn_add_.register_fake
+def _(out, x, wg, wu, wd, wd_t, heavy_threshold):
+    return None
+
+
 @torch.library.custom_op("sparse_llm::twell_pack", mutates_args=())
 def twell_pack(
     g: torch.Tensor, heavy_threshold: int

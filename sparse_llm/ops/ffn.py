@@ -34,6 +34,13 @@ def use_cuda_kernels(impl: str, reason: str | None) -> bool:
     raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
 
 
+def _check_threshold_and_wd_t(heavy_threshold: int, wd: torch.Tensor, wd_t: torch.Tensor | None) -> None:
+    if not 0 <= heavy_threshold <= 512:
+        raise ValueError(f"heavy_threshold must be in [0, 512], got {heavy_threshold}")
+    if wd_t is not None and (tuple(wd_t.shape) != tuple(wd.shape[::-1]) or not wd_t.is_contiguous()):
+        raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
+
+
 def ffn_forward(
     x: torch.Tensor,
     wg: torch.Tensor,
@@ -56,15 +63,55 @@ def ffn_forward(
     heavy rows on the host once per call, so it cannot be captured in a CUDA graph.
     """
     check_ffn_inputs(x, wg, wu, wd)
-    if not 0 <= heavy_threshold <= 512:
-        raise ValueError(f"heavy_threshold must be in [0, 512], got {heavy_threshold}")
-    if wd_t is not None and (tuple(wd_t.shape) != tuple(wd.shape[::-1]) or not wd_t.is_contiguous()):
-        raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
+    _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
     if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd, wd_t, heavy_threshold)
     return y.view(x.shape)
+
+
+def ffn_add_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    impl: Impl = "auto",
+    *,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
+    wd_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out += ffn_forward(x, Wg, Wu, Wd) in place; returns out. For a residual stream:
+    `h = ffn_add_(h, norm(h), ...)` is `h + ffn_forward(norm(h), ...)` to the bit (the FFN output
+    is rounded to out's dtype before the add, as a separate add would), but on the CUDA path a
+    row with no active unit is never read or written. out must be contiguous, shaped like x, of
+    x's dtype and device, and must not share memory with x or the weights. No autograd: use
+    ffn_forward_train to train."""
+    check_ffn_inputs(x, wg, wu, wd)
+    _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must be shaped like x {tuple(x.shape)} ({x.dtype}, {x.device}), "
+            f"got {tuple(out.shape)} ({out.dtype}, {out.device})"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is updated in place")
+    if not torch.compiler.is_compiling():  # traced tensors have no storage to compare
+        for name, t in (("x", x), ("Wg", wg), ("Wu", wu), ("Wd", wd)):
+            if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                raise ValueError(f"out must not share memory with {name}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, wg, wu, wd)):
+        raise RuntimeError(
+            "ffn_add_ has no autograd: run it under torch.no_grad() (training: ffn_forward_train)"
+        )
+    if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
+        return out.add_(ffn_forward_reference(x, wg, wu, wd))
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    torch.ops.sparse_llm.twell_ffn_add_(out, x2, wg, wu, wd, wd_t, heavy_threshold)
+    return out
 
 
 def twell_pack(
