@@ -1,5 +1,5 @@
 """Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the TwELL
-inference forward and the training forward + backward."""
+inference forward, its in-place add into a residual, and the training forward + backward."""
 
 import torch
 
@@ -23,6 +23,12 @@ def main() -> None:
         print(
             f"inference M={m} D={d} H={h} threshold={threshold}: rel diff vs dense bf16 {rel_diff(y, ref):.2e}"
         )
+        residual = torch.randn_like(w.x)
+        expected = residual + y
+        with torch.no_grad():
+            ops.ffn_add_(residual, w.x, w.wg, w.wu, w.wd, impl="cuda", heavy_threshold=threshold)
+        torch.cuda.synchronize()
+        print(f"in-place add M={m}: equals residual + forward: {torch.equal(residual, expected)}")
 
         grads = {}
         for impl in ("cuda", "reference"):

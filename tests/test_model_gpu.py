@@ -56,7 +56,9 @@ def test_cuda_ffn_impl_matches_dense_logits():
 @pytest.mark.parametrize("cached", [False, True])
 def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
     """A bf16 model (as inference loads it) adds the FFN into the residual stream in place: the
-    logits match dense, and the compiled graph (mutation of an intermediate) matches eager."""
+    logits match dense, eager and compiled (where the op mutates an intermediate of the graph).
+    Compiled and eager differ by bf16 roundings only (Inductor keeps fused intermediates in fp32),
+    so the check is the dense model's own compiled-vs-eager gap, which a lost add would exceed."""
     from sparse_llm.kv_cache import KVCache
 
     torch.manual_seed(0)
@@ -73,11 +75,14 @@ def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
         with torch.no_grad():
             return model(ids, cache=cache).logits.float()
 
-    expected = logits(dense)
-    eager = logits(sparse)
-    compiled = logits(torch.compile(sparse))
-    assert ((eager - expected).norm() / expected.norm()).item() < 2e-2
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    dense_eager, dense_compiled = logits(dense), logits(torch.compile(dense))
+    eager, compiled = logits(sparse), logits(torch.compile(sparse))
+    assert rel(eager, dense_eager) < 2e-2
+    assert rel(compiled, dense_compiled) < 2e-2
+    assert rel(compiled, eager) <= 2 * rel(dense_compiled, dense_eager) + 1e-3
 
 
 @pytest.mark.gpu
