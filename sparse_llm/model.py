@@ -78,7 +78,9 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """o_proj(attention(x)), plus `residual` when given (see `_project_out`)."""
         b, t, _ = x.shape
         # Token-major [B, T, heads, head_dim] as the projections leave them: RoPE and the KV-cache
         # write need no transpose; SDPA takes the head-major views.
@@ -99,13 +101,28 @@ class Attention(nn.Module):
             if self.attn_impl == "flash":
                 from flash_attn import flash_attn_func  # optional extra; checked in build_model
 
-                return self.o_proj(flash_attn_func(q, k, v, causal=True).reshape(b, t, -1))
+                return self._project_out(flash_attn_func(q, k, v, causal=True).reshape(b, t, -1), residual)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         q = q.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads
         ).transpose(1, 2)
-        return self.o_proj(out.reshape(b, t, -1))
+        return self._project_out(out.reshape(b, t, -1), residual)
+
+    def _project_out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """o_proj(out) + residual. Without autograd and with everything in one dtype, the add runs
+        in the GEMM's epilogue (addmm: one rounding, no separate pass over the residual stream).
+        Inductor splits it again where only pointwise ops read the sum (the dense FFN's case) and
+        keeps it where an op such as ops.ffn_add_ updates the sum in place."""
+        if residual is None:
+            return self.o_proj(out)
+        weight = self.o_proj.weight
+        if torch.is_grad_enabled() or not residual.dtype == out.dtype == weight.dtype:
+            return residual + self.o_proj(out)
+        d = residual.shape[-1]
+        return torch.addmm(residual.reshape(-1, d), out.reshape(-1, out.shape[-1]), weight.t()).view(
+            residual.shape
+        )
 
 
 class ReluGatedMLP(nn.Module):
@@ -211,7 +228,7 @@ class DecoderLayer(nn.Module):
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask, residual=x)
         if self.mlp.runs_sparse_inference(with_stats):
             # x is this layer's own sum, so adding into it in place is safe.
             return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x)), ()

@@ -200,3 +200,16 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     assert sparse["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
     assert sparse["l0_mean"] == pytest.approx(dense["l0_mean"])
     assert "| dense |" in (tmp_path / "bench.md").read_text()
+
+
+def test_attention_residual_in_the_gemm_epilogue_matches_the_separate_add():
+    """Without autograd a bf16 model adds the attention residual inside o_proj's GEMM (addmm); the
+    logits stay those of the separate add (with autograd) up to bf16 rounding."""
+    cfg = small_config()
+    torch.manual_seed(5)
+    model = build_model(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    separate = model(ids).logits.float()
+    with torch.no_grad():
+        fused = model(ids).logits.float()
+    assert ((fused - separate).norm() / separate.norm()).item() < 1e-2
