@@ -80,7 +80,8 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """o_proj(attention(x)), plus `residual` when given (see `_project_out`)."""
+        """o_proj(attention(x)), plus `residual` when given; without autograd `residual` is
+        updated in place and returned (see `_project_out`)."""
         b, t, _ = x.shape
         # Token-major [B, T, heads, head_dim] as the projections leave them: RoPE and the KV-cache
         # write need no transpose; SDPA takes the head-major views.
@@ -110,19 +111,21 @@ class Attention(nn.Module):
         return self._project_out(out.reshape(b, t, -1), residual)
 
     def _project_out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """o_proj(out) + residual. Without autograd and with everything in one dtype, the add runs
-        in the GEMM's epilogue (addmm: one rounding, no separate pass over the residual stream).
-        Inductor splits it again where only pointwise ops read the sum (the dense FFN's case) and
-        keeps it where an op such as ops.ffn_add_ updates the sum in place."""
+        """o_proj(out) + residual. Without autograd and with everything in one dtype, the GEMM adds
+        o_proj(out) into `residual` in place (ops.linear_add_: no separate pass over the residual
+        stream) and returns it: the caller gives up that tensor."""
         if residual is None:
             return self.o_proj(out)
         weight = self.o_proj.weight
-        if torch.is_grad_enabled() or not residual.dtype == out.dtype == weight.dtype:
+        if (
+            torch.is_grad_enabled()
+            or not residual.dtype == out.dtype == weight.dtype
+            or not residual.is_contiguous()
+        ):
             return residual + self.o_proj(out)
-        d = residual.shape[-1]
-        return torch.addmm(residual.reshape(-1, d), out.reshape(-1, out.shape[-1]), weight.t()).view(
-            residual.shape
-        )
+        from sparse_llm import ops
+
+        return ops.linear_add_(residual, out, weight)
 
 
 class ReluGatedMLP(nn.Module):
@@ -178,8 +181,8 @@ class ReluGatedMLP(nn.Module):
         return ops.ffn_forward(*self._inference_operands(x), impl=self._ops_impl)
 
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) for sparse inference, added in place into `residual` (a fresh
-        tensor of the residual stream) when it has the compute dtype: the CUDA path then touches
+        """residual + self(x) for sparse inference, added in place into `residual` (the residual
+        stream, given up by the caller) when it has the compute dtype: the CUDA path then touches
         only the rows with an active unit, and the separate y tensor and its add disappear."""
         from sparse_llm import ops
 
@@ -228,9 +231,10 @@ class DecoderLayer(nn.Module):
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(x + attention + FFN, FFN statistics). Without autograd the layer adds both blocks into
+        x in place (the residual stream; callers give that tensor up) and returns it."""
         x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask, residual=x)
         if self.mlp.runs_sparse_inference(with_stats):
-            # x is this layer's own sum, so adding into it in place is safe.
             return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x)), ()
         y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
         return x + y, stats

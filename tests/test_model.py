@@ -203,8 +203,9 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
 
 
 def test_attention_residual_in_the_gemm_epilogue_matches_the_separate_add():
-    """Without autograd a bf16 model adds the attention residual inside o_proj's GEMM (addmm); the
-    logits stay those of the separate add (with autograd) up to bf16 rounding."""
+    """Without autograd a bf16 model adds o_proj's output into the residual stream inside the GEMM
+    (ops.linear_add_); the logits stay those of the separate add (with autograd) up to bf16
+    rounding, and the residual tensor given is the one returned, updated in place."""
     cfg = small_config()
     torch.manual_seed(5)
     model = build_model(cfg).to(torch.bfloat16).eval()
@@ -212,4 +213,13 @@ def test_attention_residual_in_the_gemm_epilogue_matches_the_separate_add():
     separate = model(ids).logits.float()
     with torch.no_grad():
         fused = model(ids).logits.float()
+        x = torch.randn(2, 11, cfg.hidden_size, dtype=torch.bfloat16)
+        layer = model.model.layers[0]
+        cos, sin = model.model.rotary_emb(11, x.dtype)
+        expected = layer.self_attn(layer.input_layernorm(x), cos, sin) + x
     assert ((fused - separate).norm() / separate.norm()).item() < 1e-2
+    with torch.no_grad():
+        residual = x.clone()
+        got = layer.self_attn(layer.input_layernorm(x), cos, sin, residual=residual)
+    assert got is residual  # updated in place
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)

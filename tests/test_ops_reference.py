@@ -189,3 +189,30 @@ def test_fake_ffn_add_mutates_nothing_it_should_not():
         w = torch.empty(24, 16, dtype=torch.bfloat16)
         assert torch.ops.sparse_llm.twell_ffn_add_(out, x, w, w, w.t(), None, 8) is None
     assert out.shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_add_adds_the_projection_in_place(dtype):
+    out = torch.randn(2, 3, 8).to(dtype)
+    x = torch.randn(2, 3, 5).to(dtype)
+    w = torch.randn(8, 5).to(dtype)
+    expected = out.float() + x.float() @ w.float().T
+    with torch.no_grad():
+        got = ops.linear_add_(out, x, w)
+    assert got is out
+    torch.testing.assert_close(
+        out.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2
+    )
+    torch.library.opcheck(torch.ops.sparse_llm.linear_add_, (out.clone(), x, w))
+
+
+def test_linear_add_input_checks():
+    out, x, w = torch.zeros(4, 8), torch.randn(4, 5), torch.randn(8, 5)
+    with pytest.raises(ValueError, match="dtype and device"):
+        ops.linear_add_(out.double(), x, w)
+    with pytest.raises(ValueError, match=r"weight \[N, K\]"):
+        ops.linear_add_(out, x, w.T)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.linear_add_(torch.zeros(8, 4).T, x, w)
+    with pytest.raises(RuntimeError, match="no autograd"):
+        ops.linear_add_(out, x, w.requires_grad_())

@@ -7,6 +7,7 @@ Importable with torch alone; the CUDA extension builds on first use (or ahead of
 from sparse_llm.ops import cuda_ops  # noqa: F401  (registers torch.ops.sparse_llm.*)
 from sparse_llm.ops.checks import check_ffn_inputs
 from sparse_llm.ops.ffn import DEFAULT_HEAVY_THRESHOLD, ffn_add_, ffn_forward, twell_pack
+from sparse_llm.ops.linear_add import linear_add_
 from sparse_llm.ops.reference import ffn_forward_reference
 from sparse_llm.ops.train import FFNTrainOutput, ffn_forward_train
 from sparse_llm.ops.twell import SLOTS, TILE, TwellPacked, twell_pack_reference, twell_unpack
@@ -22,6 +23,7 @@ __all__ = [
     "ffn_forward",
     "ffn_forward_reference",
     "ffn_forward_train",
+    "linear_add_",
     "twell_pack",
     "twell_pack_reference",
     "twell_unpack",

@@ -1,0 +1,46 @@
+"""out += x @ W^T in place: a projection added into the residual stream by the GEMM itself.
+
+Written out of place (`out + F.linear(x, W)`), the sum costs a pass over the stream after the
+GEMM, or, as `addmm`, a copy of `out` before it. In place, the GEMM reads `out` in its epilogue
+(beta = 1) and writes the sum over it. The op declares the mutation, so torch.compile keeps it in
+place on an intermediate of the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("sparse_llm::linear_add_", mutates_args=("out",))
+def _linear_add_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    out.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+
+
+@_linear_add_op.register_fake
+def _(out, x, weight):
+    return None
+
+
+def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out += x @ weight^T in place (out: [..., N] contiguous, x: [..., K] with out's leading
+    shape, weight: [N, K], one dtype and device); returns out. No autograd."""
+    if not (out.dtype == x.dtype == weight.dtype) or not (out.device == x.device == weight.device):
+        raise ValueError(
+            f"out, x and weight must share dtype and device, got {out.dtype}/{out.device}, "
+            f"{x.dtype}/{x.device}, {weight.dtype}/{weight.device}"
+        )
+    if (
+        weight.dim() != 2
+        or out.shape[:-1] != x.shape[:-1]
+        or (out.shape[-1], x.shape[-1]) != tuple(weight.shape)
+    ):
+        raise ValueError(
+            f"need out [..., N], x [..., K], weight [N, K]; got {tuple(out.shape)}, {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: it is updated in place")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, weight)):
+        raise RuntimeError("linear_add_ has no autograd: run it under torch.no_grad()")
+    _linear_add_op(out, x, weight)
+    return out
