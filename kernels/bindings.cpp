@@ -82,8 +82,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tenso
 
 // Sparse path into y (or added into y) for the light rows; heavy rows of y are left as they are.
 void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wd_t, const at::Tensor& values,
-                       const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
-                       int64_t max_row_nnz, bool accumulate, at::Tensor& y) {
+                       const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& row_nnz,
+                       const at::Tensor& heavy, int64_t max_row_nnz, bool accumulate, at::Tensor& y) {
   check_matrix(x, "x");
   check_matrix(wu, "wu");
   check_matrix(wd_t, "wd_t");
@@ -102,10 +102,13 @@ void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tens
   TORCH_CHECK(counts.is_contiguous() && counts.scalar_type() == at::kInt &&
                   counts.sizes() == at::IntArrayRef({rows, n_tiles}),
               "counts must be contiguous int32 [M, n_tiles]");
+  TORCH_CHECK(row_nnz.is_contiguous() && row_nnz.scalar_type() == at::kInt && row_nnz.numel() == rows,
+              "row_nnz must be a contiguous int32 [M]");
   TORCH_CHECK(heavy.is_contiguous() && heavy.scalar_type() == at::kBool && heavy.numel() == rows,
               "heavy must be a contiguous bool [M]");
   const c10::cuda::CUDAGuard guard(x.device());
-  sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(), n_tiles};
+  sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(),
+                             row_nnz.data_ptr<int32_t>(), n_tiles};
   check_cuda(sparse_llm::launch_twell_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), view,
                                              reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()), rows,
                                              static_cast<int>(dim), static_cast<int>(max_row_nnz), accumulate,
@@ -114,10 +117,10 @@ void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tens
 }
 
 at::Tensor twell_updown(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& wd_t, const at::Tensor& values,
-                        const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& heavy,
-                        int64_t max_row_nnz) {
+                        const at::Tensor& cols, const at::Tensor& counts, const at::Tensor& row_nnz,
+                        const at::Tensor& heavy, int64_t max_row_nnz) {
   at::Tensor y = at::empty_like(x);
-  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, max_row_nnz, /*accumulate=*/false, y);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, row_nnz, heavy, max_row_nnz, /*accumulate=*/false, y);
   return y;
 }
 
@@ -175,7 +178,7 @@ void ffn_forward_into(const at::Tensor& x, const at::Tensor& wg, const at::Tenso
   check_cuda(cudaEventCreateWithFlags(&count_ready, cudaEventDisableTiming), "cudaEventCreate");
   check_cuda(cudaEventRecord(count_ready, stream), "cudaEventRecord");
 
-  twell_updown_into(x, wu, wd_t, values, cols, counts, heavy, heavy_threshold, accumulate, y);
+  twell_updown_into(x, wu, wd_t, values, cols, counts, row_nnz, heavy, heavy_threshold, accumulate, y);
 
   const cudaError_t synced = cudaEventSynchronize(count_ready);
   cudaEventDestroy(count_ready);

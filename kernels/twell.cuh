@@ -25,6 +25,7 @@ struct TwellView {
                                 // except in empty tiles: unwritten (never read)
   const uint8_t* cols;          // [M, n_tiles, kTwellSlots]; column inside the tile
   const int32_t* counts;        // [M, n_tiles]; true number of non-zeros of the tile
+  const int32_t* row_nnz;       // [M]; non-zeros of the row (the sum of its counts)
   int n_tiles;
 };
 

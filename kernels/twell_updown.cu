@@ -1,9 +1,9 @@
 // Fused gated up/down projection from TwELL, for the light rows (heavy rows take the dense path).
 //
 // One CTA owns kRowsPerCta rows. (1) Each warp turns one row's TwELL tiles into a list of
-// (unit, a) entries in shared memory and stages the row of x there (a row without entries gets
-// its zeros written right there, or is left as it is when accumulating: at 99.99% sparsity that
-// is nearly every row). (2) Warps share the block's
+// (unit, a) entries in shared memory and stages the row of x there. A row without entries is
+// known from its one row_nnz word: its zeros are written right there, or it is left as it is when
+// accumulating (at 99.99% sparsity that is nearly every row). (2) Warps share the block's
 // entries: h = a * (x[r] . wu[unit]) with a 16-byte gather of the wu row and a warp reduction.
 // (3) Every thread owns 8 output columns and accumulates y[r] += h * wd_t[unit] over the row's
 // entries: one coalesced 16-byte gather per entry and thread, fp32 accumulation. With `accumulate`
@@ -44,6 +44,14 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) row_len[r] = -1;
       continue;
     }
+    if (tw.row_nnz[row] == 0) {  // nothing to gather: its zero row is written now and the row skipped after
+      if (!accumulate) {
+        uint4* out = reinterpret_cast<uint4*>(y + row * dim);
+        for (int v = lane; v < vecs_per_row; v += 32) out[v] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (lane == 0) row_len[r] = -1;
+      continue;
+    }
     int written = 0;
     for (int t0 = 0; t0 < tw.n_tiles; t0 += 32) {
       const int t = t0 + lane;
@@ -56,14 +64,6 @@ __global__ void __launch_bounds__(kThreads)
         ent_h[r * max_row_nnz + base + k] = __bfloat162float(tw.values[slot0 + k]);
       }
       written += __shfl_sync(kFullMask, incl, 31);
-    }
-    if (written == 0) {  // nothing to gather: its zero row is written now and the row skipped after
-      if (!accumulate) {
-        uint4* out = reinterpret_cast<uint4*>(y + row * dim);
-        for (int v = lane; v < vecs_per_row; v += 32) out[v] = make_uint4(0u, 0u, 0u, 0u);
-      }
-      if (lane == 0) row_len[r] = -1;
-      continue;
     }
     if (lane == 0) row_len[r] = written;
     const uint4* src = reinterpret_cast<const uint4*>(x + row * dim);

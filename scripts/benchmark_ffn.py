@@ -162,7 +162,7 @@ def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Call
     packs = [(*s, *ext.twell_pack(gk[0], threshold)) for s, gk in zip(sets, gates, strict=True)]
     row["ms_sparse_updown"] = median_ms(
         lambda x, wg, wu, wd, wd_t, values, cols, counts, row_nnz, heavy: ext.twell_updown(
-            x, wu, wd_t, values, cols, counts, heavy, threshold
+            x, wu, wd_t, values, cols, counts, row_nnz, heavy, threshold
         ),
         packs,
         args.warmup,
