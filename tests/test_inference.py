@@ -137,7 +137,8 @@ def test_compiled_prefill_gives_the_same_tokens(loaded):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_prefill_fills_the_kv_cache_like_eager(loaded, backend):
     """Under compile the cache write is a custom op with a declared mutation (see KVCache.update):
-    the cache it leaves equals eager's, and Inductor writes it in place (no whole-cache copy)."""
+    the cache it leaves equals eager's, and Inductor writes it in place (no whole-cache copy); so
+    is o_proj's add into the residual stream (ops.linear_add_)."""
     if backend == "inductor":
         pytest.importorskip("torch._inductor")
         from torch._inductor.utils import run_and_get_code
@@ -150,6 +151,7 @@ def test_compiled_prefill_fills_the_kv_cache_like_eager(loaded, backend):
         if backend == "inductor":
             out, code = run_and_get_code(compiled, ids, cache=caches[1], last_logits_only=True)
             assert "kv_cache_write.default(" in "\n".join(code)
+            assert "linear_add_.default(" in "\n".join(code)  # o_proj adds into the stream in place
             assert "empty_strided_cpu((2, 2, 64, 2, 16)" not in "\n".join(code)  # no cache-sized buffer
         else:
             out = compiled(ids, cache=caches[1], last_logits_only=True)
