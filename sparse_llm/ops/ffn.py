@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 
 from sparse_llm.ops import _extension
-from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
+from sparse_llm.ops.checks import check_ffn_inputs, check_in_place_output, cuda_unsupported_reason
 from sparse_llm.ops.reference import ffn_forward_reference
 from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
 
@@ -97,16 +97,11 @@ def ffn_add_(
             f"out must be shaped like x {tuple(x.shape)} ({x.dtype}, {x.device}), "
             f"got {tuple(out.shape)} ({out.dtype}, {out.device})"
         )
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is updated in place")
+    check_in_place_output("ffn_add_", out, (x, wg, wu, wd))
     if not torch.compiler.is_compiling():  # traced tensors have no storage to compare
         for name, t in (("x", x), ("Wg", wg), ("Wu", wu), ("Wd", wd)):
             if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 raise ValueError(f"out must not share memory with {name}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, wg, wu, wd)):
-        raise RuntimeError(
-            "ffn_add_ has no autograd: run it under torch.no_grad() (training: ffn_forward_train)"
-        )
     if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from sparse_llm.ops.checks import check_in_place_output
+
 
 @torch.library.custom_op("sparse_llm::linear_add_", mutates_args=("out",))
 def _linear_add_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -38,9 +40,6 @@ def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
             f"need out [..., N], x [..., K], weight [N, K]; got {tuple(out.shape)}, {tuple(x.shape)}, "
             f"{tuple(weight.shape)}"
         )
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is updated in place")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, x, weight)):
-        raise RuntimeError("linear_add_ has no autograd: run it under torch.no_grad()")
+    check_in_place_output("linear_add_", out, (x, weight))
     _linear_add_op(out, x, weight)
     return out
