@@ -50,7 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparsify-lr", type=float, default=1e-3)
     p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
-    p.add_argument("--profile", type=Path, default=None, help="write each impl's step kernel table here")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write each impl's step kernel table, GPU idle and Chrome trace here",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
@@ -138,7 +143,8 @@ def time_impl(
         step()
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-        table = kernel_table(step, torch.device(device), row_limit=40)
+        trace = args.profile / f"trace_step_{impl}.json.gz"
+        table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
         (args.profile / f"profile_step_{impl}.txt").write_text(table)
     if device == "cuda":
         torch.cuda.synchronize()

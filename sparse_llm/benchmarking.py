@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the kernel table of one profiled call, and their report files."""
+"""What the benchmark scripts share: the kernel table (and GPU idle) of one profiled call, and their
+report files."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from typing import Any
 import torch
 
 
-def kernel_table(fn: Callable[[], Any], device: torch.device, row_limit: int = 30) -> str:
+def kernel_table(
+    fn: Callable[[], Any], device: torch.device, row_limit: int = 30, trace_path: Path | None = None
+) -> str:
     """Run fn() once under torch.profiler: its operators and kernels by self GPU time (CPU time on
-    a CPU), then the call's wall time. Warm fn up (and compile it) before."""
+    a CPU), the call's wall time and, on a GPU, where the GPU sat idle (gaps between kernels).
+    Warm fn up (and compile it) before. trace_path: also write the Chrome trace there (a name
+    ending in .gz is compressed)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -26,10 +31,58 @@ def kernel_table(fn: Callable[[], Any], device: torch.device, row_limit: int = 3
         if cuda:
             torch.cuda.synchronize(device)
         wall_ms = 1000 * (time.perf_counter() - start)
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
     table = prof.key_averages().table(
         sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=row_limit
     )
-    return f"{table}\nWall time of the profiled call: {wall_ms:.1f} ms\n"
+    idle = gpu_idle_table(prof.events()) if cuda else ""
+    return f"{table}\nWall time of the profiled call: {wall_ms:.1f} ms\n{idle}"
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
+    """Where the GPU idles between the first and the last device event: the gaps (all streams
+    merged) grouped by the kernels on either side, largest total first. A gap that follows a
+    host read or a burst of small launches shows up here, not in the kernel table."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return ""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    busy_end, last_name = spans[0][1], spans[0][2]
+    total_idle = 0.0
+    for start, end, name in spans[1:]:
+        gap = start - busy_end
+        if gap >= min_gap_us:
+            total_idle += gap
+            gaps.setdefault((last_name, name), []).append(gap)
+        if end >= busy_end:
+            busy_end, last_name = end, name
+    span_ms = (busy_end - spans[0][0]) / 1000
+    lines = [
+        "",
+        f"GPU idle between kernels: {total_idle / 1000:.2f} ms of {span_ms:.2f} ms "
+        f"(gaps of at least {min_gap_us:g} us, all streams merged)",
+        "",
+        "| idle ms | gaps | mean us | after kernel | before kernel |",
+        "|---|---|---|---|---|",
+    ]
+    ranked = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:rows]
+    for (before, after), values in ranked:
+        lines.append(
+            f"| {sum(values) / 1000:.2f} | {len(values)} | {sum(values) / len(values):.1f} "
+            f"| {_short(before)} | {_short(after)} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def write_report(

@@ -1,0 +1,39 @@
+"""The benchmark scripts' shared helpers: the GPU idle table and the CPU kernel table."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.autograd import DeviceType
+
+from sparse_llm.benchmarking import gpu_idle_table, kernel_table
+
+
+def _event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_gpu_idle_table_sums_gaps_by_neighbouring_kernels():
+    events = [
+        _event("gemm", 0, 100),
+        _event("side_stream", 10, 50),  # overlaps the gemm: no gap
+        _event("pack", 130, 140),  # 30 us after the gemm
+        _event("host_op", 135, 400, DeviceType.CPU),  # CPU events are not GPU time
+        _event("gemm", 141, 200),  # 1 us: under the threshold
+        _event("pack", 250, 260),  # 50 us after the second gemm
+    ]
+    table = gpu_idle_table(events)
+    assert "GPU idle between kernels: 0.08 ms of 0.26 ms" in table
+    assert "| 0.08 | 2 | 40.0 | gemm | pack |" in table
+
+
+def test_gpu_idle_table_without_device_events_is_empty():
+    assert gpu_idle_table([_event("host_op", 0, 10, DeviceType.CPU)]) == ""
+
+
+def test_kernel_table_on_cpu_writes_the_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    table = kernel_table(lambda: torch.ones(8) @ torch.ones(8), torch.device("cpu"), trace_path=trace)
+    assert "Wall time of the profiled call" in table and "GPU idle" not in table
+    assert trace.read_text().lstrip().startswith("{")
