@@ -172,18 +172,9 @@ void ffn_forward_into(const at::Tensor& x, const at::Tensor& wg, const at::Tenso
   check_cuda(sparse_llm::launch_compact_rows(reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()),
                                              pos.data_ptr<int32_t>(), rows, heavy_list.data_ptr<int64_t>(), stream),
              "compact_rows");
-  at::Tensor n_host = at::empty({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  n_host.copy_(pos.narrow(0, rows - 1, 1), /*non_blocking=*/true);
-  cudaEvent_t count_ready;
-  check_cuda(cudaEventCreateWithFlags(&count_ready, cudaEventDisableTiming), "cudaEventCreate");
-  check_cuda(cudaEventRecord(count_ready, stream), "cudaEventRecord");
-
+  sparse_llm_glue::EarlyHostRead heavy_count(pos.narrow(0, rows - 1, 1), stream);
   twell_updown_into(x, wu, wd_t, values, cols, counts, row_nnz, heavy, heavy_threshold, accumulate, y);
-
-  const cudaError_t synced = cudaEventSynchronize(count_ready);
-  cudaEventDestroy(count_ready);
-  check_cuda(synced, "cudaEventSynchronize");
-  const int64_t n_heavy = n_host.data_ptr<int32_t>()[0];
+  const int64_t n_heavy = heavy_count.values().data_ptr<int32_t>()[0];
   if (n_heavy > 0) {
     const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
     at::Tensor h = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // u, then h in place

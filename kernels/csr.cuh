@@ -1,12 +1,16 @@
-// The training kernels' compact record of a = relu(g): the active entries in CSR order, and the
-// launchers of the training forward and backward. Plain CUDA C++ (no torch headers).
+// The training kernels' compact records of a = relu(g) and the launchers of the training forward
+// and backward. Plain CUDA C++ (no torch headers).
 //
-// Record, for g: [M, H] bf16 and row_ptr = exclusive prefix sum of the per-row counts:
+// Rows with more active units than a threshold are heavy (a dense path of GEMMs on the gathered
+// rows owns them), the others light. Each kind has its own record, in CSR order over all M rows
+// (the other kind's rows empty), for g: [M, H] bf16 and row_ptr = exclusive prefix sum of that
+// kind's per-row counts:
 //   cols   [nnz] int32  unit of each active entry, ascending within a row
 //   a_vals [nnz] bf16   a = relu(g) > 0 at that entry
-//   u_vals [nnz] bf16   u = x . Wu[unit] at that entry (written by the forward up/down kernel)
+//   u_vals [nnz] bf16   u = x . Wu[unit] at that entry
 // and h = float(a) * float(u) wherever h is needed, so forward and backward see the same h.
-// There is no capacity: every active entry is kept, fully dense rows included.
+// Light rows hold at most `threshold` entries each, so their record's capacity is known before
+// the counts are read; there is no capacity anywhere that could drop an entry.
 #pragma once
 
 #include <cstdint>
@@ -22,10 +26,12 @@ constexpr int kMaxTrainDim = 8192;
 // nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
 cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);
 
-// Writes the record's cols and a_vals for rows [0, M) at row_ptr[r] ... row_ptr[r + 1] and adds
-// each row's active units to fire_counts[H] (int32, zeroed by the caller).
+// For the rows r of one kind ((heavy[r] != 0) == heavy_rows), writes the record's cols and a_vals
+// at row_ptr[r] ... row_ptr[r + 1]. Unless fire_counts is null, adds every row's active units (of
+// both kinds) to fire_counts[H] (int32, zeroed by the caller).
 cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                            int32_t* cols, __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream);
+                            const uint8_t* heavy, bool heavy_rows, int32_t* cols, __nv_bfloat16* a_vals,
+                            int32_t* fire_counts, cudaStream_t stream);
 
 // Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
 // path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).

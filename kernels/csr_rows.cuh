@@ -18,16 +18,21 @@ __device__ __forceinline__ int row_block_size(int64_t rows, int64_t row0) {
 }
 
 // Shared-memory view of the block: ptr[0 .. n_rows] = the rows' entry offsets, skip[r] = row r is
-// heavy (the dense path owns it), staged = the block's rows of src ([M, dim] bf16). Ends with a
+// heavy (the dense path owns it), staged = the block's rows of src ([M, dim] bf16) that have
+// entries (at high sparsity most blocks have none, and their rows are never read). Ends with a
 // barrier.
 __device__ __forceinline__ void load_row_block(const int64_t* __restrict__ row_ptr, const uint8_t* __restrict__ heavy,
                                                const __nv_bfloat16* __restrict__ src, int64_t row0, int n_rows,
                                                int dim, int64_t* ptr, bool* skip, __nv_bfloat16* staged) {
   if (threadIdx.x <= n_rows) ptr[threadIdx.x] = row_ptr[row0 + threadIdx.x];
   if (threadIdx.x < n_rows) skip[threadIdx.x] = heavy[row0 + threadIdx.x] != 0;
+  __syncthreads();
   const int vecs = dim / kChunk;
-  for (int i = threadIdx.x; i < n_rows * vecs; i += kCsrRowThreads)
-    reinterpret_cast<uint4*>(staged)[i] = reinterpret_cast<const uint4*>(src + row0 * dim)[i];
+  for (int i = threadIdx.x; i < n_rows * vecs; i += kCsrRowThreads) {
+    const int r = i / vecs;
+    if (ptr[r + 1] > ptr[r])
+      reinterpret_cast<uint4*>(staged)[i] = reinterpret_cast<const uint4*>(src + row0 * dim)[i];
+  }
   __syncthreads();
 }
 

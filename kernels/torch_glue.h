@@ -1,5 +1,5 @@
 // Helpers shared by the torch bindings (bindings.cpp, train_bindings.cpp): pointer casts, input
-// checks with clear messages, and the bf16 transpose as a torch op.
+// checks with clear messages, the bf16 transpose as a torch op, and an early host read.
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
@@ -45,6 +45,32 @@ inline at::Tensor gather_rows_padded(const at::Tensor& rows, const at::Tensor& l
   out.narrow(0, n, padded - n).zero_();
   return out;
 }
+
+// A host read of a few device values that does not wait for the whole queue: start() queues
+// their copy into pinned memory and marks the stream there; the caller queues more work, then
+// values() waits only for the copy, so the GPU stays busy with that work while the host reads.
+class EarlyHostRead {
+ public:
+  EarlyHostRead(const at::Tensor& device_values, cudaStream_t stream)
+      : host_(at::empty(device_values.sizes(), device_values.options().device(at::kCPU).pinned_memory(true))) {
+    host_.copy_(device_values, /*non_blocking=*/true);
+    check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(ready_, stream), "cudaEventRecord");
+  }
+  EarlyHostRead(const EarlyHostRead&) = delete;
+  EarlyHostRead& operator=(const EarlyHostRead&) = delete;
+  ~EarlyHostRead() { cudaEventDestroy(ready_); }
+
+  // The values on the host (a pinned CPU tensor shaped like the device values).
+  const at::Tensor& values() {
+    check_cuda(cudaEventSynchronize(ready_), "cudaEventSynchronize");
+    return host_;
+  }
+
+ private:
+  at::Tensor host_;
+  cudaEvent_t ready_ = nullptr;
+};
 
 inline at::Tensor transpose_bf16(const at::Tensor& t) {
   check_matrix(t, "t");

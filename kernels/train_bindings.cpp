@@ -1,6 +1,8 @@
 // Torch bindings of the training kernels: the FFN training forward (gate GEMM, CSR pack, sparse
-// up/down) and backward (per-row and per-unit kernels), with heavy rows on a dense GEMM path. The record passed between them is the
-// CSR record of csr.cuh; the extension keeps no state between calls.
+// up/down) and backward (per-row and per-unit kernels), with heavy rows on a dense GEMM path. The
+// records passed between them are the CSR records of csr.cuh (one for the light rows, one for the
+// heavy rows); the extension keeps no state between calls.
+#include <algorithm>
 #include <tuple>
 
 #include "csr.cuh"
@@ -47,46 +49,48 @@ at::Tensor row_offsets(const at::Tensor& nnz) {
   return ptr;
 }
 
-// The split of the rows between the sparse kernels and the dense path: rows with more than
-// heavy_threshold active units are heavy. `list` holds the heavy rows' indices, in order.
+// Rows with more than heavy_threshold active units are heavy (the dense path owns them), the
+// others light; each kind's record has its own row offsets (csr.cuh).
 struct RowSplit {
-  at::Tensor row_ptr;  // [M + 1] int64
-  at::Tensor heavy;    // [M] bool
-  at::Tensor list;     // [n_heavy] int64
-  int64_t total = 0;   // active entries
-  int64_t n_heavy = 0;
+  at::Tensor heavy;      // [M] bool
+  at::Tensor light_ptr;  // [M + 1] int64, heavy rows empty
+  at::Tensor heavy_ptr;  // [M + 1] int64, light rows empty
 };
 
-// The host reads the two sizes (entries, heavy rows) in one copy: they size the record and the
-// dense path's GEMMs.
-RowSplit split_rows(const at::Tensor& nnz, int64_t heavy_threshold, cudaStream_t stream) {
-  RowSplit split;
-  const int64_t rows = nnz.size(0);
-  split.row_ptr = row_offsets(nnz);
-  split.heavy = nnz.gt(heavy_threshold);
-  const at::Tensor pos = at::cumsum(split.heavy, 0, at::kInt);
-  at::Tensor list = at::empty({rows}, nnz.options());
+RowSplit split_rows(const at::Tensor& nnz, const at::Tensor& heavy) {
+  const at::Tensor light_nnz = nnz.masked_fill(heavy, 0);
+  return {heavy, row_offsets(light_nnz), row_offsets(nnz - light_nnz)};
+}
+
+const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()); }
+
+// list [M] int64: the heavy rows' indices in order, then unspecified; pos = inclusive count of
+// heavy rows (its last element is their number).
+at::Tensor heavy_row_list(const at::Tensor& heavy, const at::Tensor& pos, cudaStream_t stream) {
+  const int64_t rows = heavy.size(0);
+  at::Tensor list = at::empty({rows}, heavy.options().dtype(at::kLong));
   if (rows > 0)
-    check_cuda(sparse_llm::launch_compact_rows(reinterpret_cast<const uint8_t*>(split.heavy.data_ptr<bool>()),
-                                               pos.data_ptr<int32_t>(), rows, list.data_ptr<int64_t>(), stream),
+    check_cuda(sparse_llm::launch_compact_rows(mask_ptr(heavy), pos.data_ptr<int32_t>(), rows, list.data_ptr<int64_t>(),
+                                               stream),
                "compact_rows");
-  const at::Tensor sizes =
-      rows > 0 ? at::stack({split.row_ptr[rows], pos[rows - 1].to(at::kLong)}).cpu() : at::zeros({2}, at::kLong);
-  split.total = sizes[0].item<int64_t>();
-  split.n_heavy = sizes[1].item<int64_t>();
-  split.list = list.narrow(0, 0, split.n_heavy);
-  return split;
+  return list;
 }
 
-const uint8_t* heavy_ptr(const RowSplit& split) {
-  return reinterpret_cast<const uint8_t*>(split.heavy.data_ptr<bool>());
+// sum |h| over a record's entries, h = a * u in fp32 as the kernels use it.
+at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
+  return (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum();
 }
 
-// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows): the outputs of the
-// reference op, with the record in the layout of csr.cuh, plus the heavy rows' indices (they size
-// the backward's GEMMs, so it needs no host read). Light rows go through the CSR kernels; heavy
-// rows through GEMMs on the gathered rows, whose u values are copied into the record.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a,
+// heavy_u): the outputs of the reference op with the light rows' record (csr.cuh), then the heavy
+// rows' indices and record (they size the backward's GEMMs, so it needs no host read).
+//
+// The host reads the record sizes once, without draining the queue: the light rows' record has a
+// capacity known in advance (threshold entries a row), so their pack and up/down are queued
+// before the host waits, and the GPU runs them while it does. Only the heavy rows' GEMMs (sized by
+// the read) and the copies of the light record to its exact size are queued after it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor, at::Tensor>
 ffn_train_forward(
     const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, int64_t heavy_threshold) {
   check_weights(x, wg, wu, wd);
@@ -100,51 +104,83 @@ ffn_train_forward(
   const at::Tensor g = at::mm(x, wg.t());
   at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
   check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
-  // Launched before the host read of the sizes, so that the GPU has them queued meanwhile.
+  const RowSplit split = split_rows(nnz, nnz.gt(heavy_threshold));
+  const at::Tensor pos = at::cumsum(split.heavy, 0, at::kInt);
+  const at::Tensor list = heavy_row_list(split.heavy, pos, stream);
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
   at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
-  const RowSplit split = split_rows(nnz, heavy_threshold, stream);
-  const int64_t* row_ptr = split.row_ptr.data_ptr<int64_t>();
+  // The one host read: (light entries, heavy rows, heavy entries). It waits only for the counts:
+  // the light rows' work below is queued before it and runs while the host reads.
+  sparse_llm_glue::EarlyHostRead sizes(
+      rows > 0 ? at::stack({split.light_ptr[rows], pos[rows - 1].to(at::kLong), split.heavy_ptr[rows]})
+               : at::zeros({3}, nnz.options()),
+      stream);
 
-  at::Tensor cols = at::empty({split.total}, x.options().dtype(at::kInt));
-  at::Tensor a_vals = at::empty({split.total}, x.options());
-  at::Tensor u_vals = at::empty({split.total}, x.options());
-  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, row_ptr, cols.data_ptr<int32_t>(),
-                                         bf16_mut_ptr(a_vals), fire.data_ptr<int32_t>(), stream),
+  // Light rows (and the fire counts of all rows). a and u are zero past the
+  // record's end, so l1 sums the capacity.
+  const int64_t capacity = rows * std::min<int64_t>(heavy_threshold, hidden);
+  at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
+  at::Tensor a_cap = at::zeros({capacity}, x.options());
+  at::Tensor u_cap = at::zeros({capacity}, x.options());
+  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, split.light_ptr.data_ptr<int64_t>(),
+                                         mask_ptr(split.heavy), /*heavy_rows=*/false, cols_cap.data_ptr<int32_t>(),
+                                         bf16_mut_ptr(a_cap), fire.data_ptr<int32_t>(), stream),
              "csr_fill");
-  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr,
-                                           cols.data_ptr<int32_t>(), bf16_ptr(a_vals), heavy_ptr(split), rows, dim,
-                                           bf16_mut_ptr(u_vals), bf16_mut_ptr(y), stream),
+  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), split.light_ptr.data_ptr<int64_t>(),
+                                           cols_cap.data_ptr<int32_t>(), bf16_ptr(a_cap), mask_ptr(split.heavy), rows,
+                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), stream),
              "csr_updown");
-  if (split.n_heavy > 0) {
-    at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, split.list), wu.t());  // [padded, H]; then h
-    check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), split.list.data_ptr<int64_t>(), split.n_heavy, hidden,
-                                                  row_ptr, cols.data_ptr<int32_t>(), bf16_mut_ptr(u_vals), stream),
+  const double inv_rows = 1.0 / static_cast<double>(std::max<int64_t>(rows, 1));
+  at::Tensor l1 = abs_h_sum(a_cap, u_cap) * inv_rows;  // mean over rows of sum |h|
+  const at::Tensor fire_long = fire.to(at::kLong);
+
+  const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
+  const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
+  // Exact-size copies: the backward's sort walks the whole record, and autograd would otherwise
+  // keep the capacity alive.
+  const at::Tensor cols = cols_cap.narrow(0, 0, light_total).clone();
+  const at::Tensor a_vals = a_cap.narrow(0, 0, light_total).clone();
+  const at::Tensor u_vals = u_cap.narrow(0, 0, light_total).clone();
+
+  const at::Tensor heavy_rows = list.narrow(0, 0, n_heavy);
+  at::Tensor heavy_cols = at::empty({heavy_total}, cols.options());
+  at::Tensor heavy_a = at::empty({heavy_total}, x.options());
+  at::Tensor heavy_u = at::empty({heavy_total}, x.options());
+  if (n_heavy > 0) {
+    const int64_t* heavy_ptr = split.heavy_ptr.data_ptr<int64_t>();
+    check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, heavy_ptr, mask_ptr(split.heavy),
+                                           /*heavy_rows=*/true, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_a),
+                                           /*fire_counts=*/nullptr, stream),
+               "csr_fill");
+    at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // [padded, H]; then h
+    check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
+                                                  heavy_ptr, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u),
+                                                  stream),
                "csr_gather_rows");
-    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), split.list.data_ptr<int64_t>(), split.n_heavy, hidden,
+    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
                                                 bf16_mut_ptr(u), stream),
                "gate_mul_rows");
-    y.index_copy_(0, split.list, at::mm(u, wd_t).narrow(0, 0, split.n_heavy));
+    y.index_copy_(0, heavy_rows, at::mm(u, wd_t).narrow(0, 0, n_heavy));
+    l1 = l1 + abs_h_sum(heavy_a, heavy_u) * inv_rows;
   }
-  // l1 = mean over rows of sum |h|, with h = a * u in fp32 as the kernels use it.
-  const at::Tensor l1 = rows > 0 ? (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum() / static_cast<double>(rows)
-                                 : at::zeros({}, x.options().dtype(at::kFloat));
-  return {y, l1, nnz, fire.to(at::kLong), cols, a_vals, u_vals, split.list};
+  return {y, l1, nnz, fire_long, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
 }
 
-// (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's record. Light rows: the
+// (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
 // the gathered rows, added to the weight gradients.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
     const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
-    const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows) {
+    const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows, const at::Tensor& heavy_cols,
+    const at::Tensor& heavy_a, const at::Tensor& heavy_u) {
   check_weights(x, wg, wu, wd);
   check_matrix(grad_y, "grad_y");
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
   TORCH_CHECK(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
   check_record(x, nnz, cols, a_vals, u_vals);
+  check_record(x, nnz, heavy_cols, heavy_a, heavy_u);
   TORCH_CHECK(heavy_rows.is_cuda() && heavy_rows.scalar_type() == at::kLong && heavy_rows.dim() == 1 &&
                   heavy_rows.is_contiguous(),
               "heavy_rows must be a contiguous int64 CUDA vector");
@@ -156,10 +192,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
 
-  const at::Tensor row_ptr_t = row_offsets(nnz);
-  const int64_t* row_ptr = row_ptr_t.data_ptr<int64_t>();
-  const at::Tensor heavy = at::zeros({rows}, nnz.options().dtype(at::kBool)).index_fill_(0, heavy_rows, true);
-  const uint8_t* heavy_mask = reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>());
+  const RowSplit split =
+      split_rows(nnz, at::zeros({rows}, nnz.options().dtype(at::kBool)).index_fill_(0, heavy_rows, true));
+  const int64_t* row_ptr = split.light_ptr.data_ptr<int64_t>();
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
   const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
@@ -167,17 +202,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   at::Tensor dx = at::empty_like(x);
   check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr,
                                                   cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
-                                                  heavy_mask, l1_grad.data_ptr<float>(), rows, dim,
+                                                  mask_ptr(split.heavy), l1_grad.data_ptr<float>(), rows, dim,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");
 
-  // Column order of the light rows' entries (stable: rows ascending within a unit) and each
-  // unit's range; heavy rows' entries get the key H, past every unit.
-  const at::Tensor entry_rows = at::repeat_interleave(at::arange(rows, nnz.options()), nnz, /*dim=*/0, total);
-  const at::Tensor keys = at::where(heavy.index_select(0, entry_rows), hidden, cols);
-  const auto [sorted_keys, order] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  // Column order of the light entries (stable: rows ascending within a unit) and each unit's range.
+  const at::Tensor light_nnz = split.light_ptr.narrow(0, 1, rows) - split.light_ptr.narrow(0, 0, rows);
+  const at::Tensor entry_rows = at::repeat_interleave(at::arange(rows, nnz.options()), light_nnz, /*dim=*/0, total);
+  const auto [sorted_cols, order] = at::sort(cols, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor unit_ptr =
-      at::searchsorted(sorted_keys, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
+      at::searchsorted(sorted_cols, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
   const at::Tensor csc_rows = entry_rows.index_select(0, order).to(at::kInt);
   const at::Tensor csc_entry = order.to(at::kInt);
 
@@ -198,9 +232,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const int64_t padded = x_h.size(0);
     at::Tensor a_h = at::zeros({padded, hidden}, x.options());  // then du
     at::Tensor u_h = at::zeros({padded, hidden}, x.options());  // then h
-    check_cuda(sparse_llm::launch_csr_scatter_rows(heavy_rows.data_ptr<int64_t>(), n_heavy, hidden, row_ptr,
-                                                   cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
-                                                   bf16_mut_ptr(a_h), bf16_mut_ptr(u_h), stream),
+    check_cuda(sparse_llm::launch_csr_scatter_rows(heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
+                                                   split.heavy_ptr.data_ptr<int64_t>(), heavy_cols.data_ptr<int32_t>(),
+                                                   bf16_ptr(heavy_a), bf16_ptr(heavy_u), bf16_mut_ptr(a_h),
+                                                   bf16_mut_ptr(u_h), stream),
                "csr_scatter_rows");
     at::Tensor dh = at::mm(gy_h, wd);  // then dg
     check_cuda(sparse_llm::launch_heavy_backward_elementwise(n_heavy, hidden, l1_grad.data_ptr<float>(), rows,
@@ -221,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
 
 void register_train_ops(pybind11::module_& m) {
   m.def("ffn_train_forward", &ffn_train_forward,
-        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows); "
-        "rows with more than heavy_threshold active units take the dense path");
+        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows, "
+        "heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take the dense path");
   m.def("ffn_train_backward", &ffn_train_backward,
-        "exact sparse training backward from the forward's record and heavy rows: (dx, dWg, dWu, dWd)");
+        "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd)");
 }

@@ -255,13 +255,15 @@ def test_cuda_ops_trace_under_fake_tensors():
         x, wg, wu, wd = (
             torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
         )
-        y, l1, nnz, fire, cols, a_vals, u_vals, heavy = torch.ops.sparse_llm.ffn_train_fwd_cuda(
-            x, wg, wu, wd, 64
+        y, l1, nnz, fire, cols, a_vals, u_vals, heavy, *heavy_record = (
+            torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, 64)
         )
         assert y.shape == x.shape and l1.dtype == torch.float32 and nnz.shape == (6,) and fire.shape == (24,)
         assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
+        heavy_cols, heavy_a, heavy_u = heavy_record
+        assert heavy_cols.dtype == torch.int32 and heavy_a.shape == heavy_cols.shape == heavy_u.shape
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(
-            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy
+            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record
         )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]

@@ -103,16 +103,26 @@ def test_largest_dim_and_empty_batch():
 
 
 @needs_hopper
-def test_record_matches_reference_record():
-    """Same active entries as the reference (counts, columns, gate values), in CSR order."""
+@pytest.mark.parametrize("heavy_threshold", [0, 16, 1 << 20])
+def test_records_match_reference_record(heavy_threshold):
+    """The light and the heavy rows' records hold the reference's entries of those rows (counts,
+    columns, gate values), in CSR order; fire counts and l1 cover both."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
-    _, l1, nnz, fire, cols, a_vals, u_vals, heavy = torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, 16)
-    assert torch.equal(heavy, (nnz > 16).nonzero().flatten())
+    _, l1, nnz, fire, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
+        torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, heavy_threshold)
+    )
     _, l1_ref, nnz_ref, fire_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args)
     assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
-    assert torch.equal(cols.long(), cols_ref.long()) and torch.equal(a_vals, a_ref)
-    torch.testing.assert_close(u_vals.float(), u_ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(heavy, (nnz > heavy_threshold).nonzero().flatten())
+    entry_heavy = torch.repeat_interleave(nnz > heavy_threshold, nnz)
+    for kind, record in (
+        (~entry_heavy, (cols, a_vals, u_vals)),
+        (entry_heavy, (heavy_cols, heavy_a, heavy_u)),
+    ):
+        got_cols, got_a, got_u = record
+        assert torch.equal(got_cols.long(), cols_ref[kind].long()) and torch.equal(got_a, a_ref[kind])
+        torch.testing.assert_close(got_u.float(), u_ref[kind].float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(l1, l1_ref.float(), rtol=1e-2, atol=0)
 
 

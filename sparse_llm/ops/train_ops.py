@@ -6,11 +6,11 @@ the active entries for the backward):
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
   (sparse_llm.ops.train_reference), any device and float dtype.
 - `sparse_llm::ffn_train_fwd_cuda` / `ffn_train_bwd_cuda`: the CUDA kernels (kernels/csr.cuh,
-  kernels/train_bindings.cpp), bf16 on Hopper; same record layout with int32 columns, plus
-  the indices of the heavy rows (those on the dense GEMM path), so the backward reads nothing
-  on the host.
+  kernels/train_bindings.cpp), bf16 on Hopper. The record (int32 columns) holds the light rows'
+  entries only; then come the indices of the heavy rows (those on the dense GEMM path) and their
+  own record, so the backward reads nothing on the host.
 
-The record's lengths are data-dependent (the numbers of active entries and of heavy rows),
+The records' lengths are data-dependent (the numbers of active entries and of heavy rows),
 declared to the compiler as unbacked sizes, so torch.compile(fullgraph=True) traces either pair
 without a graph break.
 Autograd saves x, the three weights and the compact record; never a dense M x H tensor.
@@ -31,23 +31,26 @@ from sparse_llm.ops.train_reference import (
 )
 
 _T = torch.Tensor
-# (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); the CUDA pair adds heavy_rows.
+# (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); the CUDA pair adds heavy_rows and the
+# heavy rows' record (heavy_cols, heavy_a, heavy_u).
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T]
-CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
+CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
+
+
+def _fake_record(x: torch.Tensor, cols: torch.dtype) -> tuple[_T, _T, _T]:
+    nnz = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(nnz, dtype=cols), x.new_empty(nnz), x.new_empty(nnz)
 
 
 def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> RefForwardOutput:
     m, hidden = x.shape[0], wg.shape[0]
-    nnz = torch.library.get_ctx().new_dynamic_size()
     return (
         x.new_empty(m, x.shape[1]),
         x.new_empty((), dtype=acc_dtype(x.dtype)),
         x.new_empty(m, dtype=torch.int64),
         x.new_empty(hidden, dtype=torch.int64),
-        x.new_empty(nnz, dtype=cols),
-        x.new_empty(nnz),
-        x.new_empty(nnz),
+        *_fake_record(x, cols),
     )
 
 
@@ -100,16 +103,20 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
 def ffn_train_fwd_cuda(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
 ) -> CudaForwardOutput:
-    """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32), then the
-    heavy rows' indices: rows with more than heavy_threshold active units take the dense path (a
-    speed knob only)."""
+    """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32) with the
+    light rows' record, then the heavy rows' indices and record: rows with more than
+    heavy_threshold active units take the dense path (a speed knob only)."""
     return tuple(extension().ffn_train_forward(x, wg, wu, wd, heavy_threshold))
 
 
 @ffn_train_fwd_cuda.register_fake
 def _(x, wg, wu, wd, heavy_threshold):
     n_heavy = torch.library.get_ctx().new_dynamic_size()
-    return (*_fake_forward(x, wg, torch.int32), x.new_empty(n_heavy, dtype=torch.int64))
+    return (
+        *_fake_forward(x, wg, torch.int32),
+        x.new_empty(n_heavy, dtype=torch.int64),
+        *_fake_record(x, torch.int32),
+    )
 
 
 @torch.library.custom_op("sparse_llm::ffn_train_bwd_cuda", mutates_args=())
@@ -125,17 +132,33 @@ def ffn_train_bwd_cuda(
     a_vals: torch.Tensor,
     u_vals: torch.Tensor,
     heavy_rows: torch.Tensor,
+    heavy_cols: torch.Tensor,
+    heavy_a: torch.Tensor,
+    heavy_u: torch.Tensor,
 ) -> TrainBackwardOutput:
     """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused)."""
     return tuple(
         extension().ffn_train_backward(
-            grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_rows
+            grad_y,
+            grad_l1,
+            x,
+            wg,
+            wu,
+            wd,
+            nnz_per_token,
+            cols,
+            a_vals,
+            u_vals,
+            heavy_rows,
+            heavy_cols,
+            heavy_a,
+            heavy_u,
         )
     )
 
 
 @ffn_train_bwd_cuda.register_fake
-def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, heavy_rows):
+def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heavy):
     return _fake_backward(x, wg, wu, wd)
 
 
