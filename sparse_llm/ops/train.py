@@ -82,8 +82,9 @@ def ffn_forward_train(
     where they can run, else the reference), 'cuda' or 'reference'. Exact on every pattern. See
     the module docstring for the outputs and how the L1 gradient is fused. On the CUDA path, rows
     with more than `heavy_threshold` active units take dense GEMMs on the gathered rows (a speed
-    knob: any value is exact); the forward reads the number of active entries and heavy rows on
-    the host once (they size the record and the GEMMs), the backward reads nothing."""
+    knob: any value is exact); the forward reads the numbers of active entries and heavy rows on
+    the host once (they size the records and the GEMMs) while the GPU packs and projects the light
+    rows, and the backward reads nothing."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
