@@ -28,10 +28,10 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 
 // For the rows r of one kind ((heavy[r] != 0) == heavy_rows), writes the record's cols and a_vals
 // at row_ptr[r] ... row_ptr[r + 1]. Unless fire_counts is null, adds every row's active units (of
-// both kinds) to fire_counts[H] (int32, zeroed by the caller).
+// both kinds) to fire_counts[H] (int32, zeroed by the caller). nnz: the counts of launch_csr_count.
 cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                            const uint8_t* heavy, bool heavy_rows, int32_t* cols, __nv_bfloat16* a_vals,
-                            int32_t* fire_counts, cudaStream_t stream);
+                            const int64_t* nnz, const uint8_t* heavy, bool heavy_rows, int32_t* cols,
+                            __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream);
 
 // Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
 // path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).

@@ -1,7 +1,8 @@
 // relu(g) into the CSR records of the training kernels (see csr.cuh), in two passes over g: count
 // the active entries of every row (the counts become row offsets on the device), then write the
-// entries of one kind of row (light or heavy) into that kind's record. One warp per row; each lane reads 8 bf16 (16 bytes) per step, so a step covers
-// 256 columns and the warp's writes of a step stay in one short contiguous run.
+// entries of one kind of row (light or heavy) into that kind's record. One warp per row; each lane
+// reads 8 bf16 (16 bytes) per step, so a step covers 256 columns and the warp's writes of a step
+// stay in one short contiguous run.
 #include "csr.cuh"
 #include "vec.cuh"
 
@@ -39,11 +40,11 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     csr_fill_kernel(const __nv_bfloat16* __restrict__ g, int64_t rows, int hidden, const int64_t* __restrict__ row_ptr,
-                    const uint8_t* __restrict__ heavy, bool heavy_rows, int32_t* __restrict__ cols,
-                    __nv_bfloat16* __restrict__ a_vals, int32_t* __restrict__ fire_counts) {
+                    const int64_t* __restrict__ nnz, const uint8_t* __restrict__ heavy, bool heavy_rows,
+                    int32_t* __restrict__ cols, __nv_bfloat16* __restrict__ a_vals, int32_t* __restrict__ fire_counts) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
-  if (row >= rows) return;
+  if (row >= rows || nnz[row] == 0) return;  // at high sparsity most rows: g is not read again
   const bool write = (heavy[row] != 0) == heavy_rows;
   if (!write && fire_counts == nullptr) return;
   const uint4* src = reinterpret_cast<const uint4*>(g + row * hidden);
@@ -84,12 +85,12 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 }
 
 cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                            const uint8_t* heavy, bool heavy_rows, int32_t* cols, __nv_bfloat16* a_vals,
-                            int32_t* fire_counts, cudaStream_t stream) {
+                            const int64_t* nnz, const uint8_t* heavy, bool heavy_rows, int32_t* cols,
+                            __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (hidden % kChunk != 0) return cudaErrorInvalidValue;
-  csr_fill_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, heavy, heavy_rows, cols, a_vals,
-                                                             fire_counts);
+  csr_fill_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, nnz, heavy, heavy_rows, cols,
+                                                             a_vals, fire_counts);
   return cudaGetLastError();
 }
 

@@ -123,11 +123,12 @@ ffn_train_forward(
   at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
   at::Tensor a_cap = at::zeros({capacity}, x.options());
   at::Tensor u_cap = at::zeros({capacity}, x.options());
-  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, split.light_ptr.data_ptr<int64_t>(),
+  const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
+  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, light_ptr, nnz.data_ptr<int64_t>(),
                                          mask_ptr(split.heavy), /*heavy_rows=*/false, cols_cap.data_ptr<int32_t>(),
                                          bf16_mut_ptr(a_cap), fire.data_ptr<int32_t>(), stream),
              "csr_fill");
-  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), split.light_ptr.data_ptr<int64_t>(),
+  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), light_ptr,
                                            cols_cap.data_ptr<int32_t>(), bf16_ptr(a_cap), mask_ptr(split.heavy), rows,
                                            dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), stream),
              "csr_updown");
@@ -149,9 +150,9 @@ ffn_train_forward(
   at::Tensor heavy_u = at::empty({heavy_total}, x.options());
   if (n_heavy > 0) {
     const int64_t* heavy_ptr = split.heavy_ptr.data_ptr<int64_t>();
-    check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, heavy_ptr, mask_ptr(split.heavy),
-                                           /*heavy_rows=*/true, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_a),
-                                           /*fire_counts=*/nullptr, stream),
+    check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, heavy_ptr, nnz.data_ptr<int64_t>(),
+                                           mask_ptr(split.heavy), /*heavy_rows=*/true, heavy_cols.data_ptr<int32_t>(),
+                                           bf16_mut_ptr(heavy_a), /*fire_counts=*/nullptr, stream),
                "csr_fill");
     at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // [padded, H]; then h
     check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
