@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_llm.benchmarking import kernel_table, write_report  # noqa: E402
+from sparse_llm.compiling import compile_model  # noqa: E402
 from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
@@ -118,7 +119,7 @@ def time_impl(
     model.load_state_dict(state)
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    forward = torch.compile(model) if args.compile else model
+    forward = compile_model(model) if args.compile else model
     ids = ids.to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     record: dict = {"impl": impl}

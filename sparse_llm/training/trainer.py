@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from sparse_llm.compiling import compile_model
 from sparse_llm.config import ConfigError, RunConfig, validate
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.data.prefetch import BatchPrefetcher
@@ -116,7 +117,7 @@ class Trainer:
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
-        self.forward = torch.compile(self.prepared_model) if t.compile else self.prepared_model
+        self.forward = compile_model(self.prepared_model) if t.compile else self.prepared_model
         # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
         self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
         if self.sharded and cfg.sparsity.reinit.enabled:
