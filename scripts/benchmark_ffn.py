@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm import ops
-from sparse_llm.benchmarking import write_report
+from sparse_llm.benchmarking import gpu_idle_table, write_report
 from sparse_llm.ops import _extension
 from sparse_llm.ops.workload import make_workload
 from sparse_llm.training.run_info import collect_run_info
@@ -77,7 +77,8 @@ def median_ms(fn: Callable, sets: Sequence[tuple], warmup: int, reps: int) -> fl
 
 
 def print_profile(fn: Callable, iters: int = 5) -> None:
-    """Per-kernel CUDA time of `iters` calls (torch.profiler), to see where a forward spends it."""
+    """Per-kernel CUDA time of `iters` calls (torch.profiler) and where the GPU idles between
+    kernels, to see where a forward (or step) spends its time."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -87,6 +88,7 @@ def print_profile(fn: Callable, iters: int = 5) -> None:
             fn()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(gpu_idle_table(prof.events()))
 
 
 def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
