@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script end to end")
     p.add_argument("--impls", nargs="+", default=["dense", "cuda"], help="model.ffn_impl values to time")
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument(
+        "--micro-batch", type=int, nargs="+", default=[8], help="sequences per step; several: each is timed"
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3)
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiny:
-        args.micro_batch, args.seq_len = 2, 32
+        args.micro_batch, args.seq_len = [2], 32
     return args
 
 
@@ -81,8 +83,8 @@ def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[Mode
 
     train = dict(
         seq_len=args.seq_len,
-        global_batch_size=args.micro_batch,
-        micro_batch_size=args.micro_batch,
+        global_batch_size=args.micro_batch[0],
+        micro_batch_size=args.micro_batch[0],
         max_steps=args.sparsify_steps,
         lr=args.sparsify_lr,
         warmup_steps=max(1, args.sparsify_steps // 10),
@@ -122,7 +124,7 @@ def time_impl(
     forward = compile_model(model) if args.compile else model
     ids = ids.to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-    record: dict = {"impl": impl}
+    record: dict = {"impl": impl, "micro_batch": ids.shape[0]}
     if impl != "dense":
         # Which training FFN the layers run: the CUDA kernels where they take bf16 layers here.
         d, h = mcfg.hidden_size, mcfg.intermediate_size
@@ -142,7 +144,7 @@ def time_impl(
 
     for _ in range(args.warmup):
         step()
-    if args.profile is not None:
+    if args.profile is not None and ids.shape[0] == args.micro_batch[0]:  # the first micro-batch
         args.profile.mkdir(parents=True, exist_ok=True)
         trace = args.profile / f"trace_step_{impl}.json.gz"
         table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
@@ -158,7 +160,7 @@ def time_impl(
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    tokens = args.micro_batch * args.seq_len
+    tokens = ids.numel() - ids.shape[0]  # inputs: each row drops its last id
     record["ms_step"] = 1000 * statistics.median(times)
     record["tokens_per_s"] = tokens / statistics.median(times)
     record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
@@ -169,29 +171,31 @@ def time_impl(
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    base = rows[0]
+    micro_batches = sorted({r["micro_batch"] for r in rows})
     lines = [
         f"# Training step, whole model: {meta['device']}",
         "",
         f"preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, "
-        f"{meta['micro_batch']} x {meta['seq_len']} tokens per step, median of {meta['steps']} steps "
-        f"after {meta['warmup']} warm-up, compile={meta['compile']}, "
+        f"{' and '.join(str(b) for b in micro_batches)} x {meta['seq_len']} tokens per step, median of "
+        f"{meta['steps']} steps after {meta['warmup']} warm-up, compile={meta['compile']}, "
         + (
             f"weights `{meta['model']}`"
             if meta["model"]
             else f"sparsify steps {meta['sparsify_steps']} (L1 {meta['sparsify_l1']:g})"
         )
-        + f", timed on {meta['tokens']}.",
+        + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch.",
         "",
-        "| ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first | L0 | sparsity | loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| micro-batch | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first | L0 | sparsity | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        base = next(b for b in rows if b["micro_batch"] == r["micro_batch"])
         mem_ratio = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] > 0 else float("nan")
         lines.append(
-            f"| {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} | {r['ms_step']:.1f} "
-            f"| {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x | {r['peak_mem_gib']:.2f} "
-            f"| {mem_ratio:.2f}x | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% | {r['loss_last']:.4f} |"
+            f"| {r['micro_batch']} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
+            f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
+            f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
+            f"| {r['loss_last']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -213,7 +217,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
         torch.manual_seed(args.seed)
         state = build_model(mcfg).state_dict()
-    ids, tokens = text_batch(tokenizer, args.micro_batch, args.seq_len + 1, mcfg.vocab_size, args.seed)
+    batches = {
+        b: text_batch(tokenizer, b, args.seq_len + 1, mcfg.vocab_size, args.seed) for b in args.micro_batch
+    }
+    tokens = next(iter(batches.values()))[1]
     meta = {
         **collect_run_info(torch.device(device), world_size=1),
         "preset": "tiny" if args.tiny else args.preset,
@@ -222,7 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
-    rows = [time_impl(impl, mcfg, state, ids, args, device) for impl in args.impls]
+    rows = [
+        time_impl(impl, mcfg, state, ids, args, device) for ids, _ in batches.values() for impl in args.impls
+    ]
     write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 
