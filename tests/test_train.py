@@ -61,6 +61,21 @@ def test_short_run_loss_falls(tmp_path: Path):
     assert ckpt_io.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
+def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path):
+    """train.compile=true goes through compile_model with the sparse training op (the reference
+    on CPU: records of data-dependent length, like the CUDA op's): same losses as eager."""
+    model = {"ffn_impl": "reference"}
+    eager = train(tiny_run_config(tmp_path / "eager", model=model, max_steps=3))
+    compiled = train(tiny_run_config(tmp_path / "compiled", model=model, max_steps=3, compile=True))
+    assert compiled.forward is not compiled.prepared_model
+    got, want = read_metrics(tmp_path / "compiled"), read_metrics(tmp_path / "eager")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for g, w in zip(got, want, strict=True):
+        assert g["ce"] == pytest.approx(w["ce"], rel=1e-4)
+        assert g["l0/mean"] == pytest.approx(w["l0/mean"], rel=1e-3)
+    assert eager.step == compiled.step == 3
+
+
 @pytest.mark.parametrize("prefetch", [0, 2], ids=["in_loop", "prefetched"])
 def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path, prefetch: int):
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"

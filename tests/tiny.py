@@ -28,15 +28,17 @@ def tiny_run_config(
     run_dir: Path,
     *,
     sparsity: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
     max_documents: int = 300,
     prefetch: int | None = 0,
     **train: Any,
 ) -> RunConfig:
-    """The tiny model on the embedded data, wandb off; `train` overrides TINY_TRAIN keys."""
+    """The tiny model on the embedded data, wandb off; `model` overrides TINY_MODEL keys, `train`
+    TINY_TRAIN keys."""
     return load_config(
         {
             "run_dir": str(run_dir),
-            "model": TINY_MODEL,
+            "model": {**TINY_MODEL, **(model or {})},
             "data": dict(max_documents=max_documents, prefetch=prefetch),
             "train": {**TINY_TRAIN, **train},
             "sparsity": {"l1_coeff": 1e-3, "plots": False, **(sparsity or {})},
