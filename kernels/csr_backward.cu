@@ -168,12 +168,10 @@ cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat1
                                       __nv_bfloat16* dwu, __nv_bfloat16* dwd_t, cudaStream_t stream) {
   if (hidden == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
-  // Threads per CTA: the widest of 128, 64, 32 whose slices of x and grad_y fit kUnitSliceBytes;
-  // 128 if none does (narrower CTAs then only cost occupancy: ~2% slower at M = 65536).
+  // Threads per CTA: the widest of 128, 64, 32 whose slices of x and grad_y fit kUnitSliceBytes.
   int threads = kUnitMaxThreads;
   const int64_t slice_bytes_per_thread = rows * kChunk * 2 * static_cast<int64_t>(sizeof(__nv_bfloat16));
   while (threads > 32 && threads * slice_bytes_per_thread > kUnitSliceBytes) threads /= 2;
-  if (threads * slice_bytes_per_thread > kUnitSliceBytes) threads = kUnitMaxThreads;
   const int cols_per_cta = threads * kChunk;
   const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + cols_per_cta - 1) / cols_per_cta));
   csr_backward_units_kernel<<<grid, threads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du,
