@@ -15,11 +15,8 @@ namespace {
 
 constexpr int kDotLoads = 8;   // 16-byte wd_t loads in flight per lane
 constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows each)
-constexpr int kUnitMaxThreads = 128;  // a units-kernel CTA owns blockDim.x * kChunk columns
-// Slices of x and grad_y ([M, slice] each) that the units kernel's CTAs share while they run: its
-// grid walks all units of one column slice before the next, and its gathers of random rows hit
-// L2 only if the slice fits there (50 MB on H100/H200). The slice narrows as M grows.
-constexpr int64_t kUnitSliceBytes = 32ll << 20;
+constexpr int kUnitThreads = 128;
+constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
 constexpr int kUnitUnroll = 4;                    // entries in flight per thread
 
 __global__ void __launch_bounds__(kCsrRowThreads)
@@ -87,7 +84,7 @@ __global__ void __launch_bounds__(kCsrRowThreads)
   }
 }
 
-__global__ void __launch_bounds__(kUnitMaxThreads)
+__global__ void __launch_bounds__(kUnitThreads)
     csr_backward_units_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ grad_y,
                               const int64_t* __restrict__ unit_ptr, const int32_t* __restrict__ csc_rows,
                               const int32_t* __restrict__ csc_entry, const float* __restrict__ dg,
@@ -95,7 +92,7 @@ __global__ void __launch_bounds__(kUnitMaxThreads)
                               const __nv_bfloat16* __restrict__ u_vals, int dim, __nv_bfloat16* __restrict__ dwg,
                               __nv_bfloat16* __restrict__ dwu, __nv_bfloat16* __restrict__ dwd_t) {
   const int64_t unit = blockIdx.x;
-  const int v = blockIdx.y * blockDim.x + threadIdx.x;  // this thread's 8 columns
+  const int v = blockIdx.y * kUnitThreads + threadIdx.x;  // this thread's 8 columns
   if (v * kChunk >= dim) return;
   float acc_g[kChunk] = {}, acc_u[kChunk] = {}, acc_d[kChunk] = {};
   const int64_t begin = unit_ptr[unit], end = unit_ptr[unit + 1];
@@ -164,17 +161,12 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int64_t rows, int hidden, int dim, __nv_bfloat16* dwg,
-                                      __nv_bfloat16* dwu, __nv_bfloat16* dwd_t, cudaStream_t stream) {
+                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      __nv_bfloat16* dwd_t, cudaStream_t stream) {
   if (hidden == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
-  // Threads per CTA: the widest of 128, 64, 32 whose slices of x and grad_y fit kUnitSliceBytes.
-  int threads = kUnitMaxThreads;
-  const int64_t slice_bytes_per_thread = rows * kChunk * 2 * static_cast<int64_t>(sizeof(__nv_bfloat16));
-  while (threads > 32 && threads * slice_bytes_per_thread > kUnitSliceBytes) threads /= 2;
-  const int cols_per_cta = threads * kChunk;
-  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + cols_per_cta - 1) / cols_per_cta));
-  csr_backward_units_kernel<<<grid, threads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du,
+  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols));
+  csr_backward_units_kernel<<<grid, kUnitThreads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du,
                                                                a_vals, u_vals, dim, dwg, dwu, dwd_t);
   return cudaGetLastError();
 }

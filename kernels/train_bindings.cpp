@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   check_cuda(sparse_llm::launch_csr_backward_units(bf16_ptr(x), bf16_ptr(grad_y), unit_ptr.data_ptr<int64_t>(),
                                                    csc_rows.data_ptr<int32_t>(), csc_entry.data_ptr<int32_t>(),
                                                    dg.data_ptr<float>(), du.data_ptr<float>(), bf16_ptr(a_vals),
-                                                   bf16_ptr(u_vals), rows, hidden, dim, bf16_mut_ptr(dwg),
+                                                   bf16_ptr(u_vals), hidden, dim, bf16_mut_ptr(dwg),
                                                    bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
              "csr_backward_units");
 
