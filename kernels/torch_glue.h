@@ -46,9 +46,9 @@ inline at::Tensor gather_rows_padded(const at::Tensor& rows, const at::Tensor& l
   return out;
 }
 
-// A host read of a few device values that does not wait for the whole queue: start() queues
-// their copy into pinned memory and marks the stream there; the caller queues more work, then
-// values() waits only for the copy, so the GPU stays busy with that work while the host reads.
+// A host read of a few device values that does not wait for the whole queue: the constructor
+// queues their copy into pinned memory and marks the stream there; the caller queues more work,
+// then values() waits only for the copy, so the GPU stays busy with that work while the host reads.
 class EarlyHostRead {
  public:
   EarlyHostRead(const at::Tensor& device_values, cudaStream_t stream)
