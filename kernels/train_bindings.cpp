@@ -53,13 +53,14 @@ at::Tensor row_offsets(const at::Tensor& nnz) {
 // others light; each kind's record has its own row offsets (csr.cuh).
 struct RowSplit {
   at::Tensor heavy;      // [M] bool
+  at::Tensor light_nnz;  // [M] int64, 0 on heavy rows
   at::Tensor light_ptr;  // [M + 1] int64, heavy rows empty
   at::Tensor heavy_ptr;  // [M + 1] int64, light rows empty
 };
 
 RowSplit split_rows(const at::Tensor& nnz, const at::Tensor& heavy) {
   const at::Tensor light_nnz = nnz.masked_fill(heavy, 0);
-  return {heavy, row_offsets(light_nnz), row_offsets(nnz - light_nnz)};
+  return {heavy, light_nnz, row_offsets(light_nnz), row_offsets(nnz - light_nnz)};
 }
 
 const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()); }
@@ -208,8 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
              "csr_backward_rows");
 
   // Column order of the light entries (stable: rows ascending within a unit) and each unit's range.
-  const at::Tensor light_nnz = split.light_ptr.narrow(0, 1, rows) - split.light_ptr.narrow(0, 0, rows);
-  const at::Tensor entry_rows = at::repeat_interleave(at::arange(rows, nnz.options()), light_nnz, /*dim=*/0, total);
+  const at::Tensor entry_rows =
+      at::repeat_interleave(at::arange(rows, nnz.options()), split.light_nnz, /*dim=*/0, total);
   const auto [sorted_cols, order] = at::sort(cols, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor unit_ptr =
       at::searchsorted(sorted_cols, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
