@@ -1,0 +1,130 @@
+"""Next-token cross-entropy fused with the output projection, in chunks of tokens.
+
+`F.cross_entropy(lm_head(h))` keeps the whole [tokens, vocab] logits alive from the forward to
+the backward, and materialises fp32 copies of them around the loss: on the 1b preset at 8 x 2048
+tokens that is 1.5 GiB of bf16 logits plus their fp32 softmax and gradient, the largest single
+term of the training peak after the optimizer state. Here the logits exist one chunk at a time:
+the forward computes each chunk's loss and, while the chunk is in hand, its gradients with respect
+to the hidden states and the projection weight (the loss is the last op of the graph, so its
+backward is known to follow), and the backward only scales them by the incoming gradient. The
+arithmetic is the same as the unfused path (logits in the compute dtype, softmax in fp32, mean
+over the labels that are not `ignore_index`); the weight gradient is summed over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# Tokens per chunk: the chunk's fp32 logits stay under ~1 GiB whatever the vocabulary.
+_CHUNK_ELEMENTS = 1 << 28
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """The largest power of two of tokens whose [tokens, vocab] fp32 logits fit `_CHUNK_ELEMENTS`."""
+    return 1 << max(0, (_CHUNK_ELEMENTS // max(1, vocab_size)).bit_length() - 1)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the projection would run in: autocast's where it is on, else the hidden's."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
+
+
+def _chunk_loss_and_logit_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_count: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed loss of a chunk, gradient of the mean loss w.r.t. its logits in the compute dtype,
+    or None when `inv_count` is None)."""
+    logits = hidden @ weight.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    valid = labels != IGNORE_INDEX
+    safe_labels = torch.where(valid, labels, 0).unsqueeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, safe_labels).squeeze(-1)
+    loss_sum = torch.where(valid, lse - target, 0.0).sum()
+    if inv_count is None:
+        return loss_sum, None
+    scale = valid.to(logits.dtype) * inv_count
+    grad = torch.exp(logits - lse.unsqueeze(-1))
+    grad = grad.scatter_add(-1, safe_labels, torch.full_like(target, -1.0).unsqueeze(-1))
+    return loss_sum, (grad * scale.unsqueeze(-1)).to(hidden.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean CE(hidden @ weight.T, labels) with the gradients computed in the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        acc_dtype = torch.promote_types(compute_dtype, torch.float32)
+        count = (labels != IGNORE_INDEX).sum()
+        inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
+        grad_hidden = torch.empty_like(h)
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk_loss, grad_logits = _chunk_loss_and_logit_grad(h[rows], w, labels[rows], inv_count)
+            loss_sum = loss_sum + chunk_loss
+            grad_hidden[rows] = grad_logits @ w
+            grad_weight += grad_logits.t() @ h[rows]
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss_sum * inv_count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (
+            (grad_hidden * grad_loss).to(hidden_dtype),
+            (grad_weight * grad_loss).to(weight_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of the logits `hidden @ weight.T` against `labels`, never
+    holding more than `chunk_tokens` rows of logits.
+
+    hidden: [..., D]; weight: [V, D] (the output projection, Hugging Face layout); labels: [...]
+    token ids, `IGNORE_INDEX` (-100) for positions without a target. Under autocast the
+    projection runs in autocast's dtype, as `nn.Linear` would.
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} does not project hidden size {hidden.shape[-1]}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    compute_dtype = _compute_dtype(hidden)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        h, w = hidden2d.to(compute_dtype), weight.to(compute_dtype)
+        count = (labels1d != IGNORE_INDEX).sum().to(torch.promote_types(compute_dtype, torch.float32))
+        total = sum(
+            _chunk_loss_and_logit_grad(h[s : s + chunk], w, labels1d[s : s + chunk], None)[0]
+            for s in range(0, h.shape[0], chunk)
+        )
+        return total / count
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _LinearCrossEntropy.apply(hidden2d, weight, labels1d, chunk, compute_dtype)
