@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.kv_cache import KVCache
+from sparse_llm.loss import linear_cross_entropy
 from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.rope import RotaryEmbedding, apply_rotary
 
@@ -45,16 +46,30 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm. In training its output is recomputed in the backward from the
+    input (which the backward keeps anyway) instead of being saved by every consumer: on the 1b
+    preset that frees two [tokens, D] activations a layer for a few elementwise kernels. Under
+    autocast the output is already in the autocast dtype, the dtype its consumers (projections,
+    the FFN ops) would cast it to, so that the cast is recomputed too rather than saved."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            return checkpoint(self._normalise, x, use_reentrant=False)
+        return self._normalise(x)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back before the scale, as transformers' LlamaRMSNorm does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        out = self.weight * x32.to(x.dtype)
+        if torch.is_autocast_enabled(x.device.type):
+            out = out.to(torch.get_autocast_dtype(x.device.type))
+        return out
 
 
 class Attention(nn.Module):
@@ -310,13 +325,13 @@ class SparseLlamaForCausalLM(nn.Module):
             per_layer.append(stats)
         if last_logits_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.model.norm(x))
         ffn_stats = None
         if with_stats:
             ffn_stats = FFNStats(*(torch.stack(t) for t in zip(*per_layer, strict=True)))
         if labels is None:
-            return CausalLMOutput(logits, None, ffn_stats)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            return CausalLMOutput(self.lm_head(self.model.norm(x)), None, ffn_stats)
+        # Fused with the projection: the [tokens, vocab] logits never exist whole.
+        loss = linear_cross_entropy(self.model.norm(x), self.lm_head.weight, labels)
         return CausalLMOutput(None, loss, ffn_stats)
 
     @torch.no_grad()
