@@ -133,10 +133,12 @@ def time_impl(
         )
         record["train_ffn"] = resolve_train_impl("auto" if impl == "cuda" else "reference", x, wg, wg, wd)
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
+    def step(held: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast:
             out = forward(ids[:, :-1], labels=ids[:, 1:], with_stats=True)
             loss = out.loss + args.l1 * l1_penalty(out.ffn_stats)
+        if held is not None:  # what the forward leaves for the backward, on top of the step's start
+            held.append(torch.cuda.memory_allocated())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -150,6 +152,13 @@ def time_impl(
         table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
         (args.profile / f"profile_step_{impl}.txt").write_text(table)
     if device == "cuda":
+        # Where the peak comes from: weights + optimizer state at the step's start (gradients are
+        # freed), and what the forward holds for the backward (activations, the loss's gradients).
+        torch.cuda.synchronize()
+        held = [torch.cuda.memory_allocated()]
+        step(held)
+        record["start_mem_gib"] = held[0] / 2**30
+        record["forward_held_gib"] = (held[1] - held[0]) / 2**30
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times, losses, l0 = [], [], None
@@ -185,8 +194,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch.",
         "",
-        "| micro-batch | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first | L0 | sparsity | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| micro-batch | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
+        "| at step start GiB | held by forward GiB | L0 | sparsity | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = next(b for b in rows if b["micro_batch"] == r["micro_batch"])
@@ -194,7 +204,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| {r['micro_batch']} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
-            f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
+            f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
+            f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
             f"| {r['loss_last']:.4f} |"
         )
     return "\n".join(lines) + "\n"
