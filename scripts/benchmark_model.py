@@ -12,10 +12,12 @@ peak memory, the measured L0/sparsity and the loss. Prints Markdown, writes JSON
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.benchmarking import kernel_table, write_report  # noqa: E402
+from sparse_llm.benchmarking import kernel_table, memory_peak_table, write_report  # noqa: E402
 from sparse_llm.compiling import compile_model  # noqa: E402
 from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
@@ -58,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="write each impl's step kernel table, GPU idle and Chrome trace here",
+    )
+    p.add_argument(
+        "--memory-snapshot",
+        type=Path,
+        default=None,
+        help="write each impl's allocator trace of one step (memory_step_{impl}.pickle, for "
+        "pytorch.org/memory_viz) and the blocks alive at its peak (memory_peak_{impl}.txt) here",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -151,6 +160,8 @@ def time_impl(
         trace = args.profile / f"trace_step_{impl}.json.gz"
         table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
         (args.profile / f"profile_step_{impl}.txt").write_text(table)
+    if args.memory_snapshot is not None and device == "cuda" and ids.shape[0] == args.micro_batch[0]:
+        write_memory_snapshot(step, args.memory_snapshot, impl)
     if device == "cuda":
         # Where the peak comes from: weights + optimizer state at the step's start (gradients are
         # freed), and what the forward holds for the backward (activations, the loss's gradients).
@@ -177,6 +188,24 @@ def time_impl(
     record["l0_mean"] = l0.mean().item()
     record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
     return record
+
+
+def write_memory_snapshot(step: Callable[[], object], out_dir: Path, impl: str) -> None:
+    """Record the caching allocator through one step: the trace as a pickle, and the table of the
+    blocks alive at the step's peak."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    with open(out_dir / f"memory_step_{impl}.pickle", "wb") as f:
+        pickle.dump(snapshot, f)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    (out_dir / f"memory_peak_{impl}.txt").write_text(memory_peak_table(trace))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:

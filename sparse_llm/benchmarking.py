@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the kernel table (and GPU idle) of one profiled call, and their
-report files."""
+"""What the benchmark scripts share: the kernel table (and GPU idle) of one profiled call, where the
+memory peak of a recorded call comes from, and their report files."""
 
 from __future__ import annotations
 
@@ -82,6 +82,55 @@ def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
             f"| {sum(values) / 1000:.2f} | {len(values)} | {sum(values) / len(values):.1f} "
             f"| {_short(before)} | {_short(after)} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def _frame_text(frame: dict[str, Any]) -> str:
+    return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
+
+
+def _allocation_site(frames: list[dict[str, Any]]) -> tuple[str, str]:
+    """(the innermost frame outside torch's package: e.g. a line of Inductor's generated code,
+    the innermost frame of this repository: the model or script line behind it)."""
+    own = next((f for f in frames if "/site-packages/torch/" not in f["filename"]), None)
+    repo = next((f for f in frames if "sparse_llm/" in f["filename"] or "scripts/" in f["filename"]), None)
+    return (_frame_text(own) if own else "?", _frame_text(repo) if repo else "?")
+
+
+def memory_peak_table(trace: list[dict[str, Any]], rows: int = 25) -> str:
+    """From a trace of the CUDA caching allocator (`torch.cuda.memory._snapshot()["device_traces"]`
+    of one device, recorded with `torch.cuda.memory._record_memory_history`): the peak of the
+    memory allocated during the trace, above what was allocated when it started, and the blocks
+    alive at that peak grouped by size and allocation site, largest total first."""
+    total = peak = peak_index = 0
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            total += event["size"]
+            if total > peak:
+                peak, peak_index = total, index
+        elif event["action"] == "free_requested":
+            total -= event["size"]
+    live: dict[int, dict[str, Any]] = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
+    groups: dict[tuple[int, str, str], int] = {}
+    for event in live.values():
+        key = (event["size"], *_allocation_site(event.get("frames", [])))
+        groups[key] = groups.get(key, 0) + 1
+    mib = 2**20
+    lines = [
+        f"Peak during the trace: {peak / mib:.0f} MiB above the memory allocated when it started, "
+        f"at event {peak_index} of {len(trace)}; blocks alive then, by size and site:",
+        "",
+        "| total MiB | blocks | MiB each | allocated at | from |",
+        "|---|---|---|---|---|",
+    ]
+    ranked = sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])[:rows]
+    for (size, site, repo_site), count in ranked:
+        lines.append(f"| {size * count / mib:.0f} | {count} | {size / mib:.1f} | {site} | {repo_site} |")
     return "\n".join(lines) + "\n"
 
 

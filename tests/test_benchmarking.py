@@ -1,4 +1,4 @@
-"""The benchmark scripts' shared helpers: the GPU idle table and the CPU kernel table."""
+"""The benchmark scripts' shared helpers: the GPU idle table, the CPU kernel table, the memory peak table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import DeviceType
 
-from sparse_llm.benchmarking import gpu_idle_table, kernel_table
+from sparse_llm.benchmarking import gpu_idle_table, kernel_table, memory_peak_table
 
 
 def _event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
@@ -37,3 +37,31 @@ def test_kernel_table_on_cpu_writes_the_trace(tmp_path):
     table = kernel_table(lambda: torch.ones(8) @ torch.ones(8), torch.device("cpu"), trace_path=trace)
     assert "Wall time of the profiled call" in table and "GPU idle" not in table
     assert trace.read_text().lstrip().startswith("{")
+
+
+def test_memory_peak_table_lists_the_blocks_alive_at_the_peak():
+    model = {"filename": "/repo/sparse_llm/model.py", "line": 7, "name": "forward"}
+    generated = {"filename": "/tmp/torchinductor_root/ab/cab.py", "line": 42, "name": "call"}
+    torch_frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
+    mib = 2**20
+
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size * mib, "frames": frames}
+
+    def free(addr, size):
+        return {"action": "free_requested", "addr": addr, "size": size * mib}
+
+    trace = [
+        alloc(1, 64, [torch_frame, generated, model]),
+        alloc(2, 64, [torch_frame, generated, model]),
+        alloc(3, 10, [model]),
+        free(3, 10),
+        alloc(4, 300, [torch_frame, model]),  # the peak: 64 + 64 + 300
+        free(4, 300),
+        alloc(5, 100, [model]),
+    ]
+    table = memory_peak_table(trace)
+    assert "Peak during the trace: 428 MiB" in table
+    assert "| 300 | 1 | 300.0 | model.py:7 forward | model.py:7 forward |" in table
+    assert "| 128 | 2 | 64.0 | cab.py:42 call | model.py:7 forward |" in table
+    assert "100.0" not in table and "10.0" not in table  # allocated after the peak / freed before
