@@ -46,10 +46,14 @@ def _chunk_loss_and_logit_grad(
     loss_sum = torch.where(valid, lse - target, 0.0).sum()
     if inv_count is None:
         return loss_sum, None
-    scale = valid.to(logits.dtype) * inv_count
-    grad = torch.exp(logits - lse.unsqueeze(-1))
-    grad = grad.scatter_add(-1, safe_labels, torch.full_like(target, -1.0).unsqueeze(-1))
-    return loss_sum, (grad * scale.unsqueeze(-1)).to(hidden.dtype)
+    scale = (valid.to(logits.dtype) * inv_count).unsqueeze(-1)
+    # softmax - one_hot(label), written elementwise (no scatter) so that the compiler fuses it
+    # into one pass from the logits to the compute-dtype gradient, with no fp32 [tokens, vocab]
+    # buffer in between.
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    one_hot = (vocab_ids == safe_labels).to(logits.dtype)
+    grad = (torch.exp(logits - lse.unsqueeze(-1)) - one_hot) * scale
+    return loss_sum, grad.to(hidden.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -223,7 +223,9 @@ class ReluGatedMLP(nn.Module):
 
 
 def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    l1 = hidden.float().abs().sum(-1).mean()
+    # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
+    # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
+    l1 = hidden.abs().sum(-1, dtype=torch.float32).mean()
     nnz_per_token, fire_counts = activation_counts(a.detach())
     return l1, nnz_per_token, fire_counts
 
