@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--micro-batch", type=int, nargs="+", default=[8], help="sequences per step; several: each is timed"
     )
+    p.add_argument(
+        "--recompute-norms",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="train.recompute_norms: RMSNorm outputs recomputed in the backward; both: each is timed",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3)
@@ -65,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-snapshot",
         type=Path,
         default=None,
-        help="write each impl's allocator trace of one step (memory_step_{impl}.pickle, for "
-        "pytorch.org/memory_viz) and the blocks alive at its peak (memory_peak_{impl}.txt) here",
+        help="write each impl's allocator trace of one step (memory_step_{impl}_norms_{on,off}.pickle, "
+        "for pytorch.org/memory_viz) and the blocks alive at its peak (memory_peak_*.txt) here",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -119,7 +126,13 @@ def text_batch(tokenizer, batch: int, length: int, vocab: int, seed: int) -> tup
 
 
 def time_impl(
-    impl: str, mcfg: ModelConfig, state: dict, ids: torch.Tensor, args: argparse.Namespace, device: str
+    impl: str,
+    recompute_norms: str,
+    mcfg: ModelConfig,
+    state: dict,
+    ids: torch.Tensor,
+    args: argparse.Namespace,
+    device: str,
 ) -> dict:
     from dataclasses import replace
 
@@ -129,11 +142,12 @@ def time_impl(
     model = build_model(replace(mcfg, ffn_impl=impl))
     model.load_state_dict(state)
     model.to(device).train()
+    model.set_recompute_norms(recompute_norms == "on")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     forward = compile_model(model) if args.compile else model
     ids = ids.to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
-    record: dict = {"impl": impl, "micro_batch": ids.shape[0]}
+    record: dict = {"impl": impl, "micro_batch": ids.shape[0], "recompute_norms": recompute_norms}
     if impl != "dense":
         # Which training FFN the layers run: the CUDA kernels where they take bf16 layers here.
         d, h = mcfg.hidden_size, mcfg.intermediate_size
@@ -155,13 +169,14 @@ def time_impl(
 
     for _ in range(args.warmup):
         step()
-    if args.profile is not None and ids.shape[0] == args.micro_batch[0]:  # the first micro-batch
+    first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]
+    if args.profile is not None and first_variant:
         args.profile.mkdir(parents=True, exist_ok=True)
         trace = args.profile / f"trace_step_{impl}.json.gz"
         table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
         (args.profile / f"profile_step_{impl}.txt").write_text(table)
     if args.memory_snapshot is not None and device == "cuda" and ids.shape[0] == args.micro_batch[0]:
-        write_memory_snapshot(step, args.memory_snapshot, impl)
+        write_memory_snapshot(step, args.memory_snapshot, f"{impl}_norms_{recompute_norms}")
     if device == "cuda":
         # Where the peak comes from: weights + optimizer state at the step's start (gradients are
         # freed), and what the forward holds for the backward (activations, the loss's gradients).
@@ -221,17 +236,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             if meta["model"]
             else f"sparsify steps {meta['sparsify_steps']} (L1 {meta['sparsify_l1']:g})"
         )
-        + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch.",
+        + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch and norm setting.",
         "",
-        "| micro-batch | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
+        "| micro-batch | recompute norms | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
         "| at step start GiB | held by forward GiB | L0 | sparsity | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next(b for b in rows if b["micro_batch"] == r["micro_batch"])
+        base = next(
+            b
+            for b in rows
+            if b["micro_batch"] == r["micro_batch"] and b.get("recompute_norms") == r.get("recompute_norms")
+        )
         mem_ratio = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] > 0 else float("nan")
         lines.append(
-            f"| {r['micro_batch']} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
+            f"| {r['micro_batch']} | {r.get('recompute_norms', 'on')} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
@@ -270,7 +289,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
     rows = [
-        time_impl(impl, mcfg, state, ids, args, device) for ids, _ in batches.values() for impl in args.impls
+        time_impl(impl, recompute, mcfg, state, ids, args, device)
+        for ids, _ in batches.values()
+        for recompute in args.recompute_norms
+        for impl in args.impls
     ]
     write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows

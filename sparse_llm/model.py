@@ -46,8 +46,9 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm. In training its output is recomputed in the backward from the
-    input (which the backward keeps anyway) instead of being saved by every consumer: on the 1b
+    """transformers' LlamaRMSNorm. In training (unless `recompute` is off) its output is recomputed
+    in the backward from the input (which the backward keeps anyway) instead of being saved by
+    every consumer: on the 1b
     preset that frees two [tokens, D] activations a layer for a few elementwise kernels. Under
     autocast the output is already in the autocast dtype, the dtype its consumers (projections,
     the FFN ops) would cast it to, so that the cast is recomputed too rather than saved."""
@@ -56,9 +57,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.recompute = True  # SparseLlamaForCausalLM.set_recompute_norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
+        if self.recompute and self.training and torch.is_grad_enabled():
             return checkpoint(self._normalise, x, use_reentrant=False)
         return self._normalise(x)
 
@@ -280,6 +282,12 @@ class SparseLlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.activation_checkpointing = False
         self.reset_parameters()
+
+    def set_recompute_norms(self, recompute: bool) -> None:
+        """Whether training recomputes the RMSNorm outputs in the backward (less memory) or saves them."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.recompute = recompute
 
     def reset_parameters(self) -> None:
         std = self.config.initializer_range

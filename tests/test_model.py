@@ -66,15 +66,17 @@ def test_loss_is_next_token_cross_entropy():
     torch.testing.assert_close(model(ids, labels=ids).loss, expected)
 
 
-def test_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("memory_saver", ["activation_checkpointing", "recompute_norms"])
+def test_memory_savers_give_same_gradients(memory_saver):
     cfg = small_config()
     torch.manual_seed(2)
     model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     grads = []
-    for checkpointing in (False, True):
+    for enabled in (False, True):
         model.zero_grad()
-        model.activation_checkpointing = checkpointing
+        model.set_recompute_norms(enabled and memory_saver == "recompute_norms")
+        model.activation_checkpointing = enabled and memory_saver == "activation_checkpointing"
         out = model(ids, labels=ids, with_stats=True)
         (out.loss + out.ffn_stats.l1.mean()).backward()
         grads.append([p.grad.clone() for p in model.parameters()])

@@ -109,6 +109,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         model = build_model(cfg.model)
         model.activation_checkpointing = t.activation_checkpointing
+        model.set_recompute_norms(t.recompute_norms)
         optimizer = build_optimizer(model, t, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(optimizer, t)
         # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
