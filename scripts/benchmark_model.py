@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recompute-norms",
         nargs="+",
         choices=["on", "off"],
-        default=["on"],
+        default=["off"],
         help="train.recompute_norms: RMSNorm outputs recomputed in the backward; both: each is timed",
     )
     p.add_argument("--seq-len", type=int, default=2048)
@@ -250,7 +250,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         mem_ratio = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] > 0 else float("nan")
         lines.append(
-            f"| {r['micro_batch']} | {r.get('recompute_norms', 'on')} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
+            f"| {r['micro_batch']} | {r.get('recompute_norms', 'off')} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "

@@ -82,8 +82,9 @@ class TrainConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     # RMSNorm outputs recomputed in the backward instead of saved: two [tokens, D] activations a
-    # layer less (2.25 GiB on the 1b preset at 8 x 2048 tokens) for a few elementwise kernels.
-    recompute_norms: bool = True
+    # layer less (2.25 GiB on the 1b preset at 8 x 2048 tokens) for ~0.5% (dense) to 4% (cuda FFN)
+    # of the step time (H200, benchmarks/results/train_1b_sparse_h200.md).
+    recompute_norms: bool = False
     seed: int = 0
     device: str = "auto"  # auto, cpu, cuda
     log_every: int = 10

@@ -46,18 +46,18 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm. In training (unless `recompute` is off) its output is recomputed
-    in the backward from the input (which the backward keeps anyway) instead of being saved by
-    every consumer: on the 1b
-    preset that frees two [tokens, D] activations a layer for a few elementwise kernels. Under
-    autocast the output is already in the autocast dtype, the dtype its consumers (projections,
-    the FFN ops) would cast it to, so that the cast is recomputed too rather than saved."""
+    """transformers' LlamaRMSNorm. Under autocast the output is already in the autocast dtype, the
+    dtype its consumers (projections, the FFN ops) would cast it to.
+
+    With `recompute` on (train.recompute_norms), training recomputes the output in the backward
+    from the input, which the backward keeps anyway, instead of every consumer saving it (the cast
+    included): two [tokens, D] activations a layer less, for a few elementwise kernels."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.recompute = True  # SparseLlamaForCausalLM.set_recompute_norms
+        self.recompute = False  # SparseLlamaForCausalLM.set_recompute_norms (train.recompute_norms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
