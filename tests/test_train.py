@@ -61,13 +61,20 @@ def test_short_run_loss_falls(tmp_path: Path):
     assert ckpt_io.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
-def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path):
+@pytest.mark.parametrize("recompute_norms", [False, True])
+def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path, recompute_norms: bool):
     """train.compile=true goes through compile_model with the sparse training op (the reference
-    on CPU: records of data-dependent length, like the CUDA op's): same losses as eager."""
+    on CPU: records of data-dependent length, like the CUDA op's): same losses as eager, with the
+    norms saved or recomputed (train.recompute_norms)."""
     model = {"ffn_impl": "reference"}
     eager = train(tiny_run_config(tmp_path / "eager", model=model, max_steps=3))
-    compiled = train(tiny_run_config(tmp_path / "compiled", model=model, max_steps=3, compile=True))
+    compiled = train(
+        tiny_run_config(
+            tmp_path / "compiled", model=model, max_steps=3, compile=True, recompute_norms=recompute_norms
+        )
+    )
     assert compiled.forward is not compiled.prepared_model
+    assert compiled.model.model.norm.recompute is recompute_norms
     got, want = read_metrics(tmp_path / "compiled"), read_metrics(tmp_path / "eager")
     assert [r["step"] for r in got] == [1, 2, 3]
     for g, w in zip(got, want, strict=True):
