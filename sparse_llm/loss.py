@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sparse_llm.precision import autocast_dtype
+
 IGNORE_INDEX = -100
 # Tokens per chunk: the chunk's fp32 logits stay under ~1 GiB whatever the vocabulary.
 _CHUNK_ELEMENTS = 1 << 28
@@ -23,13 +25,6 @@ _CHUNK_ELEMENTS = 1 << 28
 def default_chunk_tokens(vocab_size: int) -> int:
     """The largest power of two of tokens whose [tokens, vocab] fp32 logits fit `_CHUNK_ELEMENTS`."""
     return 1 << max(0, (_CHUNK_ELEMENTS // max(1, vocab_size)).bit_length() - 1)
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype the projection would run in: autocast's where it is on, else the hidden's."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        return torch.get_autocast_dtype(hidden.device.type)
-    return hidden.dtype
 
 
 def _chunk_loss_and_logit_grad(
@@ -56,6 +51,29 @@ def _chunk_loss_and_logit_grad(
     return loss_sum, grad.to(hidden.dtype)
 
 
+def _chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, with_grads: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss, and with `with_grads` its gradients w.r.t. hidden (compute dtype) and weight
+    (fp32 or wider), else None, None); hidden and weight already in the compute dtype."""
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    count = (labels != IGNORE_INDEX).sum()
+    inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if with_grads else None
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        chunk_loss, grad_logits = _chunk_loss_and_logit_grad(
+            hidden[rows], weight, labels[rows], inv_count if with_grads else None
+        )
+        loss_sum = loss_sum + chunk_loss
+        if with_grads:
+            grad_hidden[rows] = grad_logits @ weight
+            grad_weight += grad_logits.t() @ hidden[rows]
+    return loss_sum * inv_count, grad_hidden, grad_weight
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """mean CE(hidden @ weight.T, labels) with the gradients computed in the forward, chunk by chunk."""
 
@@ -68,23 +86,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         compute_dtype: torch.dtype,
     ) -> torch.Tensor:
-        h = hidden.to(compute_dtype)
-        w = weight.to(compute_dtype)
-        acc_dtype = torch.promote_types(compute_dtype, torch.float32)
-        count = (labels != IGNORE_INDEX).sum()
-        inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
-        grad_hidden = torch.empty_like(h)
-        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
-        for start in range(0, h.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            chunk_loss, grad_logits = _chunk_loss_and_logit_grad(h[rows], w, labels[rows], inv_count)
-            loss_sum = loss_sum + chunk_loss
-            grad_hidden[rows] = grad_logits @ w
-            grad_weight += grad_logits.t() @ h[rows]
+        loss, grad_hidden, grad_weight = _chunked_loss(
+            hidden.to(compute_dtype), weight.to(compute_dtype), labels, chunk_tokens, with_grads=True
+        )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        return loss_sum * inv_count
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -121,14 +128,9 @@ def linear_cross_entropy(
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    compute_dtype = _compute_dtype(hidden)
+    compute_dtype = autocast_dtype(hidden) or hidden.dtype
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         h, w = hidden2d.to(compute_dtype), weight.to(compute_dtype)
-        count = (labels1d != IGNORE_INDEX).sum().to(torch.promote_types(compute_dtype, torch.float32))
-        total = sum(
-            _chunk_loss_and_logit_grad(h[s : s + chunk], w, labels1d[s : s + chunk], None)[0]
-            for s in range(0, h.shape[0], chunk)
-        )
-        return total / count
+        return _chunked_loss(h, w, labels1d, chunk, with_grads=False)[0]
     with torch.autocast(hidden.device.type, enabled=False):
         return _LinearCrossEntropy.apply(hidden2d, weight, labels1d, chunk, compute_dtype)

@@ -23,6 +23,7 @@ from sparse_llm.config import ModelConfig
 from sparse_llm.kv_cache import KVCache
 from sparse_llm.loss import linear_cross_entropy
 from sparse_llm.ops.activation_counts import activation_counts
+from sparse_llm.precision import autocast_dtype
 from sparse_llm.rope import RotaryEmbedding, apply_rotary
 
 
@@ -69,9 +70,8 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(x.dtype)
-        if torch.is_autocast_enabled(x.device.type):
-            out = out.to(torch.get_autocast_dtype(x.device.type))
-        return out
+        compute_dtype = autocast_dtype(x)
+        return out if compute_dtype is None else out.to(compute_dtype)
 
 
 class Attention(nn.Module):
@@ -184,9 +184,7 @@ class ReluGatedMLP(nn.Module):
     def _inference_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x, Wg, Wu, Wd) in the dtype the dense matmuls would compute in: custom ops sit
         outside autocast, so cast as autocast would."""
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x) or x.dtype
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 

@@ -31,6 +31,7 @@ from sparse_llm.ops import train_ops  # noqa: F401  (registers torch.ops.sparse_
 from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
 from sparse_llm.ops.ffn import use_cuda_kernels
 from sparse_llm.ops.train_reference import acc_dtype
+from sparse_llm.precision import autocast_dtype
 
 TrainImpl = Literal["auto", "cuda", "reference"]
 
@@ -85,8 +86,8 @@ def ffn_forward_train(
     knob: any value is exact); the forward reads the numbers of active entries and heavy rows on
     the host once (they size the records and the GEMMs) while the GPU packs and projects the light
     rows, and the backward reads nothing."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x)
+    if dtype is not None:
         x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
     check_ffn_inputs(x, wg, wu, wd)
     if heavy_threshold < 0:
