@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sparsify-steps", type=int, default=0, help="Trainer steps at high L1 first")
     p.add_argument("--sparsify-l1", type=float, default=3e-3, help="L1 coefficient of the sparsify run")
     p.add_argument("--sparsify-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--sparsify-dir",
+        type=Path,
+        default=None,
+        help="keep the sparsify run (checkpoint and config) here, for --model in a later run; "
+        "default: a temporary directory",
+    )
     p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
     p.add_argument(
@@ -269,6 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         loaded = load_model(args.model, "cpu", torch.float32)
         mcfg, state, tokenizer = loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
+    elif args.sparsify_dir is not None and args.sparsify_steps > 0:
+        mcfg, state, tokenizer = sparsify(args, model, args.sparsify_dir)
     elif args.sparsify_steps > 0:
         with tempfile.TemporaryDirectory() as tmp:
             mcfg, state, tokenizer = sparsify(args, model, Path(tmp) / "sparsify")

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm.config import ModelConfig
 from sparse_llm.kv_cache import KVCache
 from sparse_llm.loss import linear_cross_entropy
+from sparse_llm.norm import rms_norm
 from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.precision import autocast_dtype
 from sparse_llm.rope import RotaryEmbedding, apply_rotary
@@ -66,12 +67,7 @@ class RMSNorm(nn.Module):
         return self._normalise(x)
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the scale, as transformers' LlamaRMSNorm does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(x.dtype)
-        compute_dtype = autocast_dtype(x)
-        return out if compute_dtype is None else out.to(compute_dtype)
+        return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
 
 
 class Attention(nn.Module):
@@ -163,11 +159,15 @@ class ReluGatedMLP(nn.Module):
         """Whether a forward now takes the sparse inference ops (no gradients, no statistics)."""
         return self.ffn_impl != "dense" and not torch.is_grad_enabled() and not with_stats
 
+    def runs_sparse_training(self) -> bool:
+        """Whether a forward now takes the sparse training op (`add_sparse_train_forward`)."""
+        return self.ffn_impl != "dense" and torch.is_grad_enabled() and not self.train_dense_fallback
+
     def forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The dense FFN, or the sparse inference ops; sparse training goes through
+        `add_sparse_train_forward`, which takes the norm with it."""
         if self.runs_sparse_inference(with_stats):
             return self._sparse_forward(x), ()
-        if self.ffn_impl != "dense" and torch.is_grad_enabled() and not self.train_dense_fallback:
-            return self._sparse_train_forward(x, with_stats)
         a = F.relu(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
@@ -206,17 +206,18 @@ class ReluGatedMLP(nn.Module):
             return residual + ops.ffn_forward(*operands, impl=self._ops_impl)
         return ops.ffn_add_(residual, *operands, impl=self._ops_impl)
 
-    def _sparse_train_forward(
-        self, x: torch.Tensor, with_stats: bool
+    def add_sparse_train_forward(
+        self, residual: torch.Tensor, norm: RMSNorm, with_stats: bool
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Training through `ops.ffn_forward_train`: it saves x plus a compact record of the
-        active units (no dense M x H tensor) and gives the layer's statistics from the same call.
-        `cuda` runs the CUDA kernels where they can take the inputs (bf16 on Hopper) and the
-        exact reference elsewhere."""
-        from sparse_llm import ops
+        """residual + self(norm(residual)) for training, through `ops.ffn_block_train`: it saves
+        the residual stream only on the tokens with an active unit plus a compact record of the
+        active units (no dense M x H tensor, no norm output), and gives the layer's statistics
+        from the same call. `cuda` runs the CUDA kernels where they can take the inputs (bf16 on
+        Hopper) and the exact reference elsewhere."""
+        from sparse_llm.ops.train_block import ffn_block_train
 
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        out = ops.ffn_forward_train(x, *weights, impl=self._ops_impl)
+        out = ffn_block_train(residual, norm.weight, norm.eps, *weights, impl=self._ops_impl)
         if not with_stats:
             return out.y, ()
         return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)
@@ -253,6 +254,8 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask, residual=x)
         if self.mlp.runs_sparse_inference(with_stats):
             return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x)), ()
+        if self.mlp.runs_sparse_training():
+            return self.mlp.add_sparse_train_forward(x, self.post_attention_layernorm, with_stats)
         y, stats = self.mlp(self.post_attention_layernorm(x), with_stats)
         return x + y, stats
 

@@ -128,7 +128,7 @@ def _train_five_steps(ffn_impl: str):
 
 
 def test_training_through_sparse_reference_equals_dense():
-    """ffn_impl=reference trains through ops.ffn_forward_train; same losses, weights and stats."""
+    """ffn_impl=reference trains through the sparse training op; same losses, weights and stats."""
     dense_losses, dense_stats, dense_state = _train_five_steps("dense")
     ref_losses, ref_stats, ref_state = _train_five_steps("reference")
     torch.testing.assert_close(ref_losses, dense_losses, rtol=1e-5, atol=1e-5)
@@ -140,11 +140,11 @@ def test_training_through_sparse_reference_equals_dense():
 
 
 def test_training_forward_uses_the_train_op_unless_fallen_back(monkeypatch):
-    from sparse_llm import ops
+    from sparse_llm.ops import train_block
 
     calls = []
-    real = ops.ffn_forward_train
-    monkeypatch.setattr(ops, "ffn_forward_train", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = train_block.ffn_block_train
+    monkeypatch.setattr(train_block, "ffn_block_train", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = build_model(small_config(ffn_impl="reference"))
     ids = torch.randint(0, 97, (2, 7))
     model(ids, labels=ids, with_stats=True).loss.backward()

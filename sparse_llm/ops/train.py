@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from sparse_llm.ops import train_ops  # noqa: F401  (registers torch.ops.sparse_llm.ffn_train_*)
+from sparse_llm.ops import train_ops
 from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
 from sparse_llm.ops.ffn import use_cuda_kernels
 from sparse_llm.ops.train_reference import acc_dtype
@@ -63,9 +63,24 @@ def resolve_train_impl(
     if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(
             f"ffn_forward_train: the CUDA training kernels cannot run ({reason}); using the reference",
-            stacklevel=3,
+            stacklevel=4,
         )
     return "reference"
+
+
+def prepare_train_weights(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """(Wg, Wu, Wd cast as autocast casts a matmul's and made contiguous, the resolved impl), after
+    checking them against the FFN's input x (already in the compute dtype)."""
+    dtype = autocast_dtype(x)
+    if dtype is not None:
+        wg, wu, wd = (t.to(dtype) for t in (wg, wu, wd))
+    check_ffn_inputs(x, wg, wu, wd)
+    if heavy_threshold < 0:
+        raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    return wg, wu, wd, resolve_train_impl(impl, x, wg, wu, wd)
 
 
 def ffn_forward_train(
@@ -88,16 +103,9 @@ def ffn_forward_train(
     rows, and the backward reads nothing."""
     dtype = autocast_dtype(x)
     if dtype is not None:
-        x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
-    check_ffn_inputs(x, wg, wu, wd)
-    if heavy_threshold < 0:
-        raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+        x = x.to(dtype)
+    wg, wu, wd, impl = prepare_train_weights(x, wg, wu, wd, impl, heavy_threshold)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if resolve_train_impl(impl, x, wg, wu, wd) == "cuda":
-        outputs = torch.ops.sparse_llm.ffn_train_fwd_cuda(x2, wg, wu, wd, heavy_threshold)
-    else:
-        outputs = torch.ops.sparse_llm.ffn_train_fwd_ref(x2, wg, wu, wd)
-    y, l1, nnz_per_token, fire_counts, *_ = outputs
+    y, l1, nnz_per_token, fire_counts, *_ = train_ops.train_forward(impl, x2, wg, wu, wd, heavy_threshold)
     l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
     return FFNTrainOutput(y.view(x.shape), l0, l1, nnz_per_token, fire_counts)

@@ -190,3 +190,24 @@ def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
 
 ffn_train_fwd_ref.register_autograd(_backward_with(ffn_train_bwd_ref), setup_context=_setup_context)
 ffn_train_fwd_cuda.register_autograd(_backward_with(ffn_train_bwd_cuda), setup_context=_setup_context)
+
+
+# --- dispatch by implementation (for callers that run the pair inside their own autograd) ---------
+
+
+def train_forward(
+    impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
+) -> tuple[torch.Tensor, ...]:
+    """The forward op of `impl` ('cuda' or 'reference'): (y, l1, nnz_per_token, fire_counts, *record)."""
+    if impl == "cuda":
+        return ffn_train_fwd_cuda(x, wg, wu, wd, heavy_threshold)
+    return ffn_train_fwd_ref(x, wg, wu, wd)
+
+
+def train_backward(
+    impl: str, grad_y: torch.Tensor, grad_l1: torch.Tensor, x: torch.Tensor, *saved: torch.Tensor
+) -> TrainBackwardOutput:
+    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x and, as the forward
+    saved them, (Wg, Wu, Wd, nnz_per_token, *record)."""
+    op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
+    return op(grad_y, grad_l1, x, *saved)

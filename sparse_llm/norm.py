@@ -1,0 +1,39 @@
+"""RMSNorm as transformers' LlamaRMSNorm computes it, and its backward written out.
+
+The backward is spelled out for the sparse FFN block (sparse_llm.ops.train_block), which runs
+the norm inside its own autograd function and differentiates it on the rows that changed only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim: normalised in float32 and cast back to x's dtype
+    before the scale, as transformers' LlamaRMSNorm does; then cast to `out_dtype` if given."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * x32.to(x.dtype)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def rms_norm_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x in x's dtype, grad_weight in weight's dtype) of `rms_norm` for x: [..., D].
+
+    With r = rsqrt(mean(x^2) + eps), xhat = x * r and g = grad_out * weight:
+    grad_x = r * (g - xhat * mean(g * xhat)), grad_weight = sum over rows of grad_out * xhat.
+    In float32 like the forward; the casts pass gradients through unchanged, as autograd's do.
+    """
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x32 * r
+    grad = grad_out.float()
+    grad_weight = (grad * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    g = grad * weight.float()
+    grad_x = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)

@@ -1,0 +1,115 @@
+"""The FFN half of a decoder layer on the sparse training path, as one differentiable op:
+
+    out = ffn_block_train(x, norm_weight, eps, Wg, Wu, Wd, impl="auto")
+    out.y              x + FFN(rms_norm(x)), like x
+    out.l1, out.nnz_per_token, out.fire_counts   as ffn_forward_train gives them
+
+Why one op: written as three (norm, ffn_forward_train, residual add), autograd keeps the norm's
+input (the residual stream, float32 under autocast) and the FFN's input (the norm's output) for
+every token. At >= 99% activation sparsity most tokens have no active unit: there the FFN adds
+exactly zero and the norm's gradient is zero. So this op keeps the residual stream only on the
+rows with an active unit and recomputes the norm there in the backward: a token with no active
+unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
+is transformers' LlamaRMSNorm (sparse_llm.norm).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_llm.norm import rms_norm, rms_norm_backward
+from sparse_llm.ops import train_ops
+from sparse_llm.ops.train import (
+    DEFAULT_TRAIN_HEAVY_THRESHOLD,
+    FFNTrainOutput,
+    TrainImpl,
+    prepare_train_weights,
+)
+from sparse_llm.ops.train_reference import acc_dtype
+from sparse_llm.precision import autocast_dtype
+
+
+class _FFNBlock(torch.autograd.Function):
+    """x + FFN(rms_norm(x)) for x: [M, D]; saves x on the active rows only (see the module doc)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        wg: torch.Tensor,
+        wu: torch.Tensor,
+        wd: torch.Tensor,
+        eps: float,
+        impl: str,
+        heavy_threshold: int,
+    ) -> tuple[torch.Tensor, ...]:
+        normed = rms_norm(x, norm_weight, eps, wg.dtype)
+        y, l1, nnz_per_token, fire_counts, *record = train_ops.train_forward(
+            impl, normed, wg, wu, wd, heavy_threshold
+        )
+        active_rows = nnz_per_token.nonzero().squeeze(1)
+        x_active = x.index_select(0, active_rows)
+        ctx.save_for_backward(x_active, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
+        ctx.eps, ctx.impl, ctx.rows = eps, impl, x.shape[0]
+        # The saved tensors of data-dependent length are returned too (and dropped by the caller):
+        # torch.compile traces this function only if every such length reaches an output.
+        ctx.mark_non_differentiable(nnz_per_token, fire_counts, x_active, active_rows, *record)
+        return x + y, l1, nnz_per_token, fire_counts, x_active, active_rows, *record
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_l1, *_unused):
+        x_active, active_rows, norm_weight, wg, *saved = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = x_active.new_zeros((ctx.rows, x_active.shape[1]))
+        if grad_l1 is None:
+            grad_l1 = x_active.new_zeros((), dtype=acc_dtype(wg.dtype))
+        # The norm's output where the FFN reads it (rows with an active unit); the other rows are
+        # never read by the backward kernels.
+        normed = x_active.new_zeros((ctx.rows, x_active.shape[1]), dtype=wg.dtype)
+        normed.index_copy_(0, active_rows, rms_norm(x_active, norm_weight, ctx.eps, wg.dtype))
+        # The residual add casts y's gradient to y's dtype, as autograd would.
+        grad_y = grad_out.to(wg.dtype).contiguous()
+        grad_normed, grad_wg, grad_wu, grad_wd = train_ops.train_backward(
+            ctx.impl, grad_y, grad_l1, normed, wg, *saved
+        )
+        # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
+        grad_x_active, grad_norm_weight = rms_norm_backward(
+            grad_normed.index_select(0, active_rows), x_active, norm_weight, ctx.eps
+        )
+        grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
+        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None
+
+
+def ffn_block_train(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    impl: TrainImpl = "auto",
+    *,
+    heavy_threshold: int = DEFAULT_TRAIN_HEAVY_THRESHOLD,
+) -> FFNTrainOutput:
+    """x + FFN(rms_norm(x)) with the FFN's statistics, differentiable in x, the norm weight and
+    the three FFN weights; `out.y` is that sum.
+
+    x: [..., D] (the residual stream); norm_weight: [D]; Wg, Wu: [H, D]; Wd: [D, H]. The FFN
+    runs in the autocast dtype (weights cast as autocast casts a matmul's), or in the weights'
+    dtype without autocast; impl and heavy_threshold as for `ffn_forward_train`.
+    """
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm_weight must be [D] = [{x.shape[-1]}], got {tuple(norm_weight.shape)}")
+    compute_dtype = autocast_dtype(x) or wg.dtype
+    # The FFN's input is the norm's output: x's shape in the compute dtype. An empty stand-in
+    # carries what the checks read (D, dtype, device) without computing it twice.
+    ffn_input = x.new_empty((0, x.shape[-1]), dtype=compute_dtype)
+    wg, wu, wd, impl = prepare_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    with torch.autocast(x.device.type, enabled=False):
+        out, l1, nnz_per_token, fire_counts, *_saved = _FFNBlock.apply(
+            x2, norm_weight, wg, wu, wd, eps, impl, heavy_threshold
+        )
+    l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()
+    return FFNTrainOutput(out.view(x.shape), l0, l1, nnz_per_token, fire_counts)

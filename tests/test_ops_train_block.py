@@ -1,0 +1,239 @@
+"""The sparse FFN block op (x + FFN(rms_norm(x)) in one autograd function): the outputs and the
+five gradients of the unfused ops, saved memory proportional to the rows with an active unit,
+and it composes with torch.compile, checkpointing and autocast. The GPU tests hold the CUDA
+path to the exactness contract against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
+from torch.utils.checkpoint import checkpoint
+
+from sparse_llm.norm import rms_norm, rms_norm_backward
+from sparse_llm.ops.train import ffn_forward_train
+from sparse_llm.ops.train_block import ffn_block_train
+from sparse_llm.precision import autocast_dtype
+
+EPS = 1e-5
+LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
+NAMES = ("out", "l1", "nnz_per_token", "fire_counts", "dx", "d_norm_weight", "dWg", "dWu", "dWd")
+
+
+def block(impl):
+    def run(x, norm_weight, wg, wu, wd):
+        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl=impl)
+        return out.y, out.l1, out.nnz_per_token, out.fire_counts
+
+    return run
+
+
+def unfused(impl):
+    """What the model ran before the block: the norm, the training FFN op and the residual add."""
+
+    def run(x, norm_weight, wg, wu, wd):
+        out = ffn_forward_train(rms_norm(x, norm_weight, EPS, autocast_dtype(x)), wg, wu, wd, impl=impl)
+        return x + out.y, out.l1, out.nnz_per_token, out.fire_counts
+
+    return run
+
+
+def dense(x, norm_weight, wg, wu, wd):
+    """The dense FFN block as the model computes it (under autocast when the caller enables it)."""
+    normed = rms_norm(x, norm_weight, EPS, autocast_dtype(x))
+    a = torch.relu(normed @ wg.T)
+    h = a * (normed @ wu.T)
+    active = a.reshape(-1, a.shape[-1]) > 0
+    l1 = h.reshape(-1, h.shape[-1]).abs().sum(-1).mean()
+    return x + h @ wd.T, l1, active.sum(-1), active.sum(0)
+
+
+def outputs_and_grads(fn, inputs, r, autocast_device=None):
+    """fn's outputs and the gradients of <r, out> + LAMBDA * l1 in x, the norm weight and Wg, Wu, Wd."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with torch.autocast(autocast_device or "cpu", dtype=torch.bfloat16, enabled=autocast_device is not None):
+        out, l1, nnz, fire = fn(*inputs)
+    ((out * r.to(out.dtype)).sum() + LAMBDA * l1).backward()
+    return (out, l1, nnz, fire, *(t.grad for t in inputs))
+
+
+def cpu_inputs(m, d, h, pattern="random", seed=0, dtype=torch.float64, lead=()):
+    """(x, norm_weight, wg, wu, wd); x[..., 0] = 1 and gate column 0 set the named pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, m, d, generator=gen, dtype=torch.float64)
+    norm_weight = 1 + 0.2 * torch.randn(d, generator=gen, dtype=torch.float64)
+    wg, wu = (torch.randn(h, d, generator=gen, dtype=torch.float64) / d**0.5 for _ in range(2))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64) / h**0.5
+    x[..., 0] = 1.0
+    bias = {"random": 0.3 * torch.randn(h, generator=gen, dtype=torch.float64), "all_inactive": -100.0}
+    bias["all_active"] = 100.0
+    if pattern == "empty_and_dense_rows":
+        x[..., ::3, :] = 0.0  # a zero residual row normalises to zero: no unit fires
+        x[..., 1::3, 0] = -50.0
+        wg[:, 0] = -2.0
+    else:
+        wg[:, 0] = bias[pattern]
+    return [t.to(dtype) for t in (x, norm_weight, wg, wu, wd)]
+
+
+def assert_close_all(got, want, tol):
+    """Integer statistics equal; the rest within `tol` relative (Frobenius) error."""
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        if w.dtype == torch.int64:
+            assert torch.equal(g, w), name
+        else:
+            err = (g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)
+            assert err <= tol, (name, err.item())
+
+
+@pytest.mark.parametrize("pattern", ["random", "all_inactive", "all_active", "empty_and_dense_rows"])
+@pytest.mark.parametrize(("m", "d", "h", "lead"), [(1, 4, 3, ()), (29, 16, 40, ()), (13, 8, 24, (2,))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_the_unfused_ops(pattern, m, d, h, lead, dtype):
+    inputs = cpu_inputs(m, d, h, pattern, seed=m + h, dtype=dtype, lead=lead)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = outputs_and_grads(block("reference"), inputs, r)
+    want = outputs_and_grads(unfused("reference"), inputs, r)
+    # The norm runs in float32 in both (as transformers' does): float32-level agreement.
+    assert_close_all(got, want, tol=1e-6)
+
+
+def test_bf16_autocast_with_fp32_weights_matches_the_unfused_ops():
+    inputs = cpu_inputs(64, 32, 96, "random", seed=3, dtype=torch.float32)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = outputs_and_grads(block("reference"), inputs, r, autocast_device="cpu")
+    want = outputs_and_grads(unfused("reference"), inputs, r, autocast_device="cpu")
+    assert got[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in got[4:])
+    assert_close_all(got, want, tol=1e-2)
+
+
+def test_rms_norm_backward_matches_autograd():
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(5, 7, 32, generator=gen).to(dtype).requires_grad_(True)
+        weight = (1 + torch.randn(32, generator=gen)).requires_grad_(True)
+        grad_out = torch.randn(5, 7, 32, generator=gen).to(torch.bfloat16)
+        rms_norm(x, weight, EPS, torch.bfloat16).backward(grad_out)
+        grad_x, grad_weight = rms_norm_backward(grad_out, x.detach(), weight.detach(), EPS)
+        assert grad_x.dtype == dtype and grad_weight.dtype == torch.float32
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(grad_x, x.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(grad_weight, weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def saved_tensors(fn, inputs):
+    saved = []
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(*inputs)
+    return saved
+
+
+def test_saves_the_residual_only_on_rows_with_an_active_unit():
+    m, d, h = 300, 16, 64
+    x, norm_weight, wg, wu, wd = cpu_inputs(m, d, h, "random", seed=5, dtype=torch.float32)
+    wg[:, 0] = -100.0  # nothing fires ...
+    wg[: h // 4, 1] = 200.0
+    x[:, 1] = torch.where(torch.arange(m) % 10 == 0, 1.0, -1.0)  # ... except on every tenth row
+    inputs = (x, norm_weight, wg, wu, wd)
+    nnz = ffn_block_train(*inputs[:1], norm_weight, EPS, wg, wu, wd).nnz_per_token
+    active = int((nnz > 0).sum())
+    assert 0 < active <= m // 10
+    ours = saved_tensors(block("reference"), inputs)
+    before = saved_tensors(unfused("reference"), inputs)
+    # No [M, D] tensor: the residual is kept on the active rows only, the norm output not at all.
+    assert not any(t.shape == (m, d) for t in ours), [tuple(t.shape) for t in ours]
+    assert any(t.shape == (active, d) and t.dtype == x.dtype for t in ours)
+    assert sum(t.shape == (m, d) for t in before) >= 2  # the norm's input and the FFN's input
+
+    def activation_bytes(saved):
+        weight_shapes = {tuple(t.shape) for t in inputs[1:]}
+        return sum(t.numel() * t.element_size() for t in saved if tuple(t.shape) not in weight_shapes)
+
+    assert activation_bytes(ours) < activation_bytes(before) / 5
+
+
+def test_compile_fullgraph_and_checkpointing_match_eager():
+    inputs = cpu_inputs(40, 16, 48, "random", seed=6, dtype=torch.float32)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    eager = outputs_and_grads(block("reference"), inputs, r)
+    compiled = outputs_and_grads(torch.compile(block("reference"), fullgraph=True), inputs, r)
+
+    def checkpointed(*args):
+        return checkpoint(block("reference"), *args, use_reentrant=False)
+
+    recomputed = outputs_and_grads(checkpointed, inputs, r)
+    assert_close_all(compiled, eager, tol=1e-6)
+    for name, a, b in zip(NAMES, eager, recomputed, strict=True):
+        assert torch.equal(a, b), f"checkpointed {name}"
+
+
+def test_bad_inputs_are_clear_errors():
+    x, norm_weight, wg, wu, wd = cpu_inputs(4, 8, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        ffn_block_train(x, norm_weight[:4], EPS, wg, wu, wd)
+    with pytest.raises(ValueError, match="Wd must be"):
+        ffn_block_train(x, norm_weight, EPS, wg, wu, wd.T.contiguous())
+    with pytest.raises(ValueError, match="impl='cuda' cannot run"):
+        ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="cuda")
+
+
+# --- the CUDA kernels, against float64 (DESIGN section 3) ----------------------------------------
+
+
+def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):
+    """fp32 residual, fp32 norm weight and fp32 master weights whose bf16 gate has the pattern."""
+    x, wg, wu, wd = gpu_pattern(pattern, m, d, h, seed)
+    norm_weight = torch.ones(d, device="cuda")
+    return [x.float(), norm_weight, wg.float(), wu.float(), wd.float()]
+
+
+def check_block_contract(inputs):
+    """Under bf16 autocast (fp32 residual and master weights): every output and gradient of the
+    CUDA block within 2x the dense bf16 block's error against float64 (plus a floor); the integer
+    statistics equal the dense bf16 block's; the same as the unfused CUDA ops up to rounding."""
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    got = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
+    before = outputs_and_grads(unfused("cuda"), inputs, r, autocast_device="cuda")
+    dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cuda")
+    want = outputs_and_grads(dense, [t.double() for t in inputs], r)
+    floor = 1e-5 if dense_bf16[2].sum() >= 64 else 2.0**-8
+    for name, g, b, d, w in zip(NAMES, got, before, dense_bf16, want, strict=True):
+        if w.dtype == torch.int64:
+            assert torch.equal(g, d) and torch.equal(g, b), name
+            continue
+        assert torch.isfinite(g).all() and g.dtype == torch.float32, name
+        if w.norm() == 0:
+            assert g.abs().max().item() == 0, name
+            continue
+        assert rel_err(g, w) <= 2 * rel_err(d, w) + floor, (name, rel_err(g, w), rel_err(d, w))
+        assert rel_err(g, b.double()) <= 1e-5 + rel_err(b, w), name
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (2051, 2048, 5632)])
+def test_cuda_block_matches_fp64(pattern, m, d, h):
+    check_block_contract(gpu_block_inputs(pattern, m, d, h, seed=m + d + h))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cuda_block_compiled_and_checkpointed_match_eager():
+    inputs = gpu_block_inputs("mixed_rows", 515, 256, 768, seed=9)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    eager = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
+    compiled = outputs_and_grads(torch.compile(block("cuda"), fullgraph=True), inputs, r, "cuda")
+
+    def checkpointed(*args):
+        return checkpoint(block("cuda"), *args, use_reentrant=False)
+
+    recomputed = outputs_and_grads(checkpointed, inputs, r, autocast_device="cuda")
+    for name, a, b, c in zip(NAMES, eager, compiled, recomputed, strict=True):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b) and torch.equal(a, c), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3, msg=f"compiled {name}")
+            assert torch.equal(a, c), f"checkpointed {name}"
