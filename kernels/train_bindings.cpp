@@ -65,13 +65,13 @@ RowSplit split_rows(const at::Tensor& nnz, const at::Tensor& heavy) {
 
 const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()); }
 
-// list [M] int64: the heavy rows' indices in order, then unspecified; pos = inclusive count of
-// heavy rows (its last element is their number).
-at::Tensor heavy_row_list(const at::Tensor& heavy, const at::Tensor& pos, cudaStream_t stream) {
-  const int64_t rows = heavy.size(0);
-  at::Tensor list = at::empty({rows}, heavy.options().dtype(at::kLong));
+// list [M] int64: the indices of the rows where `mask` is set, in order, then unspecified;
+// pos = inclusive count of those rows (its last element is their number).
+at::Tensor row_list(const at::Tensor& mask, const at::Tensor& pos, cudaStream_t stream) {
+  const int64_t rows = mask.size(0);
+  at::Tensor list = at::empty({rows}, mask.options().dtype(at::kLong));
   if (rows > 0)
-    check_cuda(sparse_llm::launch_compact_rows(mask_ptr(heavy), pos.data_ptr<int32_t>(), rows, list.data_ptr<int64_t>(),
+    check_cuda(sparse_llm::launch_compact_rows(mask_ptr(mask), pos.data_ptr<int32_t>(), rows, list.data_ptr<int64_t>(),
                                                stream),
                "compact_rows");
   return list;
@@ -82,16 +82,17 @@ at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
   return (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum();
 }
 
-// (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a,
-// heavy_u): the outputs of the reference op with the light rows' record (csr.cuh), then the heavy
-// rows' indices and record (they size the backward's GEMMs, so it needs no host read).
+// (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols,
+// heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an active unit)
+// with the light rows' record (csr.cuh), then the heavy rows' indices and record (they size the
+// backward's GEMMs, so it needs no host read).
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
 // capacity known in advance (threshold entries a row), so their pack and up/down are queued
 // before the host waits, and the GPU runs them while it does. Only the heavy rows' GEMMs (sized by
 // the read) and the copies of the light record to its exact size are queued after it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor>
+           at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward(
     const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, int64_t heavy_threshold) {
   check_weights(x, wg, wu, wd);
@@ -107,15 +108,19 @@ ffn_train_forward(
   check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
   const RowSplit split = split_rows(nnz, nnz.gt(heavy_threshold));
   const at::Tensor pos = at::cumsum(split.heavy, 0, at::kInt);
-  const at::Tensor list = heavy_row_list(split.heavy, pos, stream);
+  const at::Tensor list = row_list(split.heavy, pos, stream);
+  const at::Tensor active = nnz.gt(0);
+  const at::Tensor active_pos = at::cumsum(active, 0, at::kInt);
+  const at::Tensor active_list = row_list(active, active_pos, stream);
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
   at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
-  // The one host read: (light entries, heavy rows, heavy entries). It waits only for the counts:
-  // the light rows' work below is queued before it and runs while the host reads.
+  // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
+  // the counts: the light rows' work below is queued before it and runs while the host reads.
   sparse_llm_glue::EarlyHostRead sizes(
-      rows > 0 ? at::stack({split.light_ptr[rows], pos[rows - 1].to(at::kLong), split.heavy_ptr[rows]})
-               : at::zeros({3}, nnz.options()),
+      rows > 0 ? at::stack({split.light_ptr[rows], pos[rows - 1].to(at::kLong), split.heavy_ptr[rows],
+                            active_pos[rows - 1].to(at::kLong)})
+               : at::zeros({4}, nnz.options()),
       stream);
 
   // Light rows (and the fire counts of all rows). a and u are zero past the
@@ -139,6 +144,7 @@ ffn_train_forward(
 
   const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
+  const at::Tensor active_rows = active_list.narrow(0, 0, host_sizes[3]);
   // Exact-size copies: the backward's sort walks the whole record, and autograd would otherwise
   // keep the capacity alive.
   const at::Tensor cols = cols_cap.narrow(0, 0, light_total).clone();
@@ -166,7 +172,7 @@ ffn_train_forward(
     y.index_copy_(0, heavy_rows, at::mm(u, wd_t).narrow(0, 0, n_heavy));
     l1 = l1 + abs_h_sum(heavy_a, heavy_u) * inv_rows;
   }
-  return {y, l1, nnz, fire_long, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
+  return {y, l1, nnz, fire_long, active_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
@@ -258,8 +264,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
 
 void register_train_ops(pybind11::module_& m) {
   m.def("ffn_train_forward", &ffn_train_forward,
-        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals, heavy_rows, "
-        "heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take the dense path");
+        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals, "
+        "heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take the "
+        "dense path");
   m.def("ffn_train_backward", &ffn_train_backward,
         "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd)");
 }

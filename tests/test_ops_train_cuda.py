@@ -109,11 +109,14 @@ def test_records_match_reference_record(heavy_threshold):
     columns, gate values), in CSR order; fire counts and l1 cover both."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
-    _, l1, nnz, fire, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
+    _, l1, nnz, fire, active, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
         torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, heavy_threshold)
     )
-    _, l1_ref, nnz_ref, fire_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args)
+    _, l1_ref, nnz_ref, fire_ref, active_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(
+        *args
+    )
     assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
+    assert torch.equal(active, active_ref) and torch.equal(active, (nnz > 0).nonzero().flatten())
     assert torch.equal(heavy, (nnz > heavy_threshold).nonzero().flatten())
     entry_heavy = torch.repeat_interleave(nnz > heavy_threshold, nnz)
     for kind, record in (

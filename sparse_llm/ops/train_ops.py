@@ -1,7 +1,7 @@
 """The training FFN as torch.library custom ops: forward, backward, fakes and autograd.
 
-Two pairs with the same outputs (y, l1, nnz_per_token, fire_counts, then the compact record of
-the active entries for the backward):
+Two pairs with the same outputs (y, l1, nnz_per_token, fire_counts, active_rows: the rows with an
+active unit, then the compact record of the active entries for the backward):
 
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
   (sparse_llm.ops.train_reference), any device and float dtype.
@@ -31,10 +31,10 @@ from sparse_llm.ops.train_reference import (
 )
 
 _T = torch.Tensor
-# (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals); the CUDA pair adds heavy_rows and the
-# heavy rows' record (heavy_cols, heavy_a, heavy_u).
-RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T]
-CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
+# (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals); the CUDA pair adds
+# heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
+RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
+CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
 
 
@@ -50,6 +50,7 @@ def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> RefFo
         x.new_empty((), dtype=acc_dtype(x.dtype)),
         x.new_empty(m, dtype=torch.int64),
         x.new_empty(hidden, dtype=torch.int64),
+        x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64),
         *_fake_record(x, cols),
     )
 
@@ -65,8 +66,10 @@ def _fake_backward(x, wg, wu, wd) -> TrainBackwardOutput:
 def ffn_train_fwd_ref(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
 ) -> RefForwardOutput:
-    """x: [M, D]; wg, wu: [H, D]; wd: [D, H]. (y, l1, nnz_per_token, fire_counts, cols, a_vals, u_vals)."""
-    return ffn_train_forward_reference(x, wg, wu, wd)
+    """x: [M, D]; wg, wu: [H, D]; wd: [D, H].
+    (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals)."""
+    y, l1, nnz_per_token, fire_counts, *record = ffn_train_forward_reference(x, wg, wu, wd)
+    return y, l1, nnz_per_token, fire_counts, nnz_per_token.nonzero().squeeze(1), *record
 
 
 @ffn_train_fwd_ref.register_fake
@@ -167,12 +170,13 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heav
 
 def _setup_context(ctx, inputs, output):
     # Inputs: x, the weights, then non-tensor options (the CUDA pair's heavy_threshold). Outputs:
-    # y, l1, nnz_per_token, fire_counts, then the record the backward takes after nnz_per_token.
+    # y, l1, nnz_per_token, fire_counts, active_rows, then the record the backward takes after
+    # nnz_per_token.
     x, wg, wu, wd, *options = inputs
-    _, _, nnz_per_token, fire_counts, *record = output
+    _, _, nnz_per_token, fire_counts, active_rows, *record = output
     ctx.n_options = len(options)
     ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, *record)
-    ctx.mark_non_differentiable(nnz_per_token, fire_counts, *record)
+    ctx.mark_non_differentiable(nnz_per_token, fire_counts, active_rows, *record)
 
 
 def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
@@ -198,7 +202,8 @@ ffn_train_fwd_cuda.register_autograd(_backward_with(ffn_train_bwd_cuda), setup_c
 def train_forward(
     impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
 ) -> tuple[torch.Tensor, ...]:
-    """The forward op of `impl` ('cuda' or 'reference'): (y, l1, nnz_per_token, fire_counts, *record)."""
+    """The forward op of `impl` ('cuda' or 'reference'):
+    (y, l1, nnz_per_token, fire_counts, active_rows, *record)."""
     if impl == "cuda":
         return ffn_train_fwd_cuda(x, wg, wu, wd, heavy_threshold)
     return ffn_train_fwd_ref(x, wg, wu, wd)
