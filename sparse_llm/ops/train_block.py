@@ -11,6 +11,11 @@ exactly zero and the norm's gradient is zero. So this op keeps the residual stre
 rows with an active unit and recomputes the norm there in the backward: a token with no active
 unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
 is transformers' LlamaRMSNorm (sparse_llm.norm).
+
+Eager autograd keeps exactly that. Under torch.compile the partitioner chooses from the whole
+graph what to keep: on the 1b training step it keeps the block's input and the FFN's bf16 output
+(so that the next layer's input is recomputed, not saved) and takes the active rows again in the
+backward; the step still holds 3.1 GiB less than with the three ops (benchmarks/NOTES_kernels.md).
 """
 
 from __future__ import annotations
