@@ -66,9 +66,10 @@ def test_loss_is_next_token_cross_entropy():
     torch.testing.assert_close(model(ids, labels=ids).loss, expected)
 
 
+@pytest.mark.parametrize("ffn_impl", ["dense", "reference"])
 @pytest.mark.parametrize("memory_saver", ["activation_checkpointing", "recompute_norms"])
-def test_memory_savers_give_same_gradients(memory_saver):
-    cfg = small_config()
+def test_memory_savers_give_same_gradients(memory_saver, ffn_impl):
+    cfg = small_config(ffn_impl=ffn_impl)
     torch.manual_seed(2)
     model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))

@@ -10,6 +10,7 @@ from sparse_llm.ops.ffn import DEFAULT_HEAVY_THRESHOLD, ffn_add_, ffn_forward, t
 from sparse_llm.ops.linear_add import linear_add_
 from sparse_llm.ops.reference import ffn_forward_reference
 from sparse_llm.ops.train import FFNTrainOutput, ffn_forward_train
+from sparse_llm.ops.train_block import ffn_block_train
 from sparse_llm.ops.twell import SLOTS, TILE, TwellPacked, twell_pack_reference, twell_unpack
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "TwellPacked",
     "check_ffn_inputs",
     "ffn_add_",
+    "ffn_block_train",
     "ffn_forward",
     "ffn_forward_reference",
     "ffn_forward_train",

@@ -62,7 +62,7 @@ def resolve_train_impl(
         return "cuda"
     if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(
-            f"ffn_forward_train: the CUDA training kernels cannot run ({reason}); using the reference",
+            f"sparse training FFN: the CUDA training kernels cannot run ({reason}); using the reference",
             stacklevel=4,
         )
     return "reference"
