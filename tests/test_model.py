@@ -226,3 +226,33 @@ def test_attention_residual_in_the_gemm_epilogue_matches_the_separate_add():
         got = layer.self_attn(layer.input_layernorm(x), cos, sin, residual=residual)
     assert got is residual  # updated in place
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_sparse_training_step_keeps_one_token_sized_residual_per_layer():
+    """With few active units, the compiled sparse training step keeps, per layer, the layer's input
+    (fp32 residual) and its attention norm's output, and for the FFN half only the active rows:
+    no FFN output, no second residual, no FFN input (what torch.compile's partitioner chose
+    before the FFN block op returned the active rows itself)."""
+    from sparse_llm.compiling import compile_model
+
+    layers = 3
+    cfg = small_config(ffn_impl="reference", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:  # one unit can fire (on about half the tokens)
+            layer.mlp.gate_proj.weight[1:] = 0.0
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    token_sized = []
+
+    def pack(t):
+        if t.shape[-1] == cfg.hidden_size and t.numel() == ids.numel() * cfg.hidden_size:
+            token_sized.append(t.dtype)
+        return t
+
+    step = compile_model(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        out = step(ids, labels=ids, with_stats=True)
+    assert 0 < out.ffn_stats.nnz_per_token.sum() < ids.numel() * layers
+    # Per layer its fp32 input and its attention norm's bf16 output; then the final norm's pair.
+    assert sorted(token_sized, key=str) == sorted([torch.float32, torch.bfloat16] * (layers + 1), key=str)

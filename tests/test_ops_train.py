@@ -131,9 +131,13 @@ def test_gradcheck_float64():
 
 def test_opcheck():
     x, wg, wu, wd = make(9, 4, 12, seed=2)
-    torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_ref.default, (x, wg, wu, wd))
-    y, _, nnz, _, active, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_ref(x, wg, wu, wd)
-    assert torch.equal(active, (nnz > 0).nonzero().flatten())
+    keep = torch.randn(9, 3, dtype=torch.float64)
+    for kept in (None, keep):
+        torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_ref.default, (x, wg, wu, wd, kept))
+    y, _, nnz, _, active, kept_rows, cols, a_vals, u_vals = torch.ops.sparse_llm.ffn_train_fwd_ref(
+        x, wg, wu, wd, keep
+    )
+    assert torch.equal(active, (nnz > 0).nonzero().flatten()) and torch.equal(kept_rows, keep[active])
     torch.library.opcheck(
         torch.ops.sparse_llm.ffn_train_bwd_ref.default,
         (torch.randn_like(y), torch.tensor(0.3), x, wg, wu, wd, nnz, cols, a_vals, u_vals),
@@ -256,11 +260,13 @@ def test_cuda_ops_trace_under_fake_tensors():
         x, wg, wu, wd = (
             torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
         )
-        y, l1, nnz, fire, active, cols, a_vals, u_vals, heavy, *heavy_record = (
-            torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, 64)
+        keep = torch.empty(6, 16)
+        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record = (
+            torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, keep, 64)
         )
         assert y.shape == x.shape and l1.dtype == torch.float32 and nnz.shape == (6,) and fire.shape == (24,)
         assert active.dtype == torch.int64 and active.dim() == 1
+        assert kept_rows.dtype == torch.float32 and kept_rows.shape == (active.shape[0], 16)
         assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
         heavy_cols, heavy_a, heavy_u = heavy_record

@@ -109,14 +109,15 @@ def test_records_match_reference_record(heavy_threshold):
     columns, gate values), in CSR order; fire counts and l1 cover both."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
-    _, l1, nnz, fire, active, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
-        torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, heavy_threshold)
+    keep = torch.randn(w.x.shape[0], 5, device="cuda")
+    _, l1, nnz, fire, active, kept, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
+        torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, keep, heavy_threshold)
     )
-    _, l1_ref, nnz_ref, fire_ref, active_ref, cols_ref, a_ref, u_ref = torch.ops.sparse_llm.ffn_train_fwd_ref(
-        *args
-    )
+    ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args, None)
+    (_, l1_ref, nnz_ref, fire_ref, active_ref, _, cols_ref, a_ref, u_ref) = ref
     assert torch.equal(nnz, nnz_ref) and torch.equal(fire, fire_ref)
     assert torch.equal(active, active_ref) and torch.equal(active, (nnz > 0).nonzero().flatten())
+    assert torch.equal(kept, keep[active])
     assert torch.equal(heavy, (nnz > heavy_threshold).nonzero().flatten())
     entry_heavy = torch.repeat_interleave(nnz > heavy_threshold, nnz)
     for kind, record in (
@@ -142,7 +143,8 @@ def test_backward_is_deterministic():
 @needs_hopper
 def test_opcheck():
     x, wg, wu, wd = gpu_pattern("random", 64, 128, 256, seed=2)
-    torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_cuda, (x, wg, wu, wd, 4))
+    for keep in (None, torch.randn(64, 16, device="cuda")):
+        torch.library.opcheck(torch.ops.sparse_llm.ffn_train_fwd_cuda, (x, wg, wu, wd, keep, 4))
 
 
 @needs_hopper

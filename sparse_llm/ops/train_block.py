@@ -12,10 +12,10 @@ rows with an active unit and recomputes the norm there in the backward: a token 
 unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
 is transformers' LlamaRMSNorm (sparse_llm.norm).
 
-Eager autograd keeps exactly that. Under torch.compile the partitioner chooses from the whole
-graph what to keep: on the 1b training step it keeps the block's input and the FFN's bf16 output
-(so that the next layer's input is recomputed, not saved) and takes the active rows again in the
-backward; the step still holds 3.1 GiB less than with the three ops (benchmarks/NOTES_kernels.md).
+Under torch.compile the partitioner chooses from the whole graph what to keep; the active rows
+come out of the FFN's custom op (its `keep` input), which it cannot move into the backward, so it
+keeps them and the layer's output (the next layer's input) rather than the block's whole input
+and the FFN's output (checked on the AOT graph of a CPU model; benchmarks/NOTES_kernels.md).
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ class _FFNBlock(torch.autograd.Function):
         heavy_threshold: int,
     ) -> tuple[torch.Tensor, ...]:
         normed = rms_norm(x, norm_weight, eps, wg.dtype)
-        # active_rows comes with the counts the op reads on the host anyway: no extra sync.
-        y, l1, nnz_per_token, fire_counts, active_rows, *record = train_ops.train_forward(
-            impl, normed, wg, wu, wd, heavy_threshold
+        # The op returns x's active rows (`keep`): as an output of a custom op they are what
+        # torch.compile saves, where an index_select here would be moved into the backward and
+        # the whole x kept for it.
+        y, l1, nnz_per_token, fire_counts, active_rows, x_active, *record = train_ops.train_forward(
+            impl, normed, wg, wu, wd, heavy_threshold, keep=x
         )
-        x_active = x.index_select(0, active_rows)
         ctx.save_for_backward(x_active, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
         ctx.eps, ctx.impl, ctx.rows = eps, impl, x.shape[0]
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):

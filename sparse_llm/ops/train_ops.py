@@ -1,7 +1,10 @@
 """The training FFN as torch.library custom ops: forward, backward, fakes and autograd.
 
 Two pairs with the same outputs (y, l1, nnz_per_token, fire_counts, active_rows: the rows with an
-active unit, then the compact record of the active entries for the backward):
+active unit, kept_rows, then the compact record of the active entries for the backward).
+kept_rows are the active rows of the optional input `keep` ([M, *], [0, D] without it): a caller
+that runs the op inside its own autograd function (ops.train_block) gets the rows it saves from
+the op, where torch.compile saves them rather than the whole tensor they come from.
 
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
   (sparse_llm.ops.train_reference), any device and float dtype.
@@ -31,10 +34,10 @@ from sparse_llm.ops.train_reference import (
 )
 
 _T = torch.Tensor
-# (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals); the CUDA pair adds
-# heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
-RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
-CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
+# (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
+# adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
+RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
+CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
 
 
@@ -43,16 +46,25 @@ def _fake_record(x: torch.Tensor, cols: torch.dtype) -> tuple[_T, _T, _T]:
     return x.new_empty(nnz, dtype=cols), x.new_empty(nnz), x.new_empty(nnz)
 
 
-def _fake_forward(x: torch.Tensor, wg: torch.Tensor, cols: torch.dtype) -> RefForwardOutput:
+def _fake_forward(
+    x: torch.Tensor, wg: torch.Tensor, keep: torch.Tensor | None, cols: torch.dtype
+) -> RefForwardOutput:
     m, hidden = x.shape[0], wg.shape[0]
+    n_active = torch.library.get_ctx().new_dynamic_size()
     return (
         x.new_empty(m, x.shape[1]),
         x.new_empty((), dtype=acc_dtype(x.dtype)),
         x.new_empty(m, dtype=torch.int64),
         x.new_empty(hidden, dtype=torch.int64),
-        x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64),
+        x.new_empty(n_active, dtype=torch.int64),
+        x.new_empty(0, x.shape[1]) if keep is None else keep.new_empty(n_active, keep.shape[1]),
         *_fake_record(x, cols),
     )
+
+
+def _kept_rows(keep: torch.Tensor | None, active_rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """keep's active rows, or an empty [0, D] tensor without `keep`."""
+    return x.new_empty(0, x.shape[1]) if keep is None else keep.index_select(0, active_rows)
 
 
 def _fake_backward(x, wg, wu, wd) -> TrainBackwardOutput:
@@ -64,17 +76,18 @@ def _fake_backward(x, wg, wu, wd) -> TrainBackwardOutput:
 
 @torch.library.custom_op("sparse_llm::ffn_train_fwd_ref", mutates_args=())
 def ffn_train_fwd_ref(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, keep: torch.Tensor | None
 ) -> RefForwardOutput:
-    """x: [M, D]; wg, wu: [H, D]; wd: [D, H].
-    (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals)."""
+    """x: [M, D]; wg, wu: [H, D]; wd: [D, H]; keep: None or [M, *] (see the module doc).
+    (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals)."""
     y, l1, nnz_per_token, fire_counts, *record = ffn_train_forward_reference(x, wg, wu, wd)
-    return y, l1, nnz_per_token, fire_counts, nnz_per_token.nonzero().squeeze(1), *record
+    active_rows = nnz_per_token.nonzero().squeeze(1)
+    return y, l1, nnz_per_token, fire_counts, active_rows, _kept_rows(keep, active_rows, x), *record
 
 
 @ffn_train_fwd_ref.register_fake
-def _(x, wg, wu, wd):
-    return _fake_forward(x, wg, col_dtype(wg.shape[0]))
+def _(x, wg, wu, wd, keep):
+    return _fake_forward(x, wg, keep, col_dtype(wg.shape[0]))
 
 
 @torch.library.custom_op("sparse_llm::ffn_train_bwd_ref", mutates_args=())
@@ -104,19 +117,27 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals):
 
 @torch.library.custom_op("sparse_llm::ffn_train_fwd_cuda", mutates_args=())
 def ffn_train_fwd_cuda(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    keep: torch.Tensor | None,
+    heavy_threshold: int,
 ) -> CudaForwardOutput:
     """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32) with the
     light rows' record, then the heavy rows' indices and record: rows with more than
     heavy_threshold active units take the dense path (a speed knob only)."""
-    return tuple(extension().ffn_train_forward(x, wg, wu, wd, heavy_threshold))
+    y, l1, nnz_per_token, fire_counts, active_rows, *record = extension().ffn_train_forward(
+        x, wg, wu, wd, heavy_threshold
+    )
+    return y, l1, nnz_per_token, fire_counts, active_rows, _kept_rows(keep, active_rows, x), *record
 
 
 @ffn_train_fwd_cuda.register_fake
-def _(x, wg, wu, wd, heavy_threshold):
+def _(x, wg, wu, wd, keep, heavy_threshold):
     n_heavy = torch.library.get_ctx().new_dynamic_size()
     return (
-        *_fake_forward(x, wg, torch.int32),
+        *_fake_forward(x, wg, keep, torch.int32),
         x.new_empty(n_heavy, dtype=torch.int64),
         *_fake_record(x, torch.int32),
     )
@@ -173,10 +194,10 @@ def _setup_context(ctx, inputs, output):
     # y, l1, nnz_per_token, fire_counts, active_rows, then the record the backward takes after
     # nnz_per_token.
     x, wg, wu, wd, *options = inputs
-    _, _, nnz_per_token, fire_counts, active_rows, *record = output
+    _, _, nnz_per_token, fire_counts, active_rows, kept_rows, *record = output
     ctx.n_options = len(options)
     ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, *record)
-    ctx.mark_non_differentiable(nnz_per_token, fire_counts, active_rows, *record)
+    ctx.mark_non_differentiable(nnz_per_token, fire_counts, active_rows, kept_rows, *record)
 
 
 def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
@@ -200,13 +221,19 @@ ffn_train_fwd_cuda.register_autograd(_backward_with(ffn_train_bwd_cuda), setup_c
 
 
 def train_forward(
-    impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, heavy_threshold: int
+    impl: str,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    heavy_threshold: int,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The forward op of `impl` ('cuda' or 'reference'):
-    (y, l1, nnz_per_token, fire_counts, active_rows, *record)."""
+    (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, *record)."""
     if impl == "cuda":
-        return ffn_train_fwd_cuda(x, wg, wu, wd, heavy_threshold)
-    return ffn_train_fwd_ref(x, wg, wu, wd)
+        return ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold)
+    return ffn_train_fwd_ref(x, wg, wu, wd, keep)
 
 
 def train_backward(
