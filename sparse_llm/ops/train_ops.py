@@ -124,9 +124,9 @@ def ffn_train_fwd_cuda(
     keep: torch.Tensor | None,
     heavy_threshold: int,
 ) -> CudaForwardOutput:
-    """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32) with the
-    light rows' record, then the heavy rows' indices and record: rows with more than
-    heavy_threshold active units take the dense path (a speed knob only)."""
+    """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32; keep as
+    there) with the light rows' record, then the heavy rows' indices and record: rows with more
+    than heavy_threshold active units take the dense path (a speed knob only)."""
     y, l1, nnz_per_token, fire_counts, active_rows, *record = extension().ffn_train_forward(
         x, wg, wu, wd, heavy_threshold
     )
@@ -190,9 +190,9 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heav
 
 
 def _setup_context(ctx, inputs, output):
-    # Inputs: x, the weights, then non-tensor options (the CUDA pair's heavy_threshold). Outputs:
-    # y, l1, nnz_per_token, fire_counts, active_rows, then the record the backward takes after
-    # nnz_per_token.
+    # Inputs: x, the weights, then options that get no gradient (keep; the CUDA pair's
+    # heavy_threshold). Outputs: y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, then
+    # the record the backward takes after nnz_per_token.
     x, wg, wu, wd, *options = inputs
     _, _, nnz_per_token, fire_counts, active_rows, kept_rows, *record = output
     ctx.n_options = len(options)
