@@ -15,6 +15,13 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
+# The exactness contract's floors on the relative error. Where fewer than SMALL_SUPPORT terms are
+# summed, each error is one or two bf16 roundings and the ratio of two of them is noise, so the
+# floor is two bf16 unit roundoffs (2 x 2^-9: one rounding of an intermediate, one of the output).
+ABS_FLOOR = 1e-5
+SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of out against a float64 reference."""
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -6,7 +6,7 @@ floor), every output element written, on fresh random inputs and on adversarial 
 
 import pytest
 import torch
-from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
+from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
 
 from sparse_llm import ops
 from sparse_llm.ops.cuda_ops import extension
@@ -14,8 +14,6 @@ from sparse_llm.ops.twell import TILE, n_tiles
 from sparse_llm.ops.workload import make_workload
 
 pytestmark = pytest.mark.gpu
-
-ABS_FLOOR = 1e-5
 
 
 def _ffn64(x, wg, wu, wd):

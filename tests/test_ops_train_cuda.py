@@ -13,7 +13,15 @@ a roundoff was too tight: one active unit, D = H = 8, gave dWu errors 3.5e-3 (ou
 
 import pytest
 import torch
-from ffn_patterns import PATTERNS, gpu_pattern, needs_hopper, rel_err
+from ffn_patterns import (
+    ABS_FLOOR,
+    PATTERNS,
+    SMALL_SUPPORT,
+    SMALL_SUPPORT_FLOOR,
+    gpu_pattern,
+    needs_hopper,
+    rel_err,
+)
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.ops.train import ffn_forward_train
@@ -22,8 +30,6 @@ from sparse_llm.ops.workload import make_workload
 pytestmark = pytest.mark.gpu
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
-ABS_FLOOR = 1e-5
-SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
 NAMES = ("y", "l1", "nnz_per_token", "fire_counts", "dx", "dWg", "dWu", "dWd")
 
 
