@@ -248,8 +248,9 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
 
 }  // namespace
 
-// The training ops, defined in train_bindings.cpp.
+// The training ops, defined in train_bindings.cpp, and the loss's, in loss_bindings.cpp.
 void register_train_ops(pybind11::module_& m);
+void register_loss_ops(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
@@ -264,4 +265,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("masked_gate_min_rows") = kMaskedGateMinRows;
   m.def("kv_cache_write_rope", &kv_cache_write_rope, "rope(k) and v into the KV cache's columns [start, start + T)");
   register_train_ops(m);
+  register_loss_ops(m);
 }

@@ -8,16 +8,22 @@ the forward computes each chunk's loss and, while the chunk is in hand, its grad
 to the hidden states and the projection weight (the loss is the last op of the graph, so its
 backward is known to follow), and the backward only scales them by the incoming gradient. The
 arithmetic is the same as the unfused path (logits in the compute dtype, softmax in fp32, mean
-over the labels that are not `ignore_index`); the weight gradient is summed over chunks in fp32.
+over the labels that are not `ignore_index`); the weight gradient is summed over chunks in fp32,
+on CUDA by the GEMM itself (addmm with a float32 output).
+
+Under torch.compile the chunks must stay one after the other. The step between a chunk's logit
+GEMM and its gradient GEMMs (ops.cross_entropy_rows) is a CUDA kernel, opaque to Inductor, on a
+Hopper GPU; written in PyTorch, Inductor fused every chunk's softmax gradient into one kernel
+after all the logit GEMMs, and all the chunks' logits were alive at once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows
 from sparse_llm.precision import autocast_dtype
 
-IGNORE_INDEX = -100
 # Tokens per chunk: the chunk's fp32 logits stay under ~1 GiB whatever the vocabulary.
 _CHUNK_ELEMENTS = 1 << 28
 
@@ -32,23 +38,25 @@ def _chunk_loss_and_logit_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed loss of a chunk, gradient of the mean loss w.r.t. its logits in the compute dtype,
     or None when `inv_count` is None)."""
-    logits = hidden @ weight.t()
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    valid = labels != IGNORE_INDEX
-    safe_labels = torch.where(valid, labels, 0).unsqueeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(-1, safe_labels).squeeze(-1)
-    loss_sum = torch.where(valid, lse - target, 0.0).sum()
-    if inv_count is None:
-        return loss_sum, None
-    scale = (valid.to(logits.dtype) * inv_count).unsqueeze(-1)
-    # softmax - one_hot(label), written elementwise (no scatter) so that the compiler fuses it
-    # into one pass from the logits to the compute-dtype gradient, with no fp32 [tokens, vocab]
-    # buffer in between.
-    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-    one_hot = (vocab_ids == safe_labels).to(logits.dtype)
-    grad = (torch.exp(logits - lse.unsqueeze(-1)) - one_hot) * scale
-    return loss_sum, grad.to(hidden.dtype)
+    loss_rows, grad = cross_entropy_rows(hidden @ weight.t(), labels, inv_count, IGNORE_INDEX)
+    return loss_rows.sum(), grad
+
+
+def _add_matmul(
+    acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype
+) -> torch.Tensor:
+    """acc + a @ b (a @ b when acc is None) in acc_dtype, which may be wider than a's and b's. On
+    CUDA one GEMM accumulates into acc: no rounded partial product to keep and add."""
+    if a.dtype == acc_dtype:
+        return a @ b if acc is None else torch.addmm(acc, a, b)
+    if a.is_cuda:
+        return (
+            torch.mm(a, b, out_dtype=acc_dtype)
+            if acc is None
+            else torch.addmm(acc, a, b, out_dtype=acc_dtype)
+        )
+    product = (a @ b).to(acc_dtype)
+    return product if acc is None else acc + product
 
 
 def _chunked_loss(
@@ -59,8 +67,7 @@ def _chunked_loss(
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     count = (labels != IGNORE_INDEX).sum()
     inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
-    grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if with_grads else None
+    grad_hidden_chunks, grad_weight = [], None
     loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
@@ -69,9 +76,13 @@ def _chunked_loss(
         )
         loss_sum = loss_sum + chunk_loss
         if with_grads:
-            grad_hidden[rows] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ hidden[rows]
-    return loss_sum * inv_count, grad_hidden, grad_weight
+            grad_hidden_chunks.append(grad_logits @ weight)
+            grad_weight = _add_matmul(grad_weight, grad_logits.t(), hidden[rows], acc_dtype)
+    if not with_grads:
+        return loss_sum * inv_count, None, None
+    if grad_weight is None:  # no tokens
+        return loss_sum * inv_count, torch.zeros_like(hidden), weight.new_zeros(weight.shape, dtype=acc_dtype)
+    return loss_sum * inv_count, torch.cat(grad_hidden_chunks), grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
+from sparse_llm.ops.cross_entropy import cross_entropy_rows, cross_entropy_rows_reference, runs_on_kernel
 
 
 def _inputs(tokens: int, dim: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -89,6 +90,56 @@ def test_bad_inputs_are_refused() -> None:
         linear_cross_entropy(hidden, weight, labels, chunk_tokens=-2)
 
 
+def test_cross_entropy_rows_refuses_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        cross_entropy_rows(torch.zeros(4, 7), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        cross_entropy_rows(torch.zeros(2, 4, 7), torch.zeros(2, 4, dtype=torch.long))
+
+
+needs_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() and runs_on_kernel(torch.empty(0, device="cuda", dtype=torch.bfloat16))),
+    reason="the cross-entropy kernel needs the CUDA extension on a Hopper GPU",
+)
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 8), (3, 7), (257, 1000), (64, 49152), (5, 50257), (0, 16)])
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_cross_entropy_kernel_matches_reference(rows: int, vocab: int, with_grad: bool) -> None:
+    """The kernel (16-byte loads where V % 8 == 0, one value a load elsewhere) against the PyTorch
+    computation on the same bf16 logits: wide logits, ignored rows, labels at both ends."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + vocab)
+    logits = (8 * torch.randn(rows, vocab, device="cuda", generator=gen)).bfloat16()
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    labels[::3] = IGNORE_INDEX
+    labels[1::5] = vocab - 1
+    labels[2::7] = 0
+    scale = torch.tensor(1 / max(rows, 1), device="cuda") if with_grad else None
+    loss, grad = cross_entropy_rows(logits, labels, scale)
+    want_loss, want_grad = cross_entropy_rows_reference(logits, labels, scale)
+    assert loss.dtype == torch.float32 and loss.shape == (rows,)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    if not with_grad:
+        assert grad is None
+        return
+    assert grad.dtype == torch.bfloat16 and grad.shape == logits.shape
+    # Both round the same fp32 value to bf16; expf and torch.exp may differ in its last fp32 bits.
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=2**-7, atol=1e-7)
+    assert (grad[labels == IGNORE_INDEX] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_cross_entropy_kernel_marks_out_of_range_labels_nan() -> None:
+    logits = torch.randn(3, 16, device="cuda").bfloat16()
+    labels = torch.tensor([16, -1, 4], device="cuda")
+    loss, grad = cross_entropy_rows(logits, labels, torch.tensor(1.0, device="cuda"))
+    assert loss[:2].isnan().all() and grad[:2].isnan().all()
+    assert loss[2].isfinite() and grad[2].isfinite().all()
+
+
 def _peak_and_grads(loss_fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple:
     """Peak bytes allocated above the start by loss_fn() and its backward; the loss and grads."""
     hidden.grad = weight.grad = None  # new tensors: the caller's earlier grads stay intact
@@ -128,3 +179,32 @@ def test_cuda_bf16_compiled_matches_unfused_without_the_whole_logits() -> None:
         err = (ours_grad - ref_grad).norm() / ref_grad.norm()
         assert err < 1e-2, err
     assert peak_ours < 0.4 * peak_ref, (peak_ours / 2**20, peak_ref / 2**20)
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_cuda_compiled_loss_runs_its_chunks_one_after_the_other() -> None:
+    """Compiled, the chunks stay sequential: the peak is no higher than eager's, where each chunk's
+    logits are freed before the next chunk's GEMM by construction (before the kernel, Inductor
+    computed every chunk's logits first: 8 chunks of 64 MiB alive here)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens, dim, vocab = 8192, 512, 32768
+    hidden = torch.randn(tokens, dim, device="cuda", generator=gen).requires_grad_()
+    weight = (0.05 * torch.randn(vocab, dim, device="cuda", generator=gen)).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+
+    def run(fn):
+        def step() -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(hidden, weight, labels, chunk_tokens=1024)
+
+        return step
+
+    compiled = run(torch.compile(linear_cross_entropy))
+    compiled()
+    peak_compiled, loss_compiled, gh_compiled, gw_compiled = _peak_and_grads(compiled, hidden, weight)
+    peak_eager, loss_eager, gh_eager, gw_eager = _peak_and_grads(run(linear_cross_entropy), hidden, weight)
+    assert peak_compiled <= 1.05 * peak_eager, (peak_compiled / 2**20, peak_eager / 2**20)
+    torch.testing.assert_close(loss_compiled, loss_eager)
+    torch.testing.assert_close(gh_compiled, gh_eager)
+    torch.testing.assert_close(gw_compiled, gw_eager)
