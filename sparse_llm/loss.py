@@ -9,12 +9,14 @@ to the hidden states and the projection weight (the loss is the last op of the g
 backward is known to follow), and the backward only scales them by the incoming gradient. The
 arithmetic is the same as the unfused path (logits in the compute dtype, softmax in fp32, mean
 over the labels that are not `ignore_index`); the weight gradient is summed over chunks in fp32,
-on CUDA by the GEMM itself (addmm with a float32 output).
+on CUDA by the GEMM itself (ops.matmul_accumulate_).
 
 Under torch.compile the chunks must stay one after the other. The step between a chunk's logit
 GEMM and its gradient GEMMs (ops.cross_entropy_rows) is a CUDA kernel, opaque to Inductor, on a
-Hopper GPU; written in PyTorch, Inductor fused every chunk's softmax gradient into one kernel
-after all the logit GEMMs, and all the chunks' logits were alive at once.
+Hopper GPU, and the weight gradient's accumulation an in-place op: written in PyTorch, Inductor
+fused every chunk's softmax gradient into one kernel after all the logit GEMMs, and the chunks'
+additions into one after the last, so all the chunks' logits and partial products were alive at
+once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows
+from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 from sparse_llm.precision import autocast_dtype
 
 # Tokens per chunk: the chunk's fp32 logits stay under ~1 GiB whatever the vocabulary.
@@ -42,23 +45,6 @@ def _chunk_loss_and_logit_grad(
     return loss_rows.sum(), grad
 
 
-def _add_matmul(
-    acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype
-) -> torch.Tensor:
-    """acc + a @ b (a @ b when acc is None) in acc_dtype, which may be wider than a's and b's. On
-    CUDA one GEMM accumulates into acc: no rounded partial product to keep and add."""
-    if a.dtype == acc_dtype:
-        return a @ b if acc is None else torch.addmm(acc, a, b)
-    if a.is_cuda:
-        return (
-            torch.mm(a, b, out_dtype=acc_dtype)
-            if acc is None
-            else torch.addmm(acc, a, b, out_dtype=acc_dtype)
-        )
-    product = (a @ b).to(acc_dtype)
-    return product if acc is None else acc + product
-
-
 def _chunked_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, with_grads: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -67,7 +53,8 @@ def _chunked_loss(
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     count = (labels != IGNORE_INDEX).sum()
     inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
-    grad_hidden_chunks, grad_weight = [], None
+    grad_hidden_chunks = []
+    grad_weight = weight.new_zeros(weight.shape, dtype=acc_dtype) if with_grads else None
     loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
@@ -77,12 +64,11 @@ def _chunked_loss(
         loss_sum = loss_sum + chunk_loss
         if with_grads:
             grad_hidden_chunks.append(grad_logits @ weight)
-            grad_weight = _add_matmul(grad_weight, grad_logits.t(), hidden[rows], acc_dtype)
+            matmul_accumulate_(grad_weight, grad_logits.t(), hidden[rows])
     if not with_grads:
         return loss_sum * inv_count, None, None
-    if grad_weight is None:  # no tokens
-        return loss_sum * inv_count, torch.zeros_like(hidden), weight.new_zeros(weight.shape, dtype=acc_dtype)
-    return loss_sum * inv_count, torch.cat(grad_hidden_chunks), grad_weight
+    grad_hidden = torch.cat(grad_hidden_chunks) if grad_hidden_chunks else torch.zeros_like(hidden)
+    return loss_sum * inv_count, grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
