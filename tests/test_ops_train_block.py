@@ -130,9 +130,11 @@ def test_rms_norm_backward_matches_autograd():
         torch.testing.assert_close(grad_weight, weight.grad, rtol=1e-5, atol=1e-5)
 
 
-def saved_tensors(fn, inputs):
+def saved_tensors(fn, inputs, clone=True):
+    """What autograd saves for fn(*inputs) (on clones of the inputs unless `clone` is False)."""
     saved = []
-    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    if clone:
+        inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fn(*inputs)
     return saved
@@ -160,6 +162,24 @@ def test_saves_the_residual_only_on_rows_with_an_active_unit():
         return sum(t.numel() * t.element_size() for t in saved if tuple(t.shape) not in weight_shapes)
 
     assert activation_bytes(ours) < activation_bytes(before) / 5
+
+
+def test_saves_the_master_weights_not_their_casts_under_autocast():
+    """Under bf16 autocast the FFN runs on bf16 casts of the fp32 weights; the op keeps the fp32
+    weights themselves for the backward (no memory: they are the parameters), eager and compiled."""
+    x, norm_weight, *params = (
+        t.requires_grad_(True) for t in cpu_inputs(64, 16, 48, "random", seed=8, dtype=torch.float32)
+    )
+
+    def run(x, norm_weight, wg, wu, wd):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return block("reference")(x, norm_weight, wg, wu, wd)
+
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        saved = saved_tensors(fn, (x, norm_weight, *params), clone=False)
+        weight_sized = [t for t in saved if tuple(t.shape) in {tuple(w.shape) for w in params}]
+        assert weight_sized and all(t.dtype == torch.float32 for t in weight_sized)
+        assert {t.data_ptr() for t in weight_sized} <= {w.data_ptr() for w in params}
 
 
 def test_compile_fullgraph_and_checkpointing_match_eager():

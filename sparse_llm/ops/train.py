@@ -77,10 +77,19 @@ def prepare_train_weights(
     if dtype is not None:
         wg, wu, wd = (t.to(dtype) for t in (wg, wu, wd))
     check_ffn_inputs(x, wg, wu, wd)
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    return wg, wu, wd, check_train_weights(x, wg, wu, wd, impl, heavy_threshold)
+
+
+def check_train_weights(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
+) -> str:
+    """The resolved impl, after checking the weights (one float dtype, possibly wider than x's:
+    master weights that the caller casts) against the FFN's input x, in the compute dtype."""
+    check_ffn_inputs(x.new_empty((0, x.shape[-1]), dtype=wg.dtype), wg, wu, wd)
     if heavy_threshold < 0:
         raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    return wg, wu, wd, resolve_train_impl(impl, x, wg, wu, wd)
+    return resolve_train_impl(impl, x, wg, wu, wd)
 
 
 def ffn_forward_train(

@@ -10,7 +10,9 @@ every token. At >= 99% activation sparsity most tokens have no active unit: ther
 exactly zero and the norm's gradient is zero. So this op keeps the residual stream only on the
 rows with an active unit and recomputes the norm there in the backward: a token with no active
 unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
-is transformers' LlamaRMSNorm (sparse_llm.norm).
+is transformers' LlamaRMSNorm (sparse_llm.norm). Under autocast the op casts the FFN weights
+itself and keeps the fp32 parameters for the backward, whose op casts them again: autograd (and
+torch.compile) would otherwise keep the bf16 casts from the forward to the backward.
 
 Under torch.compile the partitioner chooses from the whole graph what to keep; the active rows
 come out of the FFN's custom op (its `keep` input), which it cannot move into the backward, so it
@@ -28,14 +30,16 @@ from sparse_llm.ops.train import (
     DEFAULT_TRAIN_HEAVY_THRESHOLD,
     FFNTrainOutput,
     TrainImpl,
-    prepare_train_weights,
+    check_train_weights,
 )
 from sparse_llm.ops.train_reference import acc_dtype
 from sparse_llm.precision import autocast_dtype
 
 
 class _FFNBlock(torch.autograd.Function):
-    """x + FFN(rms_norm(x)) for x: [M, D]; saves x on the active rows only (see the module doc)."""
+    """x + FFN(rms_norm(x)) for x: [M, D]; saves x on the active rows only (see the module doc).
+    Takes the FFN weights as the caller holds them (the parameters, fp32 under autocast) and casts
+    them to the compute dtype for the forward; it saves the parameters, not the casts."""
 
     @staticmethod
     def forward(
@@ -45,19 +49,23 @@ class _FFNBlock(torch.autograd.Function):
         wg: torch.Tensor,
         wu: torch.Tensor,
         wd: torch.Tensor,
+        compute_dtype: torch.dtype,
         eps: float,
         impl: str,
         heavy_threshold: int,
     ) -> tuple[torch.Tensor, ...]:
-        normed = rms_norm(x, norm_weight, eps, wg.dtype)
+        normed = rms_norm(x, norm_weight, eps, compute_dtype)
         # The op returns x's active rows (`keep`): as an output of a custom op they are what
         # torch.compile saves, where an index_select here would be moved into the backward and
         # the whole x kept for it.
         y, l1, nnz_per_token, fire_counts, active_rows, x_active, *record = train_ops.train_forward(
-            impl, normed, wg, wu, wd, heavy_threshold, keep=x
+            impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=x
         )
+        # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
+        # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
+        # inside the op, where torch.compile cannot merge that cast with this one.
         ctx.save_for_backward(x_active, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
-        ctx.eps, ctx.impl, ctx.rows = eps, impl, x.shape[0]
+        ctx.eps, ctx.impl, ctx.rows, ctx.compute_dtype = eps, impl, x.shape[0], compute_dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
         ctx.mark_non_differentiable(nnz_per_token, fire_counts, x_active, active_rows, *record)
@@ -65,26 +73,27 @@ class _FFNBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
-        x_active, active_rows, norm_weight, wg, *saved = ctx.saved_tensors
+        x_active, active_rows, norm_weight, *saved = ctx.saved_tensors
+        dtype = ctx.compute_dtype
         if grad_out is None:
             grad_out = x_active.new_zeros((ctx.rows, x_active.shape[1]))
         if grad_l1 is None:
-            grad_l1 = x_active.new_zeros((), dtype=acc_dtype(wg.dtype))
+            grad_l1 = x_active.new_zeros((), dtype=acc_dtype(dtype))
         # The norm's output where the FFN reads it (rows with an active unit); the other rows are
         # never read by the backward kernels.
-        normed = x_active.new_zeros((ctx.rows, x_active.shape[1]), dtype=wg.dtype)
-        normed.index_copy_(0, active_rows, rms_norm(x_active, norm_weight, ctx.eps, wg.dtype))
+        normed = x_active.new_zeros((ctx.rows, x_active.shape[1]), dtype=dtype)
+        normed.index_copy_(0, active_rows, rms_norm(x_active, norm_weight, ctx.eps, dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
-        grad_y = grad_out.to(wg.dtype).contiguous()
+        grad_y = grad_out.to(dtype).contiguous()
         grad_normed, grad_wg, grad_wu, grad_wd = train_ops.train_backward(
-            ctx.impl, grad_y, grad_l1, normed, wg, *saved
+            ctx.impl, grad_y, grad_l1, normed, *saved
         )
         # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
         grad_x_active, grad_norm_weight = rms_norm_backward(
             grad_normed.index_select(0, active_rows), x_active, norm_weight, ctx.eps
         )
         grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
-        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None
+        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None
 
 
 def ffn_block_train(
@@ -111,11 +120,12 @@ def ffn_block_train(
     # The FFN's input is the norm's output: x's shape in the compute dtype. An empty stand-in
     # carries what the checks read (D, dtype, device) without computing it twice.
     ffn_input = x.new_empty((0, x.shape[-1]), dtype=compute_dtype)
-    wg, wu, wd, impl = prepare_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    impl = check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
         out, l1, nnz_per_token, fire_counts, *_saved = _FFNBlock.apply(
-            x2, norm_weight, wg, wu, wd, eps, impl, heavy_threshold
+            x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold
         )
     l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()
     return FFNTrainOutput(out.view(x.shape), l0, l1, nnz_per_token, fire_counts)

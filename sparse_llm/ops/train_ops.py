@@ -16,7 +16,10 @@ the op, where torch.compile saves them rather than the whole tensor they come fr
 The records' lengths are data-dependent (the numbers of active entries and of heavy rows),
 declared to the compiler as unbacked sizes, so torch.compile(fullgraph=True) traces either pair
 without a graph break.
-Autograd saves x, the three weights and the compact record; never a dense M x H tensor.
+Autograd saves x, the three weights and the compact record; never a dense M x H tensor. The
+backward ops also take the weights wider than x (the fp32 master weights under autocast) and cast
+them inside, where torch.compile cannot see the cast: a caller that saves the master weights
+(ops.train_block) then keeps no bf16 copy of them from the forward to the backward.
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ def _kept_rows(keep: torch.Tensor | None, active_rows: torch.Tensor, x: torch.Te
     return x.new_empty(0, x.shape[1]) if keep is None else keep.index_select(0, active_rows)
 
 
+def _in_dtype_of(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """The weights in x's (compute) dtype; contiguous, as the CUDA kernels take them."""
+    return [w.to(x.dtype).contiguous() for w in weights]
+
+
+def _as_weights(grads: list[torch.Tensor], *weights: torch.Tensor) -> list[torch.Tensor]:
+    """Each weight's gradient in that weight's dtype (what autograd's cast would have given)."""
+    return [g.to(w.dtype) for g, w in zip(grads, weights, strict=True)]
+
+
 def _fake_backward(x, wg, wu, wd) -> TrainBackwardOutput:
     return x.new_empty(x.shape), wg.new_empty(wg.shape), wu.new_empty(wu.shape), wd.new_empty(wd.shape)
 
@@ -103,8 +116,12 @@ def ffn_train_bwd_ref(
     a_vals: torch.Tensor,
     u_vals: torch.Tensor,
 ) -> TrainBackwardOutput:
-    """(dx, dWg, dWu, dWd) from grad_y [M, D] and grad_l1 [] in one pass (see the reference)."""
-    return ffn_train_backward_reference(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals)
+    """(dx, dWg, dWu, dWd) from grad_y [M, D] and grad_l1 [] in one pass (see the reference); the
+    weights as for the CUDA backward."""
+    dx, *weight_grads = ffn_train_backward_reference(
+        grad_y, grad_l1, x, *_in_dtype_of(x, wg, wu, wd), nnz_per_token, cols, a_vals, u_vals
+    )
+    return dx, *_as_weights(weight_grads, wg, wu, wd)
 
 
 @ffn_train_bwd_ref.register_fake
@@ -160,25 +177,24 @@ def ffn_train_bwd_cuda(
     heavy_a: torch.Tensor,
     heavy_u: torch.Tensor,
 ) -> TrainBackwardOutput:
-    """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused)."""
-    return tuple(
-        extension().ffn_train_backward(
-            grad_y,
-            grad_l1,
-            x,
-            wg,
-            wu,
-            wd,
-            nnz_per_token,
-            cols,
-            a_vals,
-            u_vals,
-            heavy_rows,
-            heavy_cols,
-            heavy_a,
-            heavy_u,
-        )
+    """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused). The weights may be
+    the master weights (wider than x): cast to x's dtype here, and their gradients returned in
+    their dtypes, so that a caller can keep the master weights for the backward instead of casts."""
+    dx, *weight_grads = extension().ffn_train_backward(
+        grad_y,
+        grad_l1,
+        x,
+        *_in_dtype_of(x, wg, wu, wd),
+        nnz_per_token,
+        cols,
+        a_vals,
+        u_vals,
+        heavy_rows,
+        heavy_cols,
+        heavy_a,
+        heavy_u,
     )
+    return dx, *_as_weights(weight_grads, wg, wu, wd)
 
 
 @ffn_train_bwd_cuda.register_fake
@@ -239,7 +255,8 @@ def train_forward(
 def train_backward(
     impl: str, grad_y: torch.Tensor, grad_l1: torch.Tensor, x: torch.Tensor, *saved: torch.Tensor
 ) -> TrainBackwardOutput:
-    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x and, as the forward
-    saved them, (Wg, Wu, Wd, nnz_per_token, *record)."""
+    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x and (Wg, Wu, Wd,
+    nnz_per_token, *record): the weights in x's dtype or wider (their gradients come back in their
+    dtypes), the rest as the forward returned them."""
     op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
     return op(grad_y, grad_l1, x, *saved)
