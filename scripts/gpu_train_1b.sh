@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The 1b training step (issue 5) in two device calls, each under the 10-minute call cap. Run the
+# second right after the first: it reads the sparsified weights the first left in $SPARSE_DIR,
+# which lives only while the machine stays warm. Results under $OUT.
+#   PHASE=1  build; the GPU tests of the training path (alone on the GPU: beside the sparsify run
+#            they run out of memory); sparsify the 1b preset (400 steps, L1 3e-3) into
+#            $SPARSE_DIR; time dense vs cuda at micro-batch 8, with the blocks alive at the peak.
+#   PHASE=2  time dense vs cuda at micro-batch 16 on the same weights.
+# Env: TESTS (pytest paths), SKIP_TESTS=1, SPARSE_DIR (default /tmp/sp), GIT_COMMIT (recorded).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_train_1b_out}
+SPARSE_DIR=${SPARSE_DIR:-/tmp/sp}
+mkdir -p "$OUT"
+source scripts/device_env.sh || exit 1
+status=0
+step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+bench() {  # output name, benchmark_model.py arguments...
+  local name=$1; shift
+  python3 scripts/benchmark_model.py --compile "$@" --json "$OUT/$name.json" --md "$OUT/$name.md" 2>&1 \
+    | grep -v -e Warning -e "it/s" | tail -n 8 || status=1
+}
+
+case "${PHASE:-1}" in
+  1)
+    step "build"
+    python3 -m sparse_llm.ops.build >"$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }
+    if [ "${SKIP_TESTS:-0}" != 1 ]; then
+      step "pytest -m gpu"
+      # shellcheck disable=SC2086
+      python3 -m pytest -m gpu -q -rs ${TESTS:-tests/test_loss.py tests/test_ops_train_block.py tests/test_ops_train_cuda.py tests/test_model_gpu.py} \
+        >"$OUT/gpu_tests.log" 2>&1 || status=1
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 12
+    fi
+    step "sparsify, micro-batch 8"
+    rm -rf "$SPARSE_DIR" /tmp/memory_peak
+    bench train_1b_mb8 --preset 1b --sparsify-steps 400 --sparsify-l1 3e-3 --sparsify-dir "$SPARSE_DIR" \
+      --micro-batch 8 --memory-snapshot /tmp/memory_peak
+    cp /tmp/memory_peak/*.txt "$OUT"/ 2>/dev/null
+    ;;
+  2)
+    [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same warm machine"; exit 1; }
+    step "micro-batch 16"
+    bench train_1b_mb16 --model "$SPARSE_DIR" --micro-batch 16
+    ;;
+  *) echo "PHASE must be 1 or 2"; exit 2 ;;
+esac
+step "done, status $status"
+exit $status
