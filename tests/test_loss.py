@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
 from sparse_llm.ops.cross_entropy import cross_entropy_rows, cross_entropy_rows_reference, runs_on_kernel
+from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 
 
 def _inputs(tokens: int, dim: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -95,6 +96,39 @@ def test_cross_entropy_rows_refuses_mismatched_shapes() -> None:
         cross_entropy_rows(torch.zeros(4, 7), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         cross_entropy_rows(torch.zeros(2, 4, 7), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    ("acc_dtype", "dtype"), [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)]
+)
+def test_matmul_accumulate_adds_the_product_in_place(device: str, acc_dtype, dtype) -> None:
+    """acc += a @ b in acc's dtype, twice into the same buffer (a transposed view for a, as the
+    loss passes it), against float64: with bf16 operands the product is not rounded to bf16."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    acc = torch.randn(24, 40, device=device, generator=gen, dtype=acc_dtype)
+    want = acc.double().clone()
+    buffer = acc.data_ptr()
+    for _ in range(2):
+        a = torch.randn(56, 24, device=device, generator=gen).to(dtype).t()
+        b = torch.randn(56, 40, device=device, generator=gen).to(dtype)
+        matmul_accumulate_(acc, a, b)
+        want = want + a.double() @ b.double()
+    assert acc.dtype == acc_dtype and acc.data_ptr() == buffer
+    tol = 1e-12 if acc_dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(acc.double(), want, rtol=tol, atol=tol)
 
 
 needs_kernel = pytest.mark.skipif(

@@ -20,8 +20,8 @@ def matmul_accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
         acc.addmm_(a, b)
     elif acc.is_cuda:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:  # CPU has no GEMM with a wider output
-        acc.add_((a @ b).to(acc.dtype))
+    else:  # CPU has no GEMM with a wider output: multiply the operands in acc's dtype (exactly)
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 @matmul_accumulate_.register_fake
