@@ -163,7 +163,7 @@ def time_impl(
         )
         record["train_ffn"] = resolve_train_impl("auto" if impl == "cuda" else "reference", x, wg, wg, wd)
 
-    def step(held: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(held: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with autocast:
             out = forward(ids[:, :-1], labels=ids[:, 1:], with_stats=True)
             loss = out.loss + args.l1 * l1_penalty(out.ffn_stats)
@@ -172,7 +172,8 @@ def time_impl(
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return out.loss.detach(), out.ffn_stats.nnz_per_token.float().mean(-1)
+        nnz = out.ffn_stats.nnz_per_token
+        return out.loss.detach(), nnz.float().mean(-1), (nnz > 0).float().mean()
 
     for _ in range(args.warmup):
         step()
@@ -194,10 +195,10 @@ def time_impl(
         record["forward_held_gib"] = (held[1] - held[0]) / 2**30
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, losses, l0 = [], [], None
+    times, losses, l0, active = [], [], None, None
     for _ in range(args.steps):
         start = time.perf_counter()
-        loss, l0 = step()
+        loss, l0, active = step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -209,6 +210,8 @@ def time_impl(
     record["loss_first"], record["loss_last"] = losses[0], losses[-1]
     record["l0_mean"] = l0.mean().item()
     record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
+    # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block).
+    record["active_token_fraction"] = active.item()
     return record
 
 
@@ -246,8 +249,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch and norm setting.",
         "",
         "| micro-batch | recompute norms | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
-        "| at step start GiB | held by forward GiB | L0 | sparsity | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| at step start GiB | held by forward GiB | L0 | sparsity | tokens with an active unit | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = next(
@@ -261,7 +264,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
-            f"| {r['loss_last']:.4f} |"
+            f"| {100 * r['active_token_fraction']:.1f}% | {r['loss_last']:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
