@@ -6,12 +6,17 @@
 #            they run out of memory); sparsify the 1b preset (400 steps, L1 3e-3) into
 #            $SPARSE_DIR; time dense vs cuda at micro-batch 8, with the blocks alive at the peak.
 #   PHASE=2  time dense vs cuda at micro-batch 16 on the same weights.
-# Env: TESTS (pytest paths), SKIP_TESTS=1, SPARSE_DIR (default /tmp/sp), GIT_COMMIT (recorded).
+#   PHASE=3  A/B in one call: the cuda step at micro-batch 8 of this tree, then of another
+#            commit's tree on the same weights. Make that tree here with
+#            `git archive <commit> | tar -x -C ab_base` (ab_base in .git/info/exclude) and carry it.
+# Env: TESTS (pytest paths), SKIP_TESTS=1, SPARSE_DIR (default /tmp/sp), AB_BASE_DIR (default
+# ab_base), GIT_COMMIT (recorded for this tree; AB_BASE_COMMIT for the other).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_train_1b_out}
 SPARSE_DIR=${SPARSE_DIR:-/tmp/sp}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 source scripts/device_env.sh || exit 1
 status=0
 step() { echo "== $1 ($(date -u +%H:%M:%S))"; }
@@ -43,7 +48,16 @@ case "${PHASE:-1}" in
     step "micro-batch 16"
     bench train_1b_mb16 --model "$SPARSE_DIR" --micro-batch 16
     ;;
-  *) echo "PHASE must be 1 or 2"; exit 2 ;;
+  3)
+    [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same warm machine"; exit 1; }
+    base=$(cd "${AB_BASE_DIR:-ab_base}" && pwd) || exit 1
+    step "A/B: this tree"
+    bench ab_this --model "$SPARSE_DIR" --micro-batch 8 --impls cuda
+    step "A/B: $base"
+    (cd "$base" && GIT_COMMIT=${AB_BASE_COMMIT:-unknown} PYTHONPATH="$base:$PYTHONPATH" bench ab_base \
+      --model "$SPARSE_DIR" --micro-batch 8 --impls cuda; exit $status) || status=1
+    ;;
+  *) echo "PHASE must be 1, 2 or 3"; exit 2 ;;
 esac
 step "done, status $status"
 exit $status
