@@ -5,7 +5,8 @@
 #   PHASE=1  build; the GPU tests of the training path (alone on the GPU: beside the sparsify run
 #            they run out of memory); sparsify the 1b preset (400 steps, L1 3e-3) into
 #            $SPARSE_DIR; time dense vs cuda at micro-batch 8, with the blocks alive at the peak.
-#   PHASE=2  time dense vs cuda at micro-batch 16 on the same weights.
+#   PHASE=2  time dense vs cuda at micro-batch 16 on the same weights; the loss alone
+#            (scripts/benchmark_loss.py: unfused, chunks in PyTorch, chunks with the kernel).
 #   PHASE=3  A/B in one call: the cuda step at micro-batch 8 of this tree, then of another
 #            commit's tree on the same weights. Make that tree here with
 #            `git archive <commit> | tar -x -C ab_base` (ab_base in .git/info/exclude) and carry it.
@@ -47,6 +48,8 @@ case "${PHASE:-1}" in
     [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same warm machine"; exit 1; }
     step "micro-batch 16"
     bench train_1b_mb16 --model "$SPARSE_DIR" --micro-batch 16
+    step "loss"
+    python3 scripts/benchmark_loss.py --json "$OUT/loss.json" --md "$OUT/loss.md" 2>&1 | tail -n 8 || status=1
     ;;
   3)
     [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same warm machine"; exit 1; }

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows
+from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, kernel_unsupported_reason
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 from sparse_llm.precision import autocast_dtype
 
@@ -37,19 +37,29 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 def _chunk_loss_and_logit_grad(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_count: torch.Tensor | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_count: torch.Tensor | None,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed loss of a chunk, gradient of the mean loss w.r.t. its logits in the compute dtype,
     or None when `inv_count` is None)."""
-    loss_rows, grad = cross_entropy_rows(hidden @ weight.t(), labels, inv_count, IGNORE_INDEX)
+    loss_rows, grad = cross_entropy_rows(hidden @ weight.t(), labels, inv_count, IGNORE_INDEX, impl)
     return loss_rows.sum(), grad
 
 
 def _chunked_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, with_grads: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    with_grads: bool,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, and with `with_grads` its gradients w.r.t. hidden (compute dtype) and weight
-    (fp32 or wider), else None, None); hidden and weight already in the compute dtype."""
+    (fp32 or wider), else None, None); hidden and weight already in the compute dtype; impl as
+    for ops.cross_entropy_rows."""
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     count = (labels != IGNORE_INDEX).sum()
     inv_count = 1.0 / count.to(acc_dtype)  # inf when every label is ignored: loss nan, as F does
@@ -59,7 +69,7 @@ def _chunked_loss(
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         chunk_loss, grad_logits = _chunk_loss_and_logit_grad(
-            hidden[rows], weight, labels[rows], inv_count if with_grads else None
+            hidden[rows], weight, labels[rows], inv_count if with_grads else None, impl
         )
         loss_sum = loss_sum + chunk_loss
         if with_grads:
@@ -82,9 +92,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_tokens: int,
         compute_dtype: torch.dtype,
+        impl: str,
     ) -> torch.Tensor:
         loss, grad_hidden, grad_weight = _chunked_loss(
-            hidden.to(compute_dtype), weight.to(compute_dtype), labels, chunk_tokens, with_grads=True
+            hidden.to(compute_dtype),
+            weight.to(compute_dtype),
+            labels,
+            chunk_tokens,
+            with_grads=True,
+            impl=impl,
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -100,19 +116,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of the logits `hidden @ weight.T` against `labels`, never
     holding more than `chunk_tokens` rows of logits.
 
     hidden: [..., D]; weight: [V, D] (the output projection, Hugging Face layout); labels: [...]
     token ids, `IGNORE_INDEX` (-100) for positions without a target. Under autocast the
-    projection runs in autocast's dtype, as `nn.Linear` would.
+    projection runs in autocast's dtype, as `nn.Linear` would. impl: how each chunk's loss and
+    logit gradient are computed, as for `ops.cross_entropy_rows` ('auto': the CUDA kernel where
+    it can run).
     """
+    if impl not in ("auto", "cuda", "reference"):
+        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -126,8 +151,12 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compute_dtype = autocast_dtype(hidden) or hidden.dtype
+    if impl == "cuda":  # before any compute: the reason the kernel cannot take these logits
+        reason = kernel_unsupported_reason(hidden.new_empty((0, 0), dtype=compute_dtype))
+        if reason is not None:
+            raise ValueError(f"impl='cuda' cannot run: {reason}")
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         h, w = hidden2d.to(compute_dtype), weight.to(compute_dtype)
-        return _chunked_loss(h, w, labels1d, chunk, with_grads=False)[0]
+        return _chunked_loss(h, w, labels1d, chunk, with_grads=False, impl=impl)[0]
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden2d, weight, labels1d, chunk, compute_dtype)
+        return _LinearCrossEntropy.apply(hidden2d, weight, labels1d, chunk, compute_dtype, impl)

@@ -89,6 +89,10 @@ def test_bad_inputs_are_refused() -> None:
         linear_cross_entropy(hidden, weight, labels.float())
     with pytest.raises(ValueError, match="chunk_tokens"):
         linear_cross_entropy(hidden, weight, labels, chunk_tokens=-2)
+    with pytest.raises(ValueError, match="impl must be"):
+        linear_cross_entropy(hidden, weight, labels, impl="triton")
+    with pytest.raises(ValueError, match="impl='cuda' cannot run: logits are on cpu"):
+        linear_cross_entropy(hidden, weight, labels, impl="cuda")
 
 
 def test_cross_entropy_rows_refuses_mismatched_shapes() -> None:
@@ -242,3 +246,20 @@ def test_cuda_compiled_loss_runs_its_chunks_one_after_the_other() -> None:
     torch.testing.assert_close(loss_compiled, loss_eager)
     torch.testing.assert_close(gh_compiled, gh_eager)
     torch.testing.assert_close(gw_compiled, gw_eager)
+
+
+def test_benchmark_loss_tiny_runs_end_to_end(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_loss.py"
+    out, md = tmp_path / "loss.json", tmp_path / "loss.md"
+    subprocess.run([sys.executable, str(script), "--tiny", "--json", str(out), "--md", str(md)], check=True)
+    result = json.loads(out.read_text())
+    unfused, chunked = result["results"]
+    assert (unfused["impl"], chunked["impl"]) == ("unfused", "reference") and result["meta"]["commit"]
+    assert chunked["loss"] == pytest.approx(unfused["loss"], rel=1e-5)
+    assert chunked["err_grad_hidden"] < 1e-2 and chunked["err_grad_weight"] < 1e-2
+    assert "| reference |" in md.read_text()

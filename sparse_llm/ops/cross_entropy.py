@@ -67,9 +67,20 @@ def cross_entropy_rows_reference(
     return loss_rows, grad.to(logits.dtype)
 
 
+def kernel_unsupported_reason(logits: torch.Tensor) -> str | None:
+    """Why the CUDA kernel cannot take these logits, or None if it can."""
+    if not logits.is_cuda:
+        return f"logits are on {logits.device}, not a CUDA device"
+    if logits.dtype != torch.bfloat16:
+        return f"the kernel takes bfloat16 logits, got {logits.dtype}"
+    if not _extension.available():
+        return f"the CUDA extension is unavailable: {_extension.unavailable_reason()}"
+    return None
+
+
 def runs_on_kernel(logits: torch.Tensor) -> bool:
-    """Whether cross_entropy_rows takes the CUDA kernel for these logits."""
-    return logits.is_cuda and logits.dtype == torch.bfloat16 and _extension.available()
+    """Whether cross_entropy_rows(impl='auto') takes the CUDA kernel for these logits."""
+    return kernel_unsupported_reason(logits) is None
 
 
 def cross_entropy_rows(
@@ -77,14 +88,21 @@ def cross_entropy_rows(
     labels: torch.Tensor,
     grad_scale: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss of each row, its gradient w.r.t. the logits times grad_scale, or None); logits: [N, V],
-    labels: [N] integer. See the module doc."""
+    labels: [N] integer. impl: 'auto' (the kernel where it can run, else PyTorch), 'cuda' (raises
+    where the kernel cannot run) or 'reference' (PyTorch). See the module doc."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(
             f"logits must be [N, V] and labels [N], got {tuple(logits.shape)} and {tuple(labels.shape)}"
         )
-    if not runs_on_kernel(logits):
+    if impl not in ("auto", "cuda", "reference"):
+        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+    reason = "impl='reference'" if impl == "reference" else kernel_unsupported_reason(logits)
+    if impl == "cuda" and reason is not None:
+        raise ValueError(f"impl='cuda' cannot run: {reason}")
+    if reason is not None:
         return cross_entropy_rows_reference(logits, labels, grad_scale, ignore_index)
     if grad_scale is not None:
         grad_scale = grad_scale.to(torch.float32)
