@@ -10,7 +10,6 @@ the prefill shape (forward) of the 1b preset by default. Prints Markdown, writes
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparse_llm.benchmarking import write_report  # noqa: E402
+from sparse_llm.benchmarking import median_ms, write_report  # noqa: E402
 from sparse_llm.training.run_info import collect_run_info  # noqa: E402
 
 BACKENDS = {
@@ -44,20 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(backend, batch: int, seq: int, args: argparse.Namespace, backward: bool) -> float | str:
     """Median ms of one call (forward, or forward + backward), or why the backend refused."""
     shape = (batch, args.heads, seq, args.head_dim)
@@ -73,9 +58,9 @@ def measure(backend, batch: int, seq: int, args: argparse.Namespace, backward: b
 
     try:
         if backend is None:
-            return time_ms(call, args.reps)
+            return median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
         with sdpa_kernel(backend):
-            return time_ms(call, args.reps)
+            return median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
     except RuntimeError as err:
         return f"unavailable ({str(err).strip().splitlines()[0][:80]})"
 

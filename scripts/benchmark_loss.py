@@ -11,15 +11,13 @@ the loss and both gradients against the unfused path. Prints Markdown, writes JS
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.benchmarking import write_report
+from sparse_llm.benchmarking import median_ms, write_report
 from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
 from sparse_llm.training.run_info import collect_run_info
 
@@ -53,26 +51,6 @@ def loss_fn(impl: str, chunk: int) -> Callable[..., torch.Tensor]:
     return lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk, impl=impl)
 
 
-def time_ms(step: Callable[[], None], device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of step(): CUDA events on a GPU, wall clock on CPU."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
@@ -99,7 +77,7 @@ def run_case(
         loss.backward()
         last["loss"] = loss.detach()
 
-    ms = time_ms(step, device, args.warmup, args.reps)
+    ms = median_ms(step, device, args.warmup, args.reps)
     peak_gib = float("nan")
     if device.type == "cuda":
         hidden.grad = weight.grad = None

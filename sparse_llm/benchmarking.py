@@ -1,15 +1,37 @@
-"""What the benchmark scripts share: the kernel table (and GPU idle) of one profiled call, where the
-memory peak of a recorded call comes from, and their report files."""
+"""What the benchmark scripts share: the median time of a call, the kernel table (and GPU idle) of
+one profiled call, where the memory peak of a recorded call comes from, and their report files."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds of fn() over `reps` calls after `warmup`: CUDA events on a GPU, the wall
+    clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def kernel_table(

@@ -1,13 +1,15 @@
-"""The benchmark scripts' shared helpers: the GPU idle table, the CPU kernel table, the memory peak table."""
+"""The benchmark scripts' shared helpers: the median time, the GPU idle table, the CPU kernel table,
+the memory peak table."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
 from torch.autograd import DeviceType
 
-from sparse_llm.benchmarking import gpu_idle_table, kernel_table, memory_peak_table
+from sparse_llm.benchmarking import gpu_idle_table, kernel_table, median_ms, memory_peak_table
 
 
 def _event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
@@ -65,3 +67,15 @@ def test_memory_peak_table_lists_the_blocks_alive_at_the_peak():
     assert "| 300 | 1 | 300.0 | model.py:7 forward | model.py:7 forward |" in table
     assert "| 128 | 2 | 64.0 | cab.py:42 call | model.py:7 forward |" in table
     assert "100.0" not in table and "10.0" not in table  # allocated after the peak / freed before
+
+
+def test_median_ms_calls_warmup_plus_reps_times_and_returns_the_median() -> None:
+    calls = []
+
+    def fn() -> None:
+        calls.append(None)
+        time.sleep(0.001 if len(calls) % 2 else 0.02)  # the odd calls 1 ms, the even ones 20 ms
+
+    ms = median_ms(fn, torch.device("cpu"), warmup=2, reps=5)
+    assert len(calls) == 7
+    assert 1 <= ms < 20  # timed calls 3 to 7: 1, 20, 1, 20, 1 ms
