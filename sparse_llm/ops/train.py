@@ -63,7 +63,7 @@ def resolve_train_impl(
     if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(
             f"sparse training FFN: the CUDA training kernels cannot run ({reason}); using the reference",
-            stacklevel=4,
+            stacklevel=5,  # the caller of ffn_forward_train or ffn_block_train
         )
     return "reference"
 
@@ -78,7 +78,7 @@ def prepare_train_weights(
         wg, wu, wd = (t.to(dtype) for t in (wg, wu, wd))
     check_ffn_inputs(x, wg, wu, wd)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    return wg, wu, wd, check_train_weights(x, wg, wu, wd, impl, heavy_threshold)
+    return wg, wu, wd, _resolve_checked(x, wg, wu, wd, impl, heavy_threshold)
 
 
 def check_train_weights(
@@ -87,6 +87,13 @@ def check_train_weights(
     """The resolved impl, after checking the weights (one float dtype, possibly wider than x's:
     master weights that the caller casts) against the FFN's input x, in the compute dtype."""
     check_ffn_inputs(x.new_empty((0, x.shape[-1]), dtype=wg.dtype), wg, wu, wd)
+    return _resolve_checked(x, wg, wu, wd, impl, heavy_threshold)
+
+
+def _resolve_checked(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
+) -> str:
+    """The resolved impl for inputs that passed check_ffn_inputs, after checking heavy_threshold."""
     if heavy_threshold < 0:
         raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
     return resolve_train_impl(impl, x, wg, wu, wd)
