@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, kernel_unsupported_reason
+from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, resolve_impl
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 from sparse_llm.precision import autocast_dtype
 
@@ -136,8 +136,6 @@ def linear_cross_entropy(
     logit gradient are computed, as for `ops.cross_entropy_rows` ('auto': the CUDA kernel where
     it can run).
     """
-    if impl not in ("auto", "cuda", "reference"):
-        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -151,10 +149,8 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     hidden2d, labels1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     compute_dtype = autocast_dtype(hidden) or hidden.dtype
-    if impl == "cuda":  # before any compute: the reason the kernel cannot take these logits
-        reason = kernel_unsupported_reason(hidden.new_empty((0, 0), dtype=compute_dtype))
-        if reason is not None:
-            raise ValueError(f"impl='cuda' cannot run: {reason}")
+    # Resolved once, before any compute, on a stand-in with the logits' device and dtype.
+    impl = resolve_impl(impl, hidden.new_empty((0, 0), dtype=compute_dtype))
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         h, w = hidden2d.to(compute_dtype), weight.to(compute_dtype)
         return _chunked_loss(h, w, labels1d, chunk, with_grads=False, impl=impl)[0]

@@ -83,6 +83,19 @@ def runs_on_kernel(logits: torch.Tensor) -> bool:
     return kernel_unsupported_reason(logits) is None
 
 
+def resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    """'cuda' or 'reference' for logits of this device and dtype (their shape is not read):
+    'auto' takes the kernel where it can run, 'cuda' raises the reason where it cannot."""
+    if impl not in ("auto", "cuda", "reference"):
+        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
+    if impl == "reference":
+        return impl
+    reason = kernel_unsupported_reason(logits)
+    if impl == "cuda" and reason is not None:
+        raise ValueError(f"impl='cuda' cannot run: {reason}")
+    return "reference" if reason is not None else "cuda"
+
+
 def cross_entropy_rows(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -97,12 +110,7 @@ def cross_entropy_rows(
         raise ValueError(
             f"logits must be [N, V] and labels [N], got {tuple(logits.shape)} and {tuple(labels.shape)}"
         )
-    if impl not in ("auto", "cuda", "reference"):
-        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-    reason = "impl='reference'" if impl == "reference" else kernel_unsupported_reason(logits)
-    if impl == "cuda" and reason is not None:
-        raise ValueError(f"impl='cuda' cannot run: {reason}")
-    if reason is not None:
+    if resolve_impl(impl, logits) == "reference":
         return cross_entropy_rows_reference(logits, labels, grad_scale, ignore_index)
     if grad_scale is not None:
         grad_scale = grad_scale.to(torch.float32)
