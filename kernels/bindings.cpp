@@ -248,9 +248,11 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
 
 }  // namespace
 
-// The training ops, defined in train_bindings.cpp, and the loss's, in loss_bindings.cpp.
+// The training ops (train_bindings.cpp), the loss's (loss_bindings.cpp) and the activation counts
+// (counts_bindings.cpp).
 void register_train_ops(pybind11::module_& m);
 void register_loss_ops(pybind11::module_& m);
+void register_count_ops(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
@@ -266,4 +268,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_cache_write_rope", &kv_cache_write_rope, "rope(k) and v into the KV cache's columns [start, start + T)");
   register_train_ops(m);
   register_loss_ops(m);
+  register_count_ops(m);
 }

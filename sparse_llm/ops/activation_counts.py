@@ -2,20 +2,50 @@
 
 Inductor (torch 2.11, H200) miscompiled the column reduction `(a > 0).sum(0)` inside a whole
 compiled model at large token counts: it returned garbage (even uninitialised memory), which
-made healthy units look dead. As a custom op the counts run as plain eager kernels inside the
-compiled graph, with no graph break; `tests/test_model_gpu.py` guards against a regression.
+made healthy units look dead. As a custom op the counts run as plain kernels inside the compiled
+graph, with no graph break; `tests/test_model_gpu.py` guards against a regression.
+
+bf16 on a Hopper GPU takes one CUDA kernel (kernels/activation_counts.cu: one read of `a`);
+elsewhere `(a > 0)` and its two sums (a bool copy of `a`, read twice).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparse_llm.ops import _extension
+from sparse_llm.ops.cuda_ops import extension
+
+# What the kernel takes: 16-byte rows, one shared-memory counter per column (activation_counts.cuh).
+KERNEL_ALIGN, KERNEL_MAX_COLUMNS = 8, 12288
+
+
+def runs_on_kernel(a: torch.Tensor) -> bool:
+    """Whether activation_counts takes the CUDA kernel for `a`."""
+    return (
+        a.is_cuda
+        and a.dtype == torch.bfloat16
+        and a.dim() == 2
+        and a.is_contiguous()
+        and a.shape[1] % KERNEL_ALIGN == 0
+        and a.shape[1] <= KERNEL_MAX_COLUMNS
+        and _extension.available()
+    )
+
+
+def activation_counts_reference(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch computation (any dtype and device)."""
+    active = a > 0
+    return active.sum(-1), active.sum(0)
+
 
 @torch.library.custom_op("sparse_llm::activation_counts", mutates_args=())
 def activation_counts(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For a: [M, H], how many entries are > 0 per row ([M], int64) and per column ([H], int64)."""
-    active = a > 0
-    return active.sum(-1), active.sum(0)
+    if runs_on_kernel(a):
+        row_counts, col_counts = extension().activation_counts(a)
+        return row_counts, col_counts
+    return activation_counts_reference(a)
 
 
 @activation_counts.register_fake
