@@ -7,11 +7,11 @@
 #            $SPARSE_DIR; time dense vs cuda at micro-batch 8, with the blocks alive at the peak.
 #   PHASE=2  time dense vs cuda at micro-batch 16 on the same weights; the loss alone
 #            (scripts/benchmark_loss.py: unfused, chunks in PyTorch, chunks with the kernel).
-#   PHASE=3  A/B in one call: the cuda step at micro-batch 8 of this tree, then of another
-#            commit's tree on the same weights. Make that tree here with
+#   PHASE=3  A/B in one call: the step at micro-batch 8 of this tree, then of another commit's
+#            tree on the same weights (AB_IMPLS, default cuda). Make that tree here with
 #            `git archive <commit> | tar -x -C ab_base` (ab_base in .git/info/exclude) and carry it.
 # Env: TESTS (pytest paths), SKIP_TESTS=1, SPARSE_DIR (default /tmp/sp), AB_BASE_DIR (default
-# ab_base), GIT_COMMIT (recorded for this tree; AB_BASE_COMMIT for the other).
+# ab_base), AB_IMPLS (default cuda), GIT_COMMIT (recorded for this tree; AB_BASE_COMMIT for the other).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_train_1b_out}
@@ -34,7 +34,8 @@ case "${PHASE:-1}" in
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
       step "pytest -m gpu"
       # shellcheck disable=SC2086
-      python3 -m pytest -m gpu -q -rs ${TESTS:-tests/test_loss.py tests/test_ops_train_block.py tests/test_ops_train_cuda.py tests/test_model_gpu.py} \
+      python3 -m pytest -m gpu -q -rs ${TESTS:-tests/test_activation_counts.py tests/test_loss.py tests/test_ops_train_block.py \
+        tests/test_ops_train_cuda.py tests/test_model_gpu.py} \
         >"$OUT/gpu_tests.log" 2>&1 || status=1
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 12
     fi
@@ -55,10 +56,11 @@ case "${PHASE:-1}" in
     [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same warm machine"; exit 1; }
     base=$(cd "${AB_BASE_DIR:-ab_base}" && pwd) || exit 1
     step "A/B: this tree"
-    bench ab_this --model "$SPARSE_DIR" --micro-batch 8 --impls cuda
+    # shellcheck disable=SC2086
+    bench ab_this --model "$SPARSE_DIR" --micro-batch 8 --impls ${AB_IMPLS:-cuda}
     step "A/B: $base"
     (cd "$base" && GIT_COMMIT=${AB_BASE_COMMIT:-unknown} PYTHONPATH="$base:$PYTHONPATH" bench ab_base \
-      --model "$SPARSE_DIR" --micro-batch 8 --impls cuda; exit $status) || status=1
+      --model "$SPARSE_DIR" --micro-batch 8 --impls ${AB_IMPLS:-cuda}; exit $status) || status=1
     ;;
   *) echo "PHASE must be 1, 2 or 3"; exit 2 ;;
 esac
