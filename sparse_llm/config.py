@@ -42,7 +42,7 @@ class ModelConfig:
     ffn_impl: str = "dense"
     # ffn_impl=cuda: a layer whose measured density (L0 / H) exceeds this trains with the dense FFN
     # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmark_ffn.py --train.
-    ffn_dense_above: float = 0.012
+    ffn_dense_above: float = 0.01
     attn_impl: str = "sdpa"
 
 

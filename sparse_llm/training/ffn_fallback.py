@@ -8,9 +8,10 @@ density (l0 / H) a layer trains faster dense. The rule, per layer, on the measur
 
 Both paths compute the same function (exactly), so a switch changes speed, never the result;
 each switch is logged and reported as a metric. `max_density` is a speed knob measured with
-scripts/benchmark_ffn.py --train: on an H200 (D=2048, H=5632, 16384 tokens) the CUDA training
-FFN beats compiled dense up to ~65 active units per token and loses above, hence the default of
-1.2% (benchmarks/results/ffn_train_h200.md). Decisions use the global (all-rank) density, so
+scripts/benchmark_ffn.py --train (D=2048, H=5632, 16384 tokens): the CUDA training FFN beats
+compiled dense up to ~56 active units per token on an H100 and ~84 on an H200 (interpolated
+between the measured 30, 60 and 120; its gathers lean on L2, 50 MB on the H100 against 60), hence
+the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md). Decisions use the global (all-rank) density, so
 every rank agrees.
 
 The trainer adds the callback by itself for model.ffn_impl=cuda, with
@@ -31,7 +32,7 @@ from sparse_llm.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DENSITY = ModelConfig.ffn_dense_above  # 1.2%, ~68 of 5632 units (module docstring)
+DEFAULT_MAX_DENSITY = ModelConfig.ffn_dense_above  # 1.0%, ~56 of 5632 units (module docstring)
 DEFAULT_HYSTERESIS = 0.8
 
 
