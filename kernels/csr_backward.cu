@@ -5,7 +5,7 @@
 // dg = dh * u and du = dh * a (fp32, kept for the units kernel); then every thread owns 8 columns
 // of dx[r] = sum_e dg_e wg[unit] + du_e wu[unit].
 //
-// Units kernel (one CTA per unit and column slice): walks the unit's entries in column order and
+// Units kernel (one warp per unit and column slice): walks the unit's entries in column order and
 // accumulates its rows of dWg, dWu (from x) and dWd^T (from grad_y) in registers, so every weight
 // gradient row is written once, with no atomics: deterministic.
 #include "csr_rows.cuh"
@@ -15,7 +15,11 @@ namespace {
 
 constexpr int kDotLoads = 8;   // 16-byte wd_t loads in flight per lane
 constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows each)
-constexpr int kUnitThreads = 128;
+// One warp per unit and 256-column slice: the CTAs running at once all work on the same slice
+// (units vary fastest in the grid), so the slices of x and grad_y they gather rows from (16 MiB
+// at 16384 tokens and D = 2048) stay in L2. 128 threads (1024 columns) was 8% slower at 65536
+// tokens on an H100 (benchmarks/results/ffn_train_units_ab_h100.md).
+constexpr int kUnitThreads = 32;
 constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
 constexpr int kUnitUnroll = 4;                    // entries in flight per thread
 
