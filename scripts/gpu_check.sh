@@ -26,7 +26,7 @@ fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step "pytest -m gpu"
   # shellcheck disable=SC2086
-  $PY -m pytest -m gpu -v -rs -s ${TESTS:-tests/test_ops_cuda.py tests/test_ops_train_cuda.py tests/test_kv_cache_gpu.py} 2>&1 \
+  $PY -m pytest -m gpu -v -rfEs -s ${TESTS:-tests/test_ops_cuda.py tests/test_ops_train_cuda.py tests/test_kv_cache_gpu.py} 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=1
 fi
 

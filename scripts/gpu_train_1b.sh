@@ -34,7 +34,7 @@ case "${PHASE:-1}" in
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
       step "pytest -m gpu"
       # shellcheck disable=SC2086
-      python3 -m pytest -m gpu -q -rs ${TESTS:-tests/test_activation_counts.py tests/test_loss.py tests/test_ops_train_block.py \
+      python3 -m pytest -m gpu -q -rfEs ${TESTS:-tests/test_activation_counts.py tests/test_loss.py tests/test_ops_train_block.py \
         tests/test_ops_train_cuda.py tests/test_model_gpu.py} \
         >"$OUT/gpu_tests.log" 2>&1 || status=1
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 12
