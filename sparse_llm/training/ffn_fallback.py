@@ -11,8 +11,8 @@ each switch is logged and reported as a metric. `max_density` is a speed knob me
 scripts/benchmark_ffn.py --train (D=2048, H=5632, 16384 tokens): the CUDA training FFN beats
 compiled dense up to ~56 active units per token on an H100 and ~84 on an H200 (interpolated
 between the measured 30, 60 and 120; its gathers lean on L2, 50 MB on the H100 against 60), hence
-the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md). Decisions use the global (all-rank) density, so
-every rank agrees.
+the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md).
+Decisions use the global (all-rank) density, so every rank agrees.
 
 The trainer adds the callback by itself for model.ffn_impl=cuda, with
 max_density = model.ffn_dense_above.
