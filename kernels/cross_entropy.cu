@@ -1,6 +1,9 @@
 // One CTA per row of logits: a pass for the row's max and sum of exponentials (online, fp32), then,
 // with the row still in L2, a pass writing the gradient. Memory bound: 2 reads and 1 write of the
-// bf16 row, where the unfused softmax, one-hot and scaling make several fp32 passes.
+// bf16 row, where the unfused softmax, one-hot and scaling make several fp32 passes. The gradient
+// may overwrite the logits: in the second pass each thread writes only the values it has just
+// read, and the label's logit is read before the barrier that ends the first pass (so the
+// pointers carry no __restrict__ and the loads no read-only cache).
 #include <cmath>
 
 #include "cross_entropy.cuh"
@@ -85,13 +88,17 @@ __device__ MaxSum block_combine(MaxSum s) {
 // kVec: bf16 values per load (kChunk: 16-byte loads, needs vocab % 8 == 0 and aligned rows; 1: any).
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_rows_kernel(const __nv_bfloat16* __restrict__ logits, int64_t vocab,
-                              const int64_t* __restrict__ labels, int64_t ignore_index,
-                              const float* __restrict__ grad_scale, float* __restrict__ loss_rows,
-                              __nv_bfloat16* __restrict__ grad) {
+    cross_entropy_rows_kernel(const __nv_bfloat16* logits, int64_t vocab, const int64_t* __restrict__ labels,
+                              int64_t ignore_index, const float* __restrict__ grad_scale,
+                              float* __restrict__ loss_rows, __nv_bfloat16* grad) {
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* in = logits + row * vocab;
   const int64_t n_vec = vocab / kVec;
+  const int64_t label = labels[row];
+  const bool ignored = label == ignore_index;
+  const bool in_range = label >= 0 && label < vocab;
+  // Read before block_combine's barrier: in place, the second pass may overwrite it.
+  const float label_logit = threadIdx.x == 0 && in_range ? __bfloat162float(in[label]) : 0.f;
 
   MaxSum s{-INFINITY, 0.f};
   for (int64_t v = threadIdx.x; v < n_vec; v += kThreads) {
@@ -102,12 +109,7 @@ __global__ void __launch_bounds__(kThreads)
   s = block_combine(s);
   const float lse = s.max + logf(s.sum);
 
-  const int64_t label = labels[row];
-  const bool ignored = label == ignore_index;
-  const bool in_range = label >= 0 && label < vocab;
-  if (threadIdx.x == 0) {
-    loss_rows[row] = ignored ? 0.f : (in_range ? lse - __bfloat162float(in[label]) : NAN);
-  }
+  if (threadIdx.x == 0) loss_rows[row] = ignored ? 0.f : (in_range ? lse - label_logit : NAN);
   if (grad == nullptr) return;
   const float scale = ignored ? 0.f : (in_range ? *grad_scale : NAN);
   __nv_bfloat16* out = grad + row * vocab;

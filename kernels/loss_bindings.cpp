@@ -8,9 +8,11 @@
 namespace {
 
 // (loss of each row, gradient w.r.t. the logits scaled by grad_scale or an empty [0, V] tensor
-// without it); see launch_cross_entropy_rows.
+// without it); see launch_cross_entropy_rows. With in_place (and grad_scale) the gradient is
+// written over the logits, and returned as them.
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows(const at::Tensor& logits, const at::Tensor& labels,
-                                                      int64_t ignore_index, const std::optional<at::Tensor>& grad_scale) {
+                                                      int64_t ignore_index, const std::optional<at::Tensor>& grad_scale,
+                                                      bool in_place) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
               "logits must be a contiguous 2-D bfloat16 CUDA tensor, got ", logits.scalar_type(), " of shape ",
               logits.sizes());
@@ -26,7 +28,10 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows(const at::Tensor& logits, 
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   at::Tensor loss_rows = at::empty({rows}, logits.options().dtype(at::kFloat));
-  at::Tensor grad = grad_scale.has_value() ? at::empty_like(logits) : at::empty({0, vocab}, logits.options());
+  TORCH_CHECK(!in_place || grad_scale.has_value(), "in_place needs grad_scale");
+  at::Tensor grad = !grad_scale.has_value() ? at::empty({0, vocab}, logits.options())
+                    : in_place              ? logits
+                                            : at::empty_like(logits);
   sparse_llm_glue::check_cuda(
       sparse_llm::launch_cross_entropy_rows(
           sparse_llm_glue::bf16_ptr(logits), rows, vocab, labels.data_ptr<int64_t>(), ignore_index,
@@ -41,5 +46,5 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows(const at::Tensor& logits, 
 void register_loss_ops(pybind11::module_& m) {
   m.def("cross_entropy_rows", &cross_entropy_rows,
         "(per-row cross-entropy of bf16 logits, its gradient w.r.t. the logits times grad_scale or an empty "
-        "tensor when grad_scale is None)");
+        "tensor when grad_scale is None); in_place writes the gradient over the logits");
 }

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, resolve_impl
+from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, cross_entropy_rows_, resolve_impl
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 from sparse_llm.precision import autocast_dtype
 
@@ -45,8 +45,12 @@ def _chunk_loss_and_logit_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed loss of a chunk, gradient of the mean loss w.r.t. its logits in the compute dtype,
     or None when `inv_count` is None)."""
-    loss_rows, grad = cross_entropy_rows(hidden @ weight.t(), labels, inv_count, IGNORE_INDEX, impl)
-    return loss_rows.sum(), grad
+    logits = hidden @ weight.t()
+    if inv_count is None:
+        loss_rows, _ = cross_entropy_rows(logits, labels, None, IGNORE_INDEX, impl)
+        return loss_rows.sum(), None
+    loss_rows = cross_entropy_rows_(logits, labels, inv_count, IGNORE_INDEX, impl)
+    return loss_rows.sum(), logits  # now the gradient: one [chunk, V] buffer for both
 
 
 def _chunked_loss(

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
-from sparse_llm.ops.cross_entropy import cross_entropy_rows, cross_entropy_rows_reference, runs_on_kernel
+from sparse_llm.ops.cross_entropy import (
+    cross_entropy_rows,
+    cross_entropy_rows_,
+    cross_entropy_rows_reference,
+    runs_on_kernel,
+)
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 
 
@@ -102,6 +107,29 @@ def test_cross_entropy_rows_refuses_mismatched_shapes() -> None:
         cross_entropy_rows(torch.zeros(2, 4, 7), torch.zeros(2, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cross_entropy_rows_in_place_writes_the_gradient_over_the_logits(dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(9, 13, generator=gen)).to(dtype)
+    labels = torch.randint(0, 13, (9,), generator=gen)
+    labels[::4] = IGNORE_INDEX
+    scale = torch.tensor(1 / 7, dtype=torch.float64)
+    want_loss, want_grad = cross_entropy_rows(logits, labels, scale)
+    buffer = logits.data_ptr()
+    loss = cross_entropy_rows_(logits, labels, scale)
+    assert logits.data_ptr() == buffer and logits.dtype == dtype
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+    torch.testing.assert_close(logits, want_grad, rtol=0, atol=0)
+
+
+def test_cross_entropy_rows_in_place_refuses_what_it_cannot_write_over() -> None:
+    labels = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cross_entropy_rows_(torch.zeros(7, 4).t(), labels, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        cross_entropy_rows_(torch.zeros(3, 7), labels, torch.tensor(1.0))
+
+
 @pytest.mark.parametrize(
     "device",
     [
@@ -166,6 +194,26 @@ def test_cross_entropy_kernel_matches_reference(rows: int, vocab: int, with_grad
     # Both round the same fp32 value to bf16; expf and torch.exp may differ in its last fp32 bits.
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=2**-7, atol=1e-7)
     assert (grad[labels == IGNORE_INDEX] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize(("rows", "vocab"), [(3, 7), (257, 1000), (64, 49152), (5, 50257)])
+def test_cross_entropy_kernel_in_place_equals_out_of_place(rows: int, vocab: int) -> None:
+    """Written over the logits (both load widths), the kernel gives the bits it gives into a new
+    buffer, on wide logits with ignored, out-of-range and edge labels."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = (8 * torch.randn(rows, vocab, device="cuda", generator=gen)).bfloat16()
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    labels[::3] = IGNORE_INDEX
+    labels[1::5] = vocab - 1
+    labels[2::7] = 0
+    labels[-1] = vocab  # out of range: a NaN row either way
+    scale = torch.tensor(1 / rows, device="cuda")
+    want_loss, want_grad = cross_entropy_rows(logits, labels, scale)
+    loss = cross_entropy_rows_(logits, labels, scale)
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(logits, want_grad, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

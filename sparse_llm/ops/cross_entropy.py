@@ -2,6 +2,7 @@
 chunked loss (sparse_llm.loss) between a chunk's logit GEMM and its two gradient GEMMs.
 
     loss_rows, grad = cross_entropy_rows(logits, labels, grad_scale)
+    loss_rows = cross_entropy_rows_(logits, labels, grad_scale)  # the gradient over the logits
 
 loss_rows[r] = logsumexp(logits[r]) - logits[r, labels[r]] (0 where the label is IGNORE_INDEX), in
 float32 or wider; grad = (softmax(logits) - one_hot(labels)) * grad_scale on the rows with a label
@@ -33,7 +34,7 @@ def cross_entropy_rows_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [N, V] bf16 contiguous CUDA; labels: [N] int64; grad_scale: None or a float32
     scalar. (loss_rows [N] float32, grad [N, V] bf16 or [0, V] without grad_scale)."""
-    loss_rows, grad = extension().cross_entropy_rows(logits, labels, ignore_index, grad_scale)
+    loss_rows, grad = extension().cross_entropy_rows(logits, labels, ignore_index, grad_scale, False)
     return loss_rows, grad
 
 
@@ -41,6 +42,21 @@ def cross_entropy_rows_cuda(
 def _(logits, labels, ignore_index, grad_scale):
     rows = logits.shape[0] if grad_scale is not None else 0
     return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(rows, logits.shape[1])
+
+
+@torch.library.custom_op("sparse_llm::cross_entropy_rows_cuda_", mutates_args=("logits",))
+def cross_entropy_rows_cuda_(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, grad_scale: torch.Tensor
+) -> torch.Tensor:
+    """cross_entropy_rows_cuda with the gradient written over the logits; returns loss_rows. The
+    declared mutation lets the compiler hand the logit GEMM's output to it without a copy."""
+    loss_rows, _ = extension().cross_entropy_rows(logits, labels, ignore_index, grad_scale, True)
+    return loss_rows
+
+
+@cross_entropy_rows_cuda_.register_fake
+def _(logits, labels, ignore_index, grad_scale):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 def cross_entropy_rows_reference(
@@ -96,6 +112,13 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     return "reference" if reason is not None else "cuda"
 
 
+def _check_rows(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be [N, V] and labels [N], got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+
+
 def cross_entropy_rows(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -106,10 +129,7 @@ def cross_entropy_rows(
     """(loss of each row, its gradient w.r.t. the logits times grad_scale, or None); logits: [N, V],
     labels: [N] integer. impl: 'auto' (the kernel where it can run, else PyTorch), 'cuda' (raises
     where the kernel cannot run) or 'reference' (PyTorch). See the module doc."""
-    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(
-            f"logits must be [N, V] and labels [N], got {tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
+    _check_rows(logits, labels)
     if resolve_impl(impl, logits) == "reference":
         return cross_entropy_rows_reference(logits, labels, grad_scale, ignore_index)
     if grad_scale is not None:
@@ -118,3 +138,25 @@ def cross_entropy_rows(
         logits.contiguous(), labels.long().contiguous(), ignore_index, grad_scale
     )
     return loss_rows, grad if grad_scale is not None else None
+
+
+def cross_entropy_rows_(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """cross_entropy_rows with the gradient (times grad_scale) written over `logits`, which must
+    be contiguous; returns the loss of each row. The chunked loss's form: a chunk's logits are
+    dead once their gradient exists, so one [N, V] buffer serves both."""
+    _check_rows(logits, labels)
+    if not logits.is_contiguous():
+        raise ValueError("cross_entropy_rows_ writes over the logits: they must be contiguous")
+    if resolve_impl(impl, logits) == "reference":
+        loss_rows, grad = cross_entropy_rows_reference(logits, labels, grad_scale, ignore_index)
+        logits.copy_(grad)
+        return loss_rows
+    return cross_entropy_rows_cuda_(
+        logits, labels.long().contiguous(), ignore_index, grad_scale.to(torch.float32)
+    )
