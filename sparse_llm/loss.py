@@ -12,8 +12,9 @@ over the labels that are not `ignore_index`); the weight gradient is summed over
 on CUDA by the GEMM itself (ops.matmul_accumulate_).
 
 Under torch.compile the chunks must stay one after the other. The step between a chunk's logit
-GEMM and its gradient GEMMs (ops.cross_entropy_rows) is a CUDA kernel, opaque to Inductor, on a
-Hopper GPU, and the weight gradient's accumulation an in-place op: written in PyTorch, Inductor
+GEMM and its gradient GEMMs (ops.cross_entropy_rows_, which writes the gradient over the logits)
+is an op opaque to Inductor, a CUDA kernel on a Hopper GPU and PyTorch elsewhere, and the weight
+gradient's accumulation an in-place op: written in PyTorch and traced, Inductor
 fused every chunk's softmax gradient into one kernel after all the logit GEMMs, and the chunks'
 additions into one after the last, so all the chunks' logits and partial products were alive at
 once.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,8 +112,8 @@ def test_cross_entropy_rows_refuses_mismatched_shapes() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_cross_entropy_rows_in_place_writes_the_gradient_over_the_logits(dtype) -> None:
     gen = torch.Generator().manual_seed(3)
-    logits = (4 * torch.randn(9, 13, generator=gen)).to(dtype)
-    labels = torch.randint(0, 13, (9,), generator=gen)
+    logits = (4 * torch.randn(1100, 13, generator=gen)).to(dtype)  # more rows than one logsumexp block
+    labels = torch.randint(0, 13, (1100,), generator=gen)
     labels[::4] = IGNORE_INDEX
     scale = torch.tensor(1 / 7, dtype=torch.float64)
     want_loss, want_grad = cross_entropy_rows(logits, labels, scale)
@@ -128,6 +130,42 @@ def test_cross_entropy_rows_in_place_refuses_what_it_cannot_write_over() -> None
         cross_entropy_rows_(torch.zeros(7, 4).t(), labels, torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         cross_entropy_rows_(torch.zeros(3, 7), labels, torch.tensor(1.0))
+
+
+def test_compiled_reference_loss_keeps_its_chunks_one_after_the_other() -> None:
+    """Compiled on CPU (the PyTorch path), each chunk's loss step is one opaque op between that
+    chunk's logit GEMM and the next one's: traced, Inductor had fused every chunk's softmax into
+    one kernel after all the logit GEMMs, keeping every chunk's logits alive."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 40, (64,), generator=gen)
+    compiled = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, chunk_tokens=16))
+
+    def step() -> torch.Tensor:
+        hidden.grad = weight.grad = None
+        loss = compiled(hidden, weight, labels)
+        loss.backward()
+        return loss.detach()
+
+    loss, codes = run_and_get_code(step)
+    calls = [
+        "op" if "cross_entropy_rows_pytorch_" in line else "mm"
+        for line in "\n".join(codes).splitlines()
+        if "cross_entropy_rows_pytorch_.default(" in line or "extern_kernels.mm(" in line
+    ]
+    steps = [i for i, call in enumerate(calls) if call == "op"]
+    assert len(steps) == 4, calls
+    # A logit GEMM before the first step and between any two: never two chunks' steps in a row.
+    assert steps[0] > 0 and all(b - a > 1 for a, b in pairwise(steps)), calls
+    grads = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    want = linear_cross_entropy(hidden, weight, labels, chunk_tokens=16)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(grads, (hidden.grad, weight.grad))
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ to torch.compile is the point: Inductor then runs each chunk's logit GEMM, this 
 gradient GEMMs in order, so one chunk's logits are alive at a time. Written in PyTorch, the
 chunks' softmax gradients were fused into one kernel after all the logit GEMMs, and every chunk's
 logits were alive at once (2.7 GiB at the 1b preset's training peak). Elsewhere the same
-arithmetic runs in PyTorch. A label outside [0, vocab) that is not IGNORE_INDEX: the PyTorch path
+arithmetic runs in PyTorch; the in-place form (`cross_entropy_rows_`, the chunked loss's) is an
+opaque op there too, so the chunks stay in order on any device. A label outside [0, vocab) that is not IGNORE_INDEX: the PyTorch path
 raises (CPU) or asserts (CUDA) in its gather, the kernel gives a NaN loss.
 """
 
@@ -81,6 +82,35 @@ def cross_entropy_rows_reference(
     one_hot = (vocab_ids == safe_labels).to(wide.dtype)
     grad = (torch.exp(wide - lse.unsqueeze(-1)) - one_hot) * scale
     return loss_rows, grad.to(logits.dtype)
+
+
+# Rows per logsumexp in the PyTorch in-place op: its temporary stays one block of rows.
+_LSE_ROWS = 512
+
+
+@torch.library.custom_op("sparse_llm::cross_entropy_rows_pytorch_", mutates_args=("logits",))
+def cross_entropy_rows_pytorch_(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, grad_scale: torch.Tensor
+) -> torch.Tensor:
+    """cross_entropy_rows_cuda_ in PyTorch (any dtype and device): cross_entropy_rows_reference's
+    arithmetic, bit for bit, on one float32-or-wider copy of the logits changed in place, then
+    written over them; returns loss_rows. An opaque op for the kernel's reason (module doc):
+    traced, the chunks' softmaxes were fused across chunks and every chunk's logits kept alive."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0).unsqueeze(-1)
+    lse = torch.cat([torch.logsumexp(block, dim=-1) for block in wide.split(_LSE_ROWS)])
+    loss_rows = torch.where(valid, lse - wide.gather(-1, safe_labels).squeeze(-1), 0.0)
+    wide.sub_(lse.unsqueeze(-1)).exp_()  # softmax
+    wide.scatter_add_(-1, safe_labels, -valid.to(wide.dtype).unsqueeze(-1))  # minus the one-hot
+    wide.mul_((valid.to(wide.dtype) * grad_scale).unsqueeze(-1))
+    logits.copy_(wide)
+    return loss_rows
+
+
+@cross_entropy_rows_pytorch_.register_fake
+def _(logits, labels, ignore_index, grad_scale):
+    return logits.new_empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
 def kernel_unsupported_reason(logits: torch.Tensor) -> str | None:
@@ -154,9 +184,7 @@ def cross_entropy_rows_(
     if not logits.is_contiguous():
         raise ValueError("cross_entropy_rows_ writes over the logits: they must be contiguous")
     if resolve_impl(impl, logits) == "reference":
-        loss_rows, grad = cross_entropy_rows_reference(logits, labels, grad_scale, ignore_index)
-        logits.copy_(grad)
-        return loss_rows
+        return cross_entropy_rows_pytorch_(logits, labels.long(), ignore_index, grad_scale)
     return cross_entropy_rows_cuda_(
         logits, labels.long().contiguous(), ignore_index, grad_scale.to(torch.float32)
     )
