@@ -88,13 +88,14 @@ __global__ void __launch_bounds__(kCsrRowThreads)
   }
 }
 
+template <typename Grad>  // the weight gradients' dtype: bf16 or float
 __global__ void __launch_bounds__(kUnitThreads)
     csr_backward_units_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ grad_y,
                               const int64_t* __restrict__ unit_ptr, const int32_t* __restrict__ csc_rows,
                               const int32_t* __restrict__ csc_entry, const float* __restrict__ dg,
                               const float* __restrict__ du, const __nv_bfloat16* __restrict__ a_vals,
-                              const __nv_bfloat16* __restrict__ u_vals, int dim, __nv_bfloat16* __restrict__ dwg,
-                              __nv_bfloat16* __restrict__ dwu, __nv_bfloat16* __restrict__ dwd_t) {
+                              const __nv_bfloat16* __restrict__ u_vals, int dim, Grad* __restrict__ dwg,
+                              Grad* __restrict__ dwu, Grad* __restrict__ dwd_t) {
   const int64_t unit = blockIdx.x;
   const int v = blockIdx.y * kUnitThreads + threadIdx.x;  // this thread's 8 columns
   if (v * kChunk >= dim) return;
@@ -138,9 +139,22 @@ __global__ void __launch_bounds__(kUnitThreads)
     const float h = __bfloat162float(a_vals[e]) * __bfloat162float(u_vals[e]);
     axpy_bf16x8(h, __ldg(reinterpret_cast<const uint4*>(grad_y + row * dim) + v), acc_d);
   }
-  reinterpret_cast<uint4*>(dwg + unit * dim)[v] = float_to_bf16x8(acc_g);
-  reinterpret_cast<uint4*>(dwu + unit * dim)[v] = float_to_bf16x8(acc_u);
-  reinterpret_cast<uint4*>(dwd_t + unit * dim)[v] = float_to_bf16x8(acc_d);
+  store8(dwg + unit * dim, v, acc_g);
+  store8(dwu + unit * dim, v, acc_u);
+  store8(dwd_t + unit * dim, v, acc_d);
+}
+
+template <typename Grad>
+cudaError_t launch_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                         const int32_t* csc_rows, const int32_t* csc_entry, const float* dg, const float* du,
+                         const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals, int hidden, int dim, Grad* dwg,
+                         Grad* dwu, Grad* dwd_t, cudaStream_t stream) {
+  if (hidden == 0) return cudaSuccess;
+  if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols));
+  csr_backward_units_kernel<Grad><<<grid, kUnitThreads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg,
+                                                                     du, a_vals, u_vals, dim, dwg, dwu, dwd_t);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -167,12 +181,16 @@ cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat1
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                       int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
                                       __nv_bfloat16* dwd_t, cudaStream_t stream) {
-  if (hidden == 0) return cudaSuccess;
-  if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols));
-  csr_backward_units_kernel<<<grid, kUnitThreads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du,
-                                                               a_vals, u_vals, dim, dwg, dwu, dwd_t);
-  return cudaGetLastError();
+  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, dwg, dwu, dwd_t,
+                      stream);
+}
+
+cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
+                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                      int hidden, int dim, float* dwg, float* dwu, float* dwd_t, cudaStream_t stream) {
+  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, dwg, dwu, dwd_t,
+                      stream);
 }
 
 }  // namespace sparse_llm

@@ -1,5 +1,5 @@
 // Helpers shared by the torch bindings (bindings.cpp, train_bindings.cpp): pointer casts, input
-// checks with clear messages, the bf16 transpose as a torch op, and an early host read.
+// checks with clear messages, the transposes as torch ops, and an early host read.
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
@@ -15,9 +15,9 @@ inline const __nv_bfloat16* bf16_ptr(const at::Tensor& t) {
 }
 inline __nv_bfloat16* bf16_mut_ptr(at::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()); }
 
-inline void check_matrix(const at::Tensor& t, const char* name) {
+inline void check_matrix(const at::Tensor& t, const char* name, at::ScalarType dtype = at::kBFloat16) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
@@ -78,6 +78,23 @@ inline at::Tensor transpose_bf16(const at::Tensor& t) {
   at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options());
   check_cuda(sparse_llm::launch_transpose_bf16(bf16_ptr(t), t.size(0), t.size(1), bf16_mut_ptr(out), current_stream()),
              "transpose");
+  return out;
+}
+
+// t transposed into `dtype`, in one pass: a bf16 t to bf16, a float t to bf16 or float.
+inline at::Tensor transpose_as(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == at::kBFloat16 && dtype == at::kBFloat16) return transpose_bf16(t);
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat,
+              "transpose_as takes a contiguous 2-D bf16 or float CUDA tensor, got ", t.scalar_type());
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "transpose_as writes bf16 or float");
+  const c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options().dtype(dtype));
+  const float* src = t.data_ptr<float>();
+  const cudaError_t err =
+      dtype == at::kFloat
+          ? sparse_llm::launch_transpose(src, t.size(0), t.size(1), out.data_ptr<float>(), current_stream())
+          : sparse_llm::launch_transpose(src, t.size(0), t.size(1), bf16_mut_ptr(out), current_stream());
+  check_cuda(err, "transpose");
   return out;
 }
 

@@ -3,6 +3,7 @@
 // records passed between them are the CSR records of csr.cuh (one for the light rows, one for the
 // heavy rows); the extension keeps no state between calls.
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 #include "csr.cuh"
@@ -16,11 +17,12 @@ using sparse_llm_glue::check_cuda;
 using sparse_llm_glue::check_matrix;
 using sparse_llm_glue::current_stream;
 
-void check_weights(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd) {
+void check_weights(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                   at::ScalarType weight_dtype = at::kBFloat16) {
   check_matrix(x, "x");
-  check_matrix(wg, "wg");
-  check_matrix(wu, "wu");
-  check_matrix(wd, "wd");
+  check_matrix(wg, "wg", weight_dtype);
+  check_matrix(wu, "wu", weight_dtype);
+  check_matrix(wd, "wd", weight_dtype);
   const int64_t dim = x.size(1), hidden = wg.size(0);
   TORCH_CHECK(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == hidden,
               "weights must be wg, wu: [H, D] and wd: [D, H] with D = x.size(1)");
@@ -77,26 +79,37 @@ at::Tensor row_list(const at::Tensor& mask, const at::Tensor& pos, cudaStream_t 
   return list;
 }
 
+// acc += a @ b in acc's dtype: a float acc takes the product of bf16 a and b unrounded.
+void accumulate_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (acc.scalar_type() == a.scalar_type())
+    acc.addmm_(a, b);
+  else
+    at::addmm_out(acc, acc, a, b, acc.scalar_type());
+}
+
 // sum |h| over a record's entries, h = a * u in fp32 as the kernels use it.
 at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
   return (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum();
 }
 
-// (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols,
-// heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an active unit)
-// with the light rows' record (csr.cuh), then the heavy rows' indices and record (they size the
-// backward's GEMMs, so it needs no host read).
+// (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows,
+// heavy_cols, heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an
+// active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows' record
+// (csr.cuh), then the heavy rows' indices and record (they size the backward's GEMMs, so it needs
+// no host read).
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
 // capacity known in advance (threshold entries a row), so their pack and up/down are queued
 // before the host waits, and the GPU runs them while it does. Only the heavy rows' GEMMs (sized by
 // the read) and the copies of the light record to its exact size are queued after it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor, at::Tensor>
-ffn_train_forward(
-    const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd, int64_t heavy_threshold) {
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                  const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
   check_weights(x, wg, wu, wd);
   TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  TORCH_CHECK(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
+              "keep must be a 2-D tensor with x's rows, on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
@@ -172,18 +185,24 @@ ffn_train_forward(
     y.index_copy_(0, heavy_rows, at::mm(u, wd_t).narrow(0, 0, n_heavy));
     l1 = l1 + abs_h_sum(heavy_a, heavy_u) * inv_rows;
   }
-  return {y, l1, nnz, fire_long, active_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
+  const at::Tensor kept_rows = keep.has_value() ? keep->index_select(0, active_rows) : at::empty({0, dim}, x.options());
+  return {y, l1, nnz, fire_long, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
-// the gathered rows, added to the weight gradients.
+// the gathered rows, added to the weight gradients. The weights come in bf16, or in float (the
+// master weights under bf16 autocast): the kernels read bf16 casts of them, and the weight
+// gradients come out in the weights' dtype, accumulated in fp32 and rounded once.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
     const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
     const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows, const at::Tensor& heavy_cols,
     const at::Tensor& heavy_a, const at::Tensor& heavy_u) {
-  check_weights(x, wg, wu, wd);
+  const at::ScalarType grad_dtype = wg.scalar_type();
+  TORCH_CHECK(grad_dtype == at::kBFloat16 || grad_dtype == at::kFloat, "weights must be bfloat16 or float32, got ",
+              grad_dtype);
+  check_weights(x, wg, wu, wd, grad_dtype);
   check_matrix(grad_y, "grad_y");
   TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
   TORCH_CHECK(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
@@ -203,12 +222,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const RowSplit split =
       split_rows(nnz, at::zeros({rows}, nnz.options().dtype(at::kBool)).index_fill_(0, heavy_rows, true));
   const int64_t* row_ptr = split.light_ptr.data_ptr<int64_t>();
-  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
+  const at::Tensor wg_c = wg.to(at::kBFloat16), wu_c = wu.to(at::kBFloat16);  // no copy when bf16
+  const at::Tensor wd_t = sparse_llm_glue::transpose_as(wd, at::kBFloat16);
   const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
-  check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t), row_ptr,
+  check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg_c), bf16_ptr(wu_c), bf16_ptr(wd_t), row_ptr,
                                                   cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                   mask_ptr(split.heavy), l1_grad.data_ptr<float>(), rows, dim,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
@@ -226,11 +246,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   at::Tensor dwg = at::empty_like(wg);
   at::Tensor dwu = at::empty_like(wu);
   at::Tensor dwd_t = at::empty({hidden, dim}, wd.options());
-  check_cuda(sparse_llm::launch_csr_backward_units(bf16_ptr(x), bf16_ptr(grad_y), unit_ptr.data_ptr<int64_t>(),
-                                                   csc_rows.data_ptr<int32_t>(), csc_entry.data_ptr<int32_t>(),
-                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_ptr(a_vals),
-                                                   bf16_ptr(u_vals), hidden, dim, bf16_mut_ptr(dwg),
-                                                   bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+  const int64_t* unit_ptr_d = unit_ptr.data_ptr<int64_t>();
+  const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
+  const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
+  check_cuda(grad_dtype == at::kFloat
+                 ? sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, dwg.data_ptr<float>(),
+                       dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
+                 : sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, bf16_mut_ptr(dwg),
+                       bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
              "csr_backward_units");
 
   if (n_heavy > 0) {
@@ -245,28 +272,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
                                                    bf16_ptr(heavy_a), bf16_ptr(heavy_u), bf16_mut_ptr(a_h),
                                                    bf16_mut_ptr(u_h), stream),
                "csr_scatter_rows");
-    at::Tensor dh = at::mm(gy_h, wd);  // then dg
+    at::Tensor dh = at::mm(gy_h, wd_t.t());  // then dg
     check_cuda(sparse_llm::launch_heavy_backward_elementwise(n_heavy, hidden, l1_grad.data_ptr<float>(), rows,
                                                              bf16_mut_ptr(dh), bf16_mut_ptr(a_h), bf16_mut_ptr(u_h),
                                                              stream),
                "heavy_backward_elementwise");
-    at::Tensor dx_h = at::mm(dh, wg);
-    dx_h.addmm_(a_h, wu);
+    at::Tensor dx_h = at::mm(dh, wg_c);
+    dx_h.addmm_(a_h, wu_c);
     dx.index_copy_(0, heavy_rows, dx_h.narrow(0, 0, n_heavy));
-    dwg.addmm_(dh.t(), x_h);
-    dwu.addmm_(a_h.t(), x_h);
-    dwd_t.addmm_(u_h.t(), gy_h);
+    accumulate_product(dwg, dh.t(), x_h);
+    accumulate_product(dwu, a_h.t(), x_h);
+    accumulate_product(dwd_t, u_h.t(), gy_h);
   }
-  return {dx, dwg, dwu, sparse_llm_glue::transpose_bf16(dwd_t)};
+  return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 
 }  // namespace
 
 void register_train_ops(pybind11::module_& m) {
   m.def("ffn_train_forward", &ffn_train_forward,
-        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, cols, a_vals, u_vals, "
-        "heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take the "
-        "dense path");
+        "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, "
+        "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take "
+        "the dense path");
   m.def("ffn_train_backward", &ffn_train_backward,
-        "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd)");
+        "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd), the weight gradients "
+        "in the weights' dtype (bf16 or float32)");
 }

@@ -66,8 +66,11 @@ cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_p
 cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, int64_t n, int hidden,
                                  __nv_bfloat16* u, cudaStream_t stream);
 
-// dst[c, r] = src[r, c] for a row-major bf16 src of [rows, cols] (rows / 64 <= 65535).
+// dst[c, r] = src[r, c] for a row-major src of [rows, cols] (rows / 64 <= 65535); bf16 -> bf16,
+// fp32 -> bf16 (rounded to nearest) and fp32 -> fp32.
 cudaError_t launch_transpose_bf16(const __nv_bfloat16* src, int64_t rows, int64_t cols, __nv_bfloat16* dst,
                                   cudaStream_t stream);
+cudaError_t launch_transpose(const float* src, int64_t rows, int64_t cols, __nv_bfloat16* dst, cudaStream_t stream);
+cudaError_t launch_transpose(const float* src, int64_t rows, int64_t cols, float* dst, cudaStream_t stream);
 
 }  // namespace sparse_llm

@@ -27,6 +27,17 @@ __device__ __forceinline__ uint4 float_to_bf16x8(const float (&in)[kChunk]) {
   return out;
 }
 
+// Stores 8 fp32 values as element v of a row of 8-element vectors: bf16 (one 16-byte store) or fp32
+// (two). The weight-gradient kernels write the gradient's own dtype with it.
+__device__ __forceinline__ void store8(__nv_bfloat16* row, int v, const float (&in)[kChunk]) {
+  reinterpret_cast<uint4*>(row)[v] = float_to_bf16x8(in);
+}
+__device__ __forceinline__ void store8(float* row, int v, const float (&in)[kChunk]) {
+  float4* out = reinterpret_cast<float4*>(row) + 2 * v;
+  out[0] = make_float4(in[0], in[1], in[2], in[3]);
+  out[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
 __device__ __forceinline__ float dot_bf16x8(const uint4& a, const uint4& b) {
   float fa[kChunk], fb[kChunk];
   bf16x8_to_float(a, fa);

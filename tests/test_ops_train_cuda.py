@@ -201,6 +201,34 @@ def test_autocast_with_fp32_master_weights():
 
 
 @needs_hopper
+@pytest.mark.parametrize("heavy_threshold", [768, 16])
+def test_backward_with_float32_weights_rounds_once(heavy_threshold):
+    """The backward op given float32 (master) weights reads bf16 casts of them and writes float32
+    weight gradients: dx as with the casts; without heavy rows each float32 gradient rounds to the
+    bf16 one exactly (same fp32 sums, one rounding fewer); with heavy rows (their products added
+    in fp32 instead of onto a bf16 sum) they differ by about one bf16 rounding."""
+    w = make_workload(1024, 256, 768, 30, seed=9, device="cuda", dtype=torch.float32)
+    x = w.x.bfloat16()
+    masters = [w.wg, w.wu, w.wd]
+    casts = [t.bfloat16() for t in masters]
+    out = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, *casts, None, heavy_threshold)
+    nnz_per_token, heavy_rows, record = out[2], out[9], out[6:]
+    assert (heavy_rows.numel() > 0) == (heavy_threshold == 16)
+    grad_y = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
+    grad_l1 = torch.tensor(0.7, device="cuda")
+    bwd = torch.ops.sparse_llm.ffn_train_bwd_cuda
+    dx16, *grads16 = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
+    dx32, *grads32 = bwd(grad_y, grad_l1, x, *masters, nnz_per_token, *record)
+    assert torch.equal(dx16, dx32)
+    for name, g16, g32 in zip(("dWg", "dWu", "dWd"), grads16, grads32, strict=True):
+        assert g16.dtype == torch.bfloat16 and g32.dtype == torch.float32, name
+        if heavy_threshold == 768:
+            assert torch.equal(g32.bfloat16(), g16), name
+        else:
+            assert rel_err(g32, g16.float()) <= 2**-8, name
+
+
+@needs_hopper
 def test_impl_cuda_rejects_float32_clearly():
     x, wg, wu, wd = (t.float() for t in gpu_pattern("random", 8, 64, 128, seed=1))
     with pytest.raises(ValueError, match="bfloat16"):

@@ -75,6 +75,15 @@ def _in_dtype_of(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
     return [w.to(x.dtype).contiguous() for w in weights]
 
 
+def _cuda_backward_weights(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """The weights as the CUDA backward takes them: float32 ones as they are (the master weights
+    under bf16 autocast: the op reads bf16 casts of them and writes float32 gradients, rounded once,
+    with no bf16 gradient and cast between), any other dtype cast to x's."""
+    if all(w.dtype == torch.float32 for w in weights):
+        return [w.contiguous() for w in weights]
+    return _in_dtype_of(x, *weights)
+
+
 def _as_weights(grads: list[torch.Tensor], *weights: torch.Tensor) -> list[torch.Tensor]:
     """Each weight's gradient in that weight's dtype (what autograd's cast would have given)."""
     return [g.to(w.dtype) for g, w in zip(grads, weights, strict=True)]
@@ -144,10 +153,9 @@ def ffn_train_fwd_cuda(
     """The CUDA kernels: bf16, contiguous, Hopper. The reference's outputs (cols int32; keep as
     there) with the light rows' record, then the heavy rows' indices and record: rows with more
     than heavy_threshold active units take the dense path (a speed knob only)."""
-    y, l1, nnz_per_token, fire_counts, active_rows, *record = extension().ffn_train_forward(
-        x, wg, wu, wd, heavy_threshold
-    )
-    return y, l1, nnz_per_token, fire_counts, active_rows, _kept_rows(keep, active_rows, x), *record
+    # keep's active rows are taken inside the extension: after its one host read, every step
+    # until the next kernel is queued leaves the GPU idle.
+    return extension().ffn_train_forward(x, wg, wu, wd, keep, heavy_threshold)
 
 
 @ffn_train_fwd_cuda.register_fake
@@ -178,13 +186,14 @@ def ffn_train_bwd_cuda(
     heavy_u: torch.Tensor,
 ) -> TrainBackwardOutput:
     """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused). The weights may be
-    the master weights (wider than x): cast to x's dtype here, and their gradients returned in
-    their dtypes, so that a caller can keep the master weights for the backward instead of casts."""
+    the master weights (wider than x): cast to x's dtype inside the op, and their gradients
+    returned in their dtypes, so that a caller can keep the master weights for the backward
+    instead of casts."""
     dx, *weight_grads = extension().ffn_train_backward(
         grad_y,
         grad_l1,
         x,
-        *_in_dtype_of(x, wg, wu, wd),
+        *_cuda_backward_weights(x, wg, wu, wd),
         nnz_per_token,
         cols,
         a_vals,
