@@ -1,5 +1,7 @@
 // Helpers of the dense path for heavy rows: an ordered list of the heavy rows (no host sync to
-// build it) and the fused gate h = relu(g[row]) * u on the gathered rows.
+// build it), the rows gathered for its GEMMs, the fused gate h = relu(g[row]) * u on them, and
+// their share of the L1 term. Each is one launch: they run after the training forward's host read,
+// where every launch the host still has to make is time the GPU waits.
 #include "twell.cuh"
 
 namespace sparse_llm {
@@ -37,7 +39,55 @@ __global__ void gate_mul_rows_kernel(const __nv_bfloat16* __restrict__ g, const 
   }
 }
 
+__global__ void gather_rows_padded_kernel(const __nv_bfloat16* __restrict__ src, const int64_t* __restrict__ list,
+                                          int64_t n, int64_t padded, int cols, __nv_bfloat16* __restrict__ dst) {
+  const int vecs = cols / 8;
+  const int64_t total = padded * vecs;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / vecs;
+    const int v = static_cast<int>(i % vecs);
+    reinterpret_cast<uint4*>(dst + r * cols)[v] =
+        r < n ? __ldg(reinterpret_cast<const uint4*>(src + list[r] * cols) + v) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One CTA, a fixed order of additions: the sum is the same on every run.
+constexpr int kSumThreads = 1024;
+
+__global__ void __launch_bounds__(kSumThreads)
+    add_abs_product_sum_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ u, int64_t n,
+                               float scale, float* __restrict__ acc) {
+  __shared__ float partial[kSumThreads];
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += kSumThreads) sum += fabsf(__bfloat162float(a[i]) * __bfloat162float(u[i]));
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = kSumThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *acc += partial[0] * scale;
+}
+
 }  // namespace
+
+cudaError_t launch_gather_rows_padded(const __nv_bfloat16* src, const int64_t* list, int64_t n, int64_t padded,
+                                      int cols, __nv_bfloat16* dst, cudaStream_t stream) {
+  if (padded == 0) return cudaSuccess;
+  if (cols % 8 != 0) return cudaErrorInvalidValue;
+  const int64_t blocks = (padded * (cols / 8) + kThreads - 1) / kThreads;
+  gather_rows_padded_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), kThreads, 0, stream>>>(
+      src, list, n, padded, cols, dst);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_add_abs_product_sum(const __nv_bfloat16* a, const __nv_bfloat16* u, int64_t n, float scale,
+                                       float* acc, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  add_abs_product_sum_kernel<<<1, kSumThreads, 0, stream>>>(a, u, n, scale, acc);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
                                 cudaStream_t stream) {

@@ -35,14 +35,26 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 // ~0.1-0.4 ms of CPU per GEMM, and the step's GPU waited for it).
 constexpr int64_t kHeavyRowsGranule = 64;
 
-// rows[list[i]] for i < list.size(0), then zero rows up to the granule: [padded, cols].
+// rows[list[i]] for i < list.size(0), then zero rows up to the granule: [padded, cols], in one
+// launch. rows: bf16 [*, cols] as check_matrix accepts it.
 inline at::Tensor gather_rows_padded(const at::Tensor& rows, const at::Tensor& list) {
   const int64_t n = list.size(0);
   const int64_t padded = (n + kHeavyRowsGranule - 1) / kHeavyRowsGranule * kHeavyRowsGranule;
   at::Tensor out = at::empty({padded, rows.size(1)}, rows.options());
-  at::Tensor head = out.narrow(0, 0, n);
-  at::index_select_out(head, rows, 0, list);
-  out.narrow(0, n, padded - n).zero_();
+  check_cuda(sparse_llm::launch_gather_rows_padded(bf16_ptr(rows), list.data_ptr<int64_t>(), n, padded,
+                                                   static_cast<int>(rows.size(1)), bf16_mut_ptr(out),
+                                                   current_stream()),
+             "gather_rows_padded");
+  return out;
+}
+
+// The first n elements of a contiguous vector, copied (one memcpy, no ATen copy kernel).
+inline at::Tensor prefix_copy(const at::Tensor& t, int64_t n) {
+  at::Tensor out = at::empty({n}, t.options());
+  if (n > 0)
+    check_cuda(cudaMemcpyAsync(out.data_ptr(), t.data_ptr(), n * t.element_size(), cudaMemcpyDeviceToDevice,
+                               current_stream()),
+               "cudaMemcpyAsync");
   return out;
 }
 

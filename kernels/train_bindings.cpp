@@ -160,9 +160,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   const at::Tensor active_rows = active_list.narrow(0, 0, host_sizes[3]);
   // Exact-size copies: the backward's sort walks the whole record, and autograd would otherwise
   // keep the capacity alive.
-  const at::Tensor cols = cols_cap.narrow(0, 0, light_total).clone();
-  const at::Tensor a_vals = a_cap.narrow(0, 0, light_total).clone();
-  const at::Tensor u_vals = u_cap.narrow(0, 0, light_total).clone();
+  const at::Tensor cols = sparse_llm_glue::prefix_copy(cols_cap, light_total);
+  const at::Tensor a_vals = sparse_llm_glue::prefix_copy(a_cap, light_total);
+  const at::Tensor u_vals = sparse_llm_glue::prefix_copy(u_cap, light_total);
 
   const at::Tensor heavy_rows = list.narrow(0, 0, n_heavy);
   at::Tensor heavy_cols = at::empty({heavy_total}, cols.options());
@@ -183,10 +183,13 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
                                                 bf16_mut_ptr(u), stream),
                "gate_mul_rows");
     y.index_copy_(0, heavy_rows, at::mm(u, wd_t).narrow(0, 0, n_heavy));
-    l1 = l1 + abs_h_sum(heavy_a, heavy_u) * inv_rows;
+    check_cuda(sparse_llm::launch_add_abs_product_sum(bf16_ptr(heavy_a), bf16_ptr(heavy_u), heavy_total,
+                                                      static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
+               "add_abs_product_sum");
   }
   const at::Tensor kept_rows = keep.has_value() ? keep->index_select(0, active_rows) : at::empty({0, dim}, x.options());
-  return {y, l1, nnz, fire_long, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
+  return {y, l1, nnz, fire_long, active_rows, kept_rows, cols,
+          a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
@@ -228,8 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
-  check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg_c), bf16_ptr(wu_c), bf16_ptr(wd_t), row_ptr,
-                                                  cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
+  check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg_c), bf16_ptr(wu_c), bf16_ptr(wd_t),
+                                                  row_ptr, cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                   mask_ptr(split.heavy), l1_grad.data_ptr<float>(), rows, dim,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");

@@ -61,6 +61,16 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
                                 cudaStream_t stream);
 
+// dst[i, :] = src[list[i], :] for i < n, zero for n <= i < padded. src: [*, cols], dst: [padded, cols],
+// bf16 row-major, cols % 8 == 0, 16-byte aligned.
+cudaError_t launch_gather_rows_padded(const __nv_bfloat16* src, const int64_t* list, int64_t n, int64_t padded,
+                                      int cols, __nv_bfloat16* dst, cudaStream_t stream);
+
+// *acc += scale * sum_i |float(a[i]) * float(u[i])| over n entries, summed in a fixed order
+// (deterministic); acc: one float on the device.
+cudaError_t launch_add_abs_product_sum(const __nv_bfloat16* a, const __nv_bfloat16* u, int64_t n, float scale,
+                                       float* acc, cudaStream_t stream);
+
 // u[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < n: the dense path's gate on gathered rows.
 // g: [M, H], u: [n, H], bf16 row-major, H % 8 == 0, 16-byte aligned.
 cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, int64_t n, int hidden,
