@@ -18,8 +18,11 @@ needs_hopper = pytest.mark.skipif(
 # The exactness contract's floors on the relative error. Where fewer than SMALL_SUPPORT terms are
 # summed, each error is one or two bf16 roundings and the ratio of two of them is noise, so the
 # floor is two bf16 unit roundoffs (2 x 2^-9: one rounding of an intermediate, one of the output).
+# A gradient carries a third: the output gradient's cast to bf16. Measured: one token, D = H = 8,
+# dWg 9.0e-3 (ours) against 2.6e-3 (dense bf16, a lucky draw) on one output gradient of ~300.
 ABS_FLOOR = 1e-5
 SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
+SMALL_SUPPORT_GRAD_FLOOR = 3 * 2.0**-9
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

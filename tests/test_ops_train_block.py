@@ -11,7 +11,7 @@ from ffn_patterns import (
     ABS_FLOOR,
     PATTERNS,
     SMALL_SUPPORT,
-    SMALL_SUPPORT_FLOOR,
+    SMALL_SUPPORT_GRAD_FLOOR,
     gpu_pattern,
     needs_hopper,
     rel_err,
@@ -238,7 +238,7 @@ def check_block_contract(inputs):
             assert g.abs().max().item() == 0, name
             continue
         support = active_rows if name == "d_norm_weight" else active_units
-        floor = ABS_FLOOR if support >= SMALL_SUPPORT else SMALL_SUPPORT_FLOOR
+        floor = ABS_FLOOR if support >= SMALL_SUPPORT else SMALL_SUPPORT_GRAD_FLOOR
         assert rel_err(g, w) <= 2 * rel_err(d, w) + floor, (name, rel_err(g, w), rel_err(d, w))
         assert rel_err(g, b.double()) <= 1e-5 + rel_err(b, w), name
 

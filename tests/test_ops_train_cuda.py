@@ -6,9 +6,10 @@ Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's 
 y, l1, dx, dWg, dWu, dWd; the integer statistics equal the dense bf16 path's (same bf16 gate).
 The floor is tiny, except where fewer than SMALL_SUPPORT entries are active: then each error is
 one or two bf16 roundings and the ratio of two of them is noise, so the floor is two bf16 unit
-roundoffs (2 x 2^-9: one rounding of an intermediate such as du, one of the output). A quarter of
-a roundoff was too tight: one active unit, D = H = 8, gave dWu errors 3.5e-3 (ours) vs 5.6e-4
-(dense) on one draw of the random output gradient.
+roundoffs (2 x 2^-9: one rounding of an intermediate such as du, one of the output), three for
+the gradients (the output gradient's cast to bf16 is one more). A quarter of a roundoff was too
+tight: one active unit, D = H = 8, gave dWu errors 3.5e-3 (ours) vs 5.6e-4 (dense) on one draw of
+the random output gradient; two were too tight once in ~300 draws (dWg, one token, D = H = 8).
 """
 
 import pytest
@@ -18,6 +19,7 @@ from ffn_patterns import (
     PATTERNS,
     SMALL_SUPPORT,
     SMALL_SUPPORT_FLOOR,
+    SMALL_SUPPORT_GRAD_FLOOR,
     gpu_pattern,
     needs_hopper,
     rel_err,
@@ -63,7 +65,7 @@ def check_contract(inputs, heavy_threshold=64) -> dict[str, tuple[float, float]]
     got = outputs_and_grads(lambda *a: cuda(*a, heavy_threshold=heavy_threshold), inputs, r)
     dense_bf16 = outputs_and_grads(dense, inputs, r)
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
-    floor = ABS_FLOOR if dense_bf16[2].sum() >= SMALL_SUPPORT else SMALL_SUPPORT_FLOOR
+    small = dense_bf16[2].sum() < SMALL_SUPPORT
     errors = {}
     for name, g, d, w in zip(NAMES, got, dense_bf16, want, strict=True):
         assert g.shape == w.shape, name
@@ -74,6 +76,13 @@ def check_contract(inputs, heavy_threshold=64) -> dict[str, tuple[float, float]]
         if w.norm() == 0:
             assert g.abs().max().item() == 0, name
             continue
+        floor = (
+            ABS_FLOOR
+            if not small
+            else SMALL_SUPPORT_GRAD_FLOOR
+            if name.startswith("d")
+            else SMALL_SUPPORT_FLOOR
+        )
         errors[name] = (rel_err(g, w), rel_err(d, w))
         assert errors[name][0] <= 2 * errors[name][1] + floor, (name, errors[name], f"r seed {r_seed}")
     return errors
