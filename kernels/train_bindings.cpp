@@ -100,8 +100,10 @@ at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
 // capacity known in advance (threshold entries a row), so their pack and up/down are queued
-// before the host waits, and the GPU runs them while it does. Only the heavy rows' GEMMs (sized by
-// the read) and the copies of the light record to its exact size are queued after it.
+// before the host waits, and the GPU runs them while it does. Only the heavy rows' path (its GEMMs
+// are sized by the read), the copies of the light record to its exact size and keep's rows are
+// queued after it; the GPU idles through each launch made there, so they are few (one kernel each
+// for the heavy rows' gather and L1 share, memcpy for the copies).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
