@@ -275,3 +275,37 @@ def test_cuda_ops_trace_under_fake_tensors():
             y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record
         )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "passed_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float64, torch.bfloat16)],
+)
+def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, weight_dtype, passed_dtype):
+    """The CUDA backward op hands float32 weights to the extension as they are (the kernels write
+    their float32 gradients directly), casts any other dtype to x's, and returns each gradient in
+    its weight's dtype. The extension is replaced by a recorder: this checks the op's routing."""
+    from sparse_llm.ops import train_ops
+
+    seen = {}
+
+    class RecordingExtension:
+        def ffn_train_backward(self, grad_y, grad_l1, x, wg, wu, wd, *record):
+            seen["dtypes"] = (wg.dtype, wu.dtype, wd.dtype)
+            return torch.ones_like(x), torch.ones_like(wg), torch.ones_like(wu), torch.ones_like(wd)
+
+    monkeypatch.setattr(train_ops, "extension", RecordingExtension)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    wg, wu = (torch.randn(16, 8, dtype=weight_dtype) for _ in range(2))
+    wd = torch.randn(8, 16, dtype=weight_dtype)
+    record = (
+        torch.zeros(4, dtype=torch.int64),
+        *(torch.empty(0, dtype=t) for t in (torch.int32, x.dtype, x.dtype)),
+    )
+    heavy = (torch.empty(0, dtype=torch.int64), *record[1:])
+    dx, *grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(
+        torch.randn_like(x), torch.tensor(0.5), x, wg, wu, wd, *record, *heavy
+    )
+    assert seen["dtypes"] == (passed_dtype,) * 3
+    assert dx.dtype == x.dtype
+    assert [g.dtype for g in grads] == [weight_dtype] * 3
