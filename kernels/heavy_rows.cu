@@ -70,15 +70,20 @@ __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) *acc += partial[0] * scale;
 }
 
+// Blocks of a grid-stride launch over `work` items: one item a thread, at most 65536 blocks.
+unsigned grid_stride_blocks(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+}
+
 }  // namespace
 
 cudaError_t launch_gather_rows_padded(const __nv_bfloat16* src, const int64_t* list, int64_t n, int64_t padded,
                                       int cols, __nv_bfloat16* dst, cudaStream_t stream) {
   if (padded == 0) return cudaSuccess;
   if (cols % 8 != 0) return cudaErrorInvalidValue;
-  const int64_t blocks = (padded * (cols / 8) + kThreads - 1) / kThreads;
-  gather_rows_padded_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), kThreads, 0, stream>>>(
-      src, list, n, padded, cols, dst);
+  gather_rows_padded_kernel<<<grid_stride_blocks(padded * (cols / 8)), kThreads, 0, stream>>>(src, list, n, padded,
+                                                                                             cols, dst);
   return cudaGetLastError();
 }
 
@@ -101,10 +106,7 @@ cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, in
                                  __nv_bfloat16* u, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (hidden % 8 != 0) return cudaErrorInvalidValue;
-  const int64_t work = n * (hidden / 8);
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  gate_mul_rows_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), kThreads, 0, stream>>>(
-      g, list, n, hidden, u);
+  gate_mul_rows_kernel<<<grid_stride_blocks(n * (hidden / 8)), kThreads, 0, stream>>>(g, list, n, hidden, u);
   return cudaGetLastError();
 }
 
