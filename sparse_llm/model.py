@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.kv_cache import KVCache
+from sparse_llm.layer_stack import stack_layers
 from sparse_llm.loss import linear_cross_entropy
 from sparse_llm.norm import rms_norm
 from sparse_llm.ops.activation_counts import activation_counts
@@ -338,7 +339,9 @@ class SparseLlamaForCausalLM(nn.Module):
             x = x[:, -1:]
         ffn_stats = None
         if with_stats:
-            ffn_stats = FFNStats(*(torch.stack(t) for t in zip(*per_layer, strict=True)))
+            # One launch per statistic after the last layer, not a copy kernel per layer (see
+            # layer_stack).
+            ffn_stats = FFNStats(*(stack_layers(list(t)) for t in zip(*per_layer, strict=True)))
         if labels is None:
             return CausalLMOutput(self.lm_head(self.model.norm(x)), None, ffn_stats)
         # Fused with the projection: the [tokens, vocab] logits never exist whole.
