@@ -23,6 +23,22 @@ namespace sparse_llm {
 // Largest D the row kernels stage in shared memory (a block of rows of x or grad_y).
 constexpr int kMaxTrainDim = 8192;
 
+// The split of the rows by their counts nnz[M] (int64), written by one launch. Outputs marked
+// optional may be null.
+struct RowSplitView {
+  uint8_t* heavy;        // [M]: the row is heavy
+  int64_t* light_nnz;    // [M]: nnz on light rows, 0 on heavy rows
+  int64_t* light_ptr;    // [M + 1]: exclusive prefix sum of light_nnz (the light record's row offsets)
+  int64_t* heavy_ptr;    // [M + 1]: the same over the heavy rows' counts
+  int64_t* heavy_rows;   // optional [M]: the heavy rows in order, then unspecified
+  int64_t* active_rows;  // optional [M]: the rows with nnz > 0 in order, then unspecified
+  int64_t* sizes;        // optional [4]: light entries, heavy rows, heavy entries, active rows
+};
+
+// Heavy rows: nnz[r] > threshold where heavy_list is null, else the n_heavy_list rows of heavy_list.
+cudaError_t launch_csr_split_rows(const int64_t* nnz, int64_t rows, int64_t threshold, const int64_t* heavy_list,
+                                  int64_t n_heavy_list, RowSplitView out, cudaStream_t stream);
+
 // nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
 cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);
 

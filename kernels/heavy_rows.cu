@@ -39,16 +39,14 @@ __global__ void gate_mul_rows_kernel(const __nv_bfloat16* __restrict__ g, const 
   }
 }
 
-__global__ void gather_rows_padded_kernel(const __nv_bfloat16* __restrict__ src, const int64_t* __restrict__ list,
-                                          int64_t n, int64_t padded, int cols, __nv_bfloat16* __restrict__ dst) {
-  const int vecs = cols / 8;
-  const int64_t total = padded * vecs;
+__global__ void gather_rows_padded_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ list, int64_t n,
+                                          int64_t padded, int64_t row_vecs, uint4* __restrict__ dst) {
+  const int64_t total = padded * row_vecs;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t r = i / vecs;
-    const int v = static_cast<int>(i % vecs);
-    reinterpret_cast<uint4*>(dst + r * cols)[v] =
-        r < n ? __ldg(reinterpret_cast<const uint4*>(src + list[r] * cols) + v) : make_uint4(0, 0, 0, 0);
+    const int64_t r = i / row_vecs;
+    const int64_t v = i % row_vecs;
+    dst[i] = r < n ? __ldg(src + list[r] * row_vecs + v) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -78,12 +76,13 @@ unsigned grid_stride_blocks(int64_t work) {
 
 }  // namespace
 
-cudaError_t launch_gather_rows_padded(const __nv_bfloat16* src, const int64_t* list, int64_t n, int64_t padded,
-                                      int cols, __nv_bfloat16* dst, cudaStream_t stream) {
+cudaError_t launch_gather_rows_padded(const void* src, const int64_t* list, int64_t n, int64_t padded,
+                                      int64_t row_bytes, void* dst, cudaStream_t stream) {
   if (padded == 0) return cudaSuccess;
-  if (cols % 8 != 0) return cudaErrorInvalidValue;
-  gather_rows_padded_kernel<<<grid_stride_blocks(padded * (cols / 8)), kThreads, 0, stream>>>(src, list, n, padded,
-                                                                                             cols, dst);
+  if (row_bytes % 16 != 0) return cudaErrorInvalidValue;
+  const int64_t row_vecs = row_bytes / 16;
+  gather_rows_padded_kernel<<<grid_stride_blocks(padded * row_vecs), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(src), list, n, padded, row_vecs, static_cast<uint4*>(dst));
   return cudaGetLastError();
 }
 

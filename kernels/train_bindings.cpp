@@ -43,40 +43,46 @@ void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& 
                 "a_vals and u_vals must be contiguous bf16 CUDA vectors shaped like cols");
 }
 
-// row_ptr [M + 1] int64 = exclusive prefix sum of the row counts.
-at::Tensor row_offsets(const at::Tensor& nnz) {
-  at::Tensor ptr = at::zeros({nnz.size(0) + 1}, nnz.options());
-  at::Tensor tail = ptr.narrow(0, 1, nnz.size(0));
-  if (nnz.size(0) > 0) at::cumsum_out(tail, nnz, 0);
-  return ptr;
-}
-
 // Rows with more than heavy_threshold active units are heavy (the dense path owns them), the
-// others light; each kind's record has its own row offsets (csr.cuh).
+// others light; each kind's record has its own row offsets (csr.cuh). One launch
+// (launch_csr_split_rows) makes all of it.
 struct RowSplit {
-  at::Tensor heavy;      // [M] bool
-  at::Tensor light_nnz;  // [M] int64, 0 on heavy rows
-  at::Tensor light_ptr;  // [M + 1] int64, heavy rows empty
-  at::Tensor heavy_ptr;  // [M + 1] int64, light rows empty
+  at::Tensor heavy;        // [M] bool
+  at::Tensor light_nnz;    // [M] int64, 0 on heavy rows
+  at::Tensor light_ptr;    // [M + 1] int64, heavy rows empty
+  at::Tensor heavy_ptr;    // [M + 1] int64, light rows empty
+  at::Tensor heavy_rows;   // forward only: [M] int64, the heavy rows in order, then unspecified
+  at::Tensor active_rows;  // forward only: [M] int64, the rows with an active unit in order, then unspecified
+  at::Tensor sizes;        // forward only: [4] int64: light entries, heavy rows, heavy entries, active rows
 };
-
-RowSplit split_rows(const at::Tensor& nnz, const at::Tensor& heavy) {
-  const at::Tensor light_nnz = nnz.masked_fill(heavy, 0);
-  return {heavy, light_nnz, row_offsets(light_nnz), row_offsets(nnz - light_nnz)};
-}
 
 const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()); }
 
-// list [M] int64: the indices of the rows where `mask` is set, in order, then unspecified;
-// pos = inclusive count of those rows (its last element is their number).
-at::Tensor row_list(const at::Tensor& mask, const at::Tensor& pos, cudaStream_t stream) {
-  const int64_t rows = mask.size(0);
-  at::Tensor list = at::empty({rows}, mask.options().dtype(at::kLong));
-  if (rows > 0)
-    check_cuda(sparse_llm::launch_compact_rows(mask_ptr(mask), pos.data_ptr<int32_t>(), rows, list.data_ptr<int64_t>(),
-                                               stream),
-               "compact_rows");
-  return list;
+// heavy_list undefined: the forward's split by threshold, with its lists and sizes; else the
+// backward's, from the forward's heavy rows.
+RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& heavy_list, cudaStream_t stream) {
+  const int64_t rows = nnz.size(0);
+  const bool forward = !heavy_list.defined();
+  RowSplit split{at::empty({rows}, nnz.options().dtype(at::kBool)), at::empty_like(nnz),
+                 at::empty({rows + 1}, nnz.options()), at::empty({rows + 1}, nnz.options())};
+  if (forward) {
+    split.heavy_rows = at::empty({rows}, nnz.options());
+    split.active_rows = at::empty({rows}, nnz.options());
+    split.sizes = at::empty({4}, nnz.options());
+  }
+  const auto optional_ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; };
+  const sparse_llm::RowSplitView view{reinterpret_cast<uint8_t*>(split.heavy.data_ptr<bool>()),
+                                      split.light_nnz.data_ptr<int64_t>(),
+                                      split.light_ptr.data_ptr<int64_t>(),
+                                      split.heavy_ptr.data_ptr<int64_t>(),
+                                      optional_ptr(split.heavy_rows),
+                                      optional_ptr(split.active_rows),
+                                      optional_ptr(split.sizes)};
+  check_cuda(sparse_llm::launch_csr_split_rows(nnz.data_ptr<int64_t>(), rows, threshold,
+                                               forward ? nullptr : heavy_list.data_ptr<int64_t>(),
+                                               forward ? 0 : heavy_list.size(0), view, stream),
+             "csr_split_rows");
+  return split;
 }
 
 // acc += a @ b in acc's dtype: a float acc takes the product of bf16 a and b unrounded.
@@ -85,6 +91,13 @@ void accumulate_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& 
     acc.addmm_(a, b);
   else
     at::addmm_out(acc, acc, a, b, acc.scalar_type());
+}
+
+// t[list]: one launch of our gather where t allows it (contiguous, 16-byte rows), else index_select.
+at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
+  const bool gatherable = t.dim() == 2 && t.is_contiguous() && (t.size(1) * t.element_size()) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return gatherable ? sparse_llm_glue::gather_rows(t, list, list.size(0), list.size(0)) : t.index_select(0, list);
 }
 
 // sum |h| over a record's entries, h = a * u in fp32 as the kernels use it.
@@ -121,22 +134,14 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   const at::Tensor g = at::mm(x, wg.t());
   at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
   check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
-  const RowSplit split = split_rows(nnz, nnz.gt(heavy_threshold));
-  const at::Tensor pos = at::cumsum(split.heavy, 0, at::kInt);
-  const at::Tensor list = row_list(split.heavy, pos, stream);
-  const at::Tensor active = nnz.gt(0);
-  const at::Tensor active_pos = at::cumsum(active, 0, at::kInt);
-  const at::Tensor active_list = row_list(active, active_pos, stream);
+  const RowSplit split = split_rows(nnz, heavy_threshold, at::Tensor(), stream);
+  // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
+  // the GEMM, the count and the split: everything below is queued before it and runs while the
+  // host reads.
+  sparse_llm_glue::EarlyHostRead sizes(split.sizes, stream);
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
   at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
-  // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
-  // the counts: the light rows' work below is queued before it and runs while the host reads.
-  sparse_llm_glue::EarlyHostRead sizes(
-      rows > 0 ? at::stack({split.light_ptr[rows], pos[rows - 1].to(at::kLong), split.heavy_ptr[rows],
-                            active_pos[rows - 1].to(at::kLong)})
-               : at::zeros({4}, nnz.options()),
-      stream);
 
   // Light rows (and the fire counts of all rows). a and u are zero past the
   // record's end, so l1 sums the capacity.
@@ -159,14 +164,14 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 
   const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
-  const at::Tensor active_rows = active_list.narrow(0, 0, host_sizes[3]);
+  const at::Tensor active_rows = split.active_rows.narrow(0, 0, host_sizes[3]);
   // Exact-size copies: the backward's sort walks the whole record, and autograd would otherwise
   // keep the capacity alive.
   const at::Tensor cols = sparse_llm_glue::prefix_copy(cols_cap, light_total);
   const at::Tensor a_vals = sparse_llm_glue::prefix_copy(a_cap, light_total);
   const at::Tensor u_vals = sparse_llm_glue::prefix_copy(u_cap, light_total);
 
-  const at::Tensor heavy_rows = list.narrow(0, 0, n_heavy);
+  const at::Tensor heavy_rows = split.heavy_rows.narrow(0, 0, n_heavy);
   at::Tensor heavy_cols = at::empty({heavy_total}, cols.options());
   at::Tensor heavy_a = at::empty({heavy_total}, x.options());
   at::Tensor heavy_u = at::empty({heavy_total}, x.options());
@@ -189,7 +194,7 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
                                                       static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
                "add_abs_product_sum");
   }
-  const at::Tensor kept_rows = keep.has_value() ? keep->index_select(0, active_rows) : at::empty({0, dim}, x.options());
+  const at::Tensor kept_rows = keep.has_value() ? rows_of(*keep, active_rows) : at::empty({0, dim}, x.options());
   return {y, l1, nnz, fire_long, active_rows, kept_rows, cols,
           a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
 }
@@ -224,8 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
 
-  const RowSplit split =
-      split_rows(nnz, at::zeros({rows}, nnz.options().dtype(at::kBool)).index_fill_(0, heavy_rows, true));
+  const RowSplit split = split_rows(nnz, /*threshold=*/0, heavy_rows, stream);
   const int64_t* row_ptr = split.light_ptr.data_ptr<int64_t>();
   const at::Tensor wg_c = wg.to(at::kBFloat16), wu_c = wu.to(at::kBFloat16);  // no copy when bf16
   const at::Tensor wd_t = sparse_llm_glue::transpose_as(wd, at::kBFloat16);

@@ -61,10 +61,10 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
                                 cudaStream_t stream);
 
-// dst[i, :] = src[list[i], :] for i < n, zero for n <= i < padded. src: [*, cols], dst: [padded, cols],
-// bf16 row-major, cols % 8 == 0, 16-byte aligned.
-cudaError_t launch_gather_rows_padded(const __nv_bfloat16* src, const int64_t* list, int64_t n, int64_t padded,
-                                      int cols, __nv_bfloat16* dst, cudaStream_t stream);
+// dst[i, :] = src[list[i], :] for i < n, zero for n <= i < padded: rows of row_bytes bytes (any element
+// type; a multiple of 16), src: [*, row] and dst: [padded, row] row-major, 16-byte aligned.
+cudaError_t launch_gather_rows_padded(const void* src, const int64_t* list, int64_t n, int64_t padded,
+                                      int64_t row_bytes, void* dst, cudaStream_t stream);
 
 // *acc += scale * sum_i |float(a[i]) * float(u[i])| over n entries, summed in a fixed order
 // (deterministic); acc: one float on the device.
