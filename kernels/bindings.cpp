@@ -178,8 +178,8 @@ void ffn_forward_into(const at::Tensor& x, const at::Tensor& wg, const at::Tenso
   if (n_heavy > 0) {
     const at::Tensor heavy_rows = heavy_list.narrow(0, 0, n_heavy);
     at::Tensor h = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // u, then h in place
-    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), n_heavy, hidden,
-                                                bf16_mut_ptr(h), stream),
+    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list.data_ptr<int64_t>(), /*count=*/nullptr,
+                                                n_heavy, hidden, bf16_ptr(h), bf16_mut_ptr(h), stream),
                "gate_mul_rows");
     const at::Tensor y_heavy = at::mm(h, wd_t).narrow(0, 0, n_heavy);
     if (accumulate)

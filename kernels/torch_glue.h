@@ -35,26 +35,32 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 // ~0.1-0.4 ms of CPU per GEMM, and the step's GPU waited for it).
 constexpr int64_t kHeavyRowsGranule = 64;
 
-// rows[list[i]] for i < n, then zero rows up to `padded`: [padded, cols], in one launch (no ATen
-// index_select and its half-dozen ops). rows: a contiguous 2-D CUDA tensor of any dtype, 16-byte
-// aligned, whose rows are a multiple of 16 bytes; list: int64 on the device, at least n long.
-inline at::Tensor gather_rows(const at::Tensor& rows, const at::Tensor& list, int64_t n, int64_t padded) {
+// rows[list[i]] for i < n (or i < min(*count, n) where count, on the device, is given), then zero
+// rows up to `padded`: [padded, cols], in one launch (no ATen index_select and its half-dozen ops).
+// rows: a contiguous 2-D CUDA tensor of any dtype, 16-byte aligned, whose rows are a multiple of 16
+// bytes; list: int64 on the device, at least n long.
+inline at::Tensor gather_rows(const at::Tensor& rows, const at::Tensor& list, int64_t n, int64_t padded,
+                              const int64_t* count = nullptr) {
   TORCH_CHECK(rows.is_cuda() && rows.dim() == 2 && rows.is_contiguous(),
               "gather_rows takes a contiguous 2-D CUDA tensor");
   const int64_t row_bytes = rows.size(1) * rows.element_size();
   TORCH_CHECK(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
               "gather_rows needs 16-byte aligned rows of a multiple of 16 bytes");
   at::Tensor out = at::empty({padded, rows.size(1)}, rows.options());
-  check_cuda(sparse_llm::launch_gather_rows_padded(rows.data_ptr(), list.data_ptr<int64_t>(), n, padded, row_bytes,
-                                                   out.data_ptr(), current_stream()),
+  check_cuda(sparse_llm::launch_gather_rows_padded(rows.data_ptr(), list.data_ptr<int64_t>(), count, n, padded,
+                                                   row_bytes, out.data_ptr(), current_stream()),
              "gather_rows_padded");
   return out;
 }
 
+// Row counts of the heavy rows' GEMMs: rounded up to the granule.
+inline int64_t heavy_gemm_rows(int64_t n) {
+  return (n + kHeavyRowsGranule - 1) / kHeavyRowsGranule * kHeavyRowsGranule;
+}
+
 // The heavy rows gathered for their GEMMs: rows[list], zero rows up to the granule.
 inline at::Tensor gather_rows_padded(const at::Tensor& rows, const at::Tensor& list) {
-  const int64_t n = list.size(0);
-  return gather_rows(rows, list, n, (n + kHeavyRowsGranule - 1) / kHeavyRowsGranule * kHeavyRowsGranule);
+  return gather_rows(rows, list, list.size(0), heavy_gemm_rows(list.size(0)));
 }
 
 // The first n elements of a contiguous vector, copied (one memcpy, no ATen copy kernel).

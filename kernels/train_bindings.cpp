@@ -56,6 +56,10 @@ struct RowSplit {
   at::Tensor sizes;        // forward only: [4] int64: light entries, heavy rows, heavy entries, active rows
 };
 
+// The training forward queues the dense path of its first heavy_gemm_rows(M / kEarlyHeavyRowsPer)
+// heavy rows before its host read (see there).
+constexpr int64_t kEarlyHeavyRowsPer = 64;
+
 const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const uint8_t*>(heavy.data_ptr<bool>()); }
 
 // heavy_list undefined: the forward's split by threshold, with its lists and sizes; else the
@@ -112,11 +116,10 @@ at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
 // no host read).
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
-// capacity known in advance (threshold entries a row), so their pack and up/down are queued
-// before the host waits, and the GPU runs them while it does. Only the heavy rows' path (its GEMMs
-// are sized by the read), the copies of the light record to its exact size and keep's rows are
-// queued after it; the GPU idles through each launch made there, so they are few (one kernel each
-// for the heavy rows' gather and L1 share, memcpy for the copies).
+// capacity known in advance (threshold entries a row), and the first heavy rows' GEMMs take a fixed
+// row count, so both are queued before the host waits, and the GPU runs them while it does. After
+// the read come the outputs of exact size (the records, keep's rows) and the heavy rows past the
+// first ones; the GPU idles through each launch made there, so they are few.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
@@ -162,6 +165,27 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor l1 = abs_h_sum(a_cap, u_cap) * inv_rows;  // mean over rows of sum |h|
   const at::Tensor fire_long = fire.to(at::kLong);
 
+  // The first heavy rows' dense path, queued before the read too: its kernels read the number of
+  // heavy rows on the device, and its GEMMs take `early` rows whatever it is (zero rows past it).
+  // At >= 99% sparsity that covers a layer's few heavy rows: the GPU spends a few microseconds on
+  // GEMM rows of zeros, where after the read the host would spend tens on these launches while the
+  // GPU waited. Heavy rows past `early` take the same path after the read.
+  const int64_t early = sparse_llm_glue::heavy_gemm_rows((rows + kEarlyHeavyRowsPer - 1) / kEarlyHeavyRowsPer);
+  const int64_t* heavy_count = split.sizes.data_ptr<int64_t>() + 1;
+  const int64_t* heavy_list = split.heavy_rows.data_ptr<int64_t>();
+  at::Tensor early_u;  // [early, H] u on the first heavy rows
+  if (early > 0) {
+    early_u = at::mm(sparse_llm_glue::gather_rows(x, split.heavy_rows, early, early, heavy_count), wu.t());
+    at::Tensor early_h = at::empty_like(early_u);
+    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list, heavy_count, early, hidden,
+                                                bf16_ptr(early_u), bf16_mut_ptr(early_h), stream),
+               "gate_mul_rows");
+    const at::Tensor early_y = at::mm(early_h, wd_t);
+    check_cuda(sparse_llm::launch_scatter_rows(early_y.data_ptr(), heavy_list, heavy_count, early,
+                                               dim * y.element_size(), y.data_ptr(), stream),
+               "scatter_rows");
+  }
+
   const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
   const at::Tensor active_rows = split.active_rows.narrow(0, 0, host_sizes[3]);
@@ -181,15 +205,22 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
                                            mask_ptr(split.heavy), /*heavy_rows=*/true, heavy_cols.data_ptr<int32_t>(),
                                            bf16_mut_ptr(heavy_a), /*fire_counts=*/nullptr, stream),
                "csr_fill");
-    at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, heavy_rows), wu.t());  // [padded, H]; then h
-    check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
+    check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(early_u), heavy_list, std::min(n_heavy, early), hidden,
                                                   heavy_ptr, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u),
                                                   stream),
                "csr_gather_rows");
-    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
-                                                bf16_mut_ptr(u), stream),
-               "gate_mul_rows");
-    y.index_copy_(0, heavy_rows, at::mm(u, wd_t).narrow(0, 0, n_heavy));
+    if (n_heavy > early) {
+      const at::Tensor rest = heavy_rows.narrow(0, early, n_heavy - early);
+      const int64_t n_rest = rest.size(0);
+      at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, rest), wu.t());  // [padded, H]; then h
+      check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), rest.data_ptr<int64_t>(), n_rest, hidden, heavy_ptr,
+                                                    heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u), stream),
+                 "csr_gather_rows");
+      check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), rest.data_ptr<int64_t>(), /*count=*/nullptr, n_rest,
+                                                  hidden, bf16_ptr(u), bf16_mut_ptr(u), stream),
+                 "gate_mul_rows");
+      y.index_copy_(0, rest, at::mm(u, wd_t).narrow(0, 0, n_rest));
+    }
     check_cuda(sparse_llm::launch_add_abs_product_sum(bf16_ptr(heavy_a), bf16_ptr(heavy_u), heavy_total,
                                                       static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
                "add_abs_product_sum");

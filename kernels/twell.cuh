@@ -61,20 +61,29 @@ cudaError_t launch_twell_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu,
 cudaError_t launch_compact_rows(const uint8_t* heavy, const int32_t* inclusive_pos, int64_t rows, int64_t* list,
                                 cudaStream_t stream);
 
-// dst[i, :] = src[list[i], :] for i < n, zero for n <= i < padded: rows of row_bytes bytes (any element
-// type; a multiple of 16), src: [*, row] and dst: [padded, row] row-major, 16-byte aligned.
-cudaError_t launch_gather_rows_padded(const void* src, const int64_t* list, int64_t n, int64_t padded,
-                                      int64_t row_bytes, void* dst, cudaStream_t stream);
+// In the helpers below, the rows processed are i < min(*count, n) where count (on the device) is
+// given, else i < n.
+//
+// dst[i, :] = src[list[i], :] for those rows, zero for the others up to `padded`: rows of row_bytes
+// bytes (any element type; a multiple of 16), src: [*, row] and dst: [padded, row] row-major,
+// 16-byte aligned.
+cudaError_t launch_gather_rows_padded(const void* src, const int64_t* list, const int64_t* count, int64_t n,
+                                      int64_t padded, int64_t row_bytes, void* dst, cudaStream_t stream);
+
+// dst[list[i], :] = src[i, :] for those rows (the inverse of the gather; rows as there).
+cudaError_t launch_scatter_rows(const void* src, const int64_t* list, const int64_t* count, int64_t n,
+                                int64_t row_bytes, void* dst, cudaStream_t stream);
 
 // *acc += scale * sum_i |float(a[i]) * float(u[i])| over n entries, summed in a fixed order
 // (deterministic); acc: one float on the device.
 cudaError_t launch_add_abs_product_sum(const __nv_bfloat16* a, const __nv_bfloat16* u, int64_t n, float scale,
                                        float* acc, cudaStream_t stream);
 
-// u[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < n: the dense path's gate on gathered rows.
-// g: [M, H], u: [n, H], bf16 row-major, H % 8 == 0, 16-byte aligned.
-cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, int64_t n, int hidden,
-                                 __nv_bfloat16* u, cudaStream_t stream);
+// h[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for those rows, zero for the others up to n: the
+// dense path's gate on gathered rows. g: [M, H], u, h: [n, H] (h may be u), bf16 row-major,
+// H % 8 == 0, 16-byte aligned.
+cudaError_t launch_gate_mul_rows(const __nv_bfloat16* g, const int64_t* list, const int64_t* count, int64_t n,
+                                 int hidden, const __nv_bfloat16* u, __nv_bfloat16* h, cudaStream_t stream);
 
 // dst[c, r] = src[r, c] for a row-major src of [rows, cols] (rows / 64 <= 65535); bf16 -> bf16,
 // fp32 -> bf16 (rounded to nearest) and fp32 -> fp32.
