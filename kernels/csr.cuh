@@ -23,7 +23,7 @@ namespace sparse_llm {
 // Largest D the row kernels stage in shared memory (a block of rows of x or grad_y).
 constexpr int kMaxTrainDim = 8192;
 
-// The split of the rows by their counts nnz[M] (int64), written by one launch. Outputs marked
+// The split of the rows by their counts nnz[M] (int64), written by launch_csr_split_rows. Outputs marked
 // optional may be null.
 struct RowSplitView {
   uint8_t* heavy;        // [M]: the row is heavy
@@ -35,9 +35,12 @@ struct RowSplitView {
   int64_t* sizes;        // optional [4]: light entries, heavy rows, heavy entries, active rows
 };
 
-// Heavy rows: nnz[r] > threshold where heavy_list is null, else the n_heavy_list rows of heavy_list.
+// Heavy rows: nnz[r] > threshold where heavy_list is null, else the n_heavy_list rows of heavy_list
+// (ascending). tile_scratch: csr_split_tiles(M) * 4 int64 of device memory.
+int64_t csr_split_tiles(int64_t rows);
 cudaError_t launch_csr_split_rows(const int64_t* nnz, int64_t rows, int64_t threshold, const int64_t* heavy_list,
-                                  int64_t n_heavy_list, RowSplitView out, cudaStream_t stream);
+                                  int64_t n_heavy_list, int64_t* tile_scratch, RowSplitView out,
+                                  cudaStream_t stream);
 
 // nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
 cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);

@@ -44,8 +44,8 @@ void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& 
 }
 
 // Rows with more than heavy_threshold active units are heavy (the dense path owns them), the
-// others light; each kind's record has its own row offsets (csr.cuh). One launch
-// (launch_csr_split_rows) makes all of it.
+// others light; each kind's record has its own row offsets (csr.cuh). Two launches
+// (launch_csr_split_rows) make all of it.
 struct RowSplit {
   at::Tensor heavy;        // [M] bool
   at::Tensor light_nnz;    // [M] int64, 0 on heavy rows
@@ -82,9 +82,11 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
                                       optional_ptr(split.heavy_rows),
                                       optional_ptr(split.active_rows),
                                       optional_ptr(split.sizes)};
+  at::Tensor tile_scratch = at::empty({sparse_llm::csr_split_tiles(rows), 4}, nnz.options());
   check_cuda(sparse_llm::launch_csr_split_rows(nnz.data_ptr<int64_t>(), rows, threshold,
                                                forward ? nullptr : heavy_list.data_ptr<int64_t>(),
-                                               forward ? 0 : heavy_list.size(0), view, stream),
+                                               forward ? 0 : heavy_list.size(0), tile_scratch.data_ptr<int64_t>(),
+                                               view, stream),
              "csr_split_rows");
   return split;
 }
