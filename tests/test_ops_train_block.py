@@ -257,9 +257,12 @@ def test_cuda_block_backward_never_reads_rows_without_an_active_unit(monkeypatch
     """The backward leaves the norm output unwritten on rows without an active unit (the kernels
     never read them): NaN there must not reach any gradient."""
     new_empty = torch.Tensor.new_empty
-    monkeypatch.setattr(
-        torch.Tensor, "new_empty", lambda t, *a, **k: new_empty(t, *a, **k).fill_(float("nan"))
-    )
+
+    def nan_filled(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = new_empty(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled)
     check_block_contract(gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=5))
 
 
