@@ -93,16 +93,19 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
 // Backward, per unit j, over its light-row entries in column order (unit_ptr [H + 1]; for the k-th
 // entry of the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
 //   dwg[j] = sum dg_e x[r],  dwu[j] = sum du_e x[r],  dwd_t[j] = sum a_e u_e grad_y[r].
-// Units with no entries get zero rows. x, grad_y: [M, D]; dwg, dwu, dwd_t: [H, D], bf16 or float
-// (fp32 accumulation either way; a float gradient is rounded once, where the master weights are).
+// Units with no entries get zero rows; with `accumulate`, the sums are added to the rows instead
+// (rounded once) and units with no entries are left as they are. x, grad_y: [M, D]; dwg, dwu,
+// dwd_t: [H, D], bf16 or float (fp32 accumulation either way; a float gradient is rounded once,
+// where the master weights are).
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      int hidden, int dim, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
                                       __nv_bfloat16* dwd_t, cudaStream_t stream);
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, float* dwg, float* dwu, float* dwd_t, cudaStream_t stream);
+                                      int hidden, int dim, bool accumulate, float* dwg, float* dwu, float* dwd_t,
+                                      cudaStream_t stream);
 
 }  // namespace sparse_llm
