@@ -58,10 +58,14 @@ cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, co
 // Training forward after the pack, light rows: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry
 // e of row r, then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu,
 // wd_t: [H, D] (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
+// Each CTA also writes l1_partial[b] = its sum of |float(a_e) * float(u_e)| (u_e as stored), for
+// b < csr_updown_blocks(M); launch_csr_l1_finish then sets *l1 = scale * their sum (fixed order).
 cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                               const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
                               const uint8_t* heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
-                              __nv_bfloat16* y, cudaStream_t stream);
+                              __nv_bfloat16* y, float* l1_partial, cudaStream_t stream);
+int64_t csr_updown_blocks(int64_t rows);
+cudaError_t launch_csr_l1_finish(const float* l1_partial, int64_t n, float scale, float* l1, cudaStream_t stream);
 
 // vals[e] = dense[i, cols[e]] for the entries e of row list[i], i < n (dense: [n, H] bf16).
 cudaError_t launch_csr_gather_rows(const __nv_bfloat16* dense, const int64_t* list, int64_t n, int hidden,

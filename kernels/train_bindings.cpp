@@ -107,11 +107,6 @@ at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
   return gatherable ? sparse_llm_glue::gather_rows(t, list, list.size(0), list.size(0)) : t.index_select(0, list);
 }
 
-// sum |h| over a record's entries, h = a * u in fp32 as the kernels use it.
-at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
-  return (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum();
-}
-
 // (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows,
 // heavy_cols, heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an
 // active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows' record
@@ -149,23 +144,28 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
 
-  // Light rows (and the fire counts of all rows). a and u are zero past the
-  // record's end, so l1 sums the capacity.
+  // Light rows (and the fire counts of all rows), with their L1 share.
   const int64_t capacity = rows * std::min<int64_t>(heavy_threshold, hidden);
   at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
-  at::Tensor a_cap = at::zeros({capacity}, x.options());
-  at::Tensor u_cap = at::zeros({capacity}, x.options());
+  at::Tensor a_cap = at::empty({capacity}, x.options());
+  at::Tensor u_cap = at::empty({capacity}, x.options());
   const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
   check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, light_ptr, nnz.data_ptr<int64_t>(),
                                          mask_ptr(split.heavy), /*heavy_rows=*/false, cols_cap.data_ptr<int32_t>(),
                                          bf16_mut_ptr(a_cap), fire.data_ptr<int32_t>(), stream),
              "csr_fill");
+  const int64_t updown_blocks = sparse_llm::csr_updown_blocks(rows);
+  at::Tensor l1_partial = at::empty({updown_blocks}, x.options().dtype(at::kFloat));
   check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), light_ptr,
                                            cols_cap.data_ptr<int32_t>(), bf16_ptr(a_cap), mask_ptr(split.heavy), rows,
-                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), stream),
+                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), l1_partial.data_ptr<float>(),
+                                           stream),
              "csr_updown");
   const double inv_rows = 1.0 / static_cast<double>(std::max<int64_t>(rows, 1));
-  at::Tensor l1 = abs_h_sum(a_cap, u_cap) * inv_rows;  // mean over rows of sum |h|
+  at::Tensor l1 = at::empty({}, x.options().dtype(at::kFloat));  // mean over rows of sum |h|
+  check_cuda(sparse_llm::launch_csr_l1_finish(l1_partial.data_ptr<float>(), updown_blocks,
+                                              static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
+             "csr_l1_finish");
   const at::Tensor fire_long = fire.to(at::kLong);
 
   // The first heavy rows' dense path, queued before the read too: its kernels read the number of
