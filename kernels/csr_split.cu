@@ -121,9 +121,12 @@ __global__ void __launch_bounds__(kSplitThreads)
   if (threadIdx.x == 0) carry = before;
   __syncthreads();
 
-  SplitSums at, tile_total;
-  Scan(storage.scan).ExclusiveScan(thread_sums(tile), at, carry, AddSums(), tile_total);
-  if (blockIdx.x == 0 && threadIdx.x == 0) out.light_ptr[0] = out.heavy_ptr[0] = 0;
+  SplitSums at;
+  Scan(storage.scan).ExclusiveScan(thread_sums(tile), at, carry, AddSums());
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    out.light_ptr[0] = out.heavy_ptr[0] = 0;
+    if (rows == 0 && out.sizes != nullptr) out.sizes[0] = out.sizes[1] = out.sizes[2] = out.sizes[3] = 0;
+  }
 #pragma unroll
   for (int k = 0; k < kRowsPerThread; ++k) {
     const int i = threadIdx.x * kRowsPerThread + k;
@@ -146,13 +149,12 @@ __global__ void __launch_bounds__(kSplitThreads)
     out.light_nnz[r] = heavy ? 0 : n;
     out.light_ptr[r + 1] = at.light_entries;
     out.heavy_ptr[r + 1] = at.heavy_entries;
-  }
-  if (out.sizes != nullptr && blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) {
-    const SplitSums all = AddSums()(carry, tile_total);  // the scan's aggregate leaves out the carry
-    out.sizes[0] = all.light_entries;
-    out.sizes[1] = all.heavy_rows;
-    out.sizes[2] = all.heavy_entries;
-    out.sizes[3] = all.active_rows;
+    if (r == rows - 1 && out.sizes != nullptr) {  // the running sums through the last row: the totals
+      out.sizes[0] = at.light_entries;
+      out.sizes[1] = at.heavy_rows;
+      out.sizes[2] = at.heavy_entries;
+      out.sizes[3] = at.active_rows;
+    }
   }
 }
 
