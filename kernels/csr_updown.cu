@@ -90,13 +90,8 @@ __global__ void __launch_bounds__(kL1FinishThreads)
   __shared__ float sums[kL1FinishThreads];
   float sum = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += kL1FinishThreads) sum += partial[i];
-  sums[threadIdx.x] = sum;
-  __syncthreads();
-  for (int stride = kL1FinishThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *l1 = sums[0] * scale;
+  sum = cta_ordered_sum<kL1FinishThreads>(sum, sums);
+  if (threadIdx.x == 0) *l1 = sum * scale;
 }
 
 }  // namespace

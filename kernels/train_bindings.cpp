@@ -100,6 +100,26 @@ void write_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
     at::addmm_out(out, out, a, b, out.scalar_type(), /*beta=*/0, /*alpha=*/1);
 }
 
+// The heavy rows' dense path on the rows list[0, n), or on the first min(*count, n) of them where
+// count (on the device) is given: u = x[list] @ Wu^T and y[list] = bf16(relu(g[list]) * u) @ Wd^T,
+// both GEMMs over `padded` rows (zero past the rows). Returns u ([padded, H]): the heavy record
+// takes its values at the rows' entries.
+at::Tensor heavy_rows_up_down(const at::Tensor& x, const at::Tensor& g, const at::Tensor& wu, const at::Tensor& wd_t,
+                              const at::Tensor& list, const int64_t* count, int64_t n, int64_t padded, at::Tensor& y,
+                              cudaStream_t stream) {
+  const int64_t* rows = list.data_ptr<int64_t>();
+  const at::Tensor u = at::mm(sparse_llm_glue::gather_rows(x, list, n, padded, count), wu.t());
+  at::Tensor h = at::empty_like(u);
+  check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), rows, count, n, static_cast<int>(g.size(1)), bf16_ptr(u),
+                                              bf16_mut_ptr(h), stream),
+             "gate_mul_rows");
+  const at::Tensor y_rows = at::mm(h, wd_t);
+  check_cuda(sparse_llm::launch_scatter_rows(y_rows.data_ptr(), rows, count, n, y.size(1) * y.element_size(),
+                                             y.data_ptr(), stream),
+             "scatter_rows");
+  return u;
+}
+
 // t[list]: one launch of our gather where t allows it (contiguous, 16-byte rows), else index_select.
 at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
   const bool gatherable = t.dim() == 2 && t.is_contiguous() && (t.size(1) * t.element_size()) % 16 == 0 &&
@@ -176,18 +196,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   const int64_t early = sparse_llm_glue::heavy_gemm_rows((rows + kEarlyHeavyRowsPer - 1) / kEarlyHeavyRowsPer);
   const int64_t* heavy_count = split.sizes.data_ptr<int64_t>() + 1;
   const int64_t* heavy_list = split.heavy_rows.data_ptr<int64_t>();
-  at::Tensor early_u;  // [early, H] u on the first heavy rows
-  if (early > 0) {
-    early_u = at::mm(sparse_llm_glue::gather_rows(x, split.heavy_rows, early, early, heavy_count), wu.t());
-    at::Tensor early_h = at::empty_like(early_u);
-    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list, heavy_count, early, hidden,
-                                                bf16_ptr(early_u), bf16_mut_ptr(early_h), stream),
-               "gate_mul_rows");
-    const at::Tensor early_y = at::mm(early_h, wd_t);
-    check_cuda(sparse_llm::launch_scatter_rows(early_y.data_ptr(), heavy_list, heavy_count, early,
-                                               dim * y.element_size(), y.data_ptr(), stream),
-               "scatter_rows");
-  }
+  const at::Tensor early_u =
+      early > 0 ? heavy_rows_up_down(x, g, wu, wd_t, split.heavy_rows, heavy_count, early, early, y, stream)
+                : at::Tensor();
 
   const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
@@ -215,14 +226,11 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
     if (n_heavy > early) {
       const at::Tensor rest = heavy_rows.narrow(0, early, n_heavy - early);
       const int64_t n_rest = rest.size(0);
-      at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, rest), wu.t());  // [padded, H]; then h
+      const at::Tensor u = heavy_rows_up_down(x, g, wu, wd_t, rest, /*count=*/nullptr, n_rest,
+                                              sparse_llm_glue::heavy_gemm_rows(n_rest), y, stream);
       check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), rest.data_ptr<int64_t>(), n_rest, hidden, heavy_ptr,
                                                     heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u), stream),
                  "csr_gather_rows");
-      check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), rest.data_ptr<int64_t>(), /*count=*/nullptr, n_rest,
-                                                  hidden, bf16_ptr(u), bf16_mut_ptr(u), stream),
-                 "gate_mul_rows");
-      y.index_copy_(0, rest, at::mm(u, wd_t).narrow(0, 0, n_rest));
     }
     check_cuda(sparse_llm::launch_add_abs_product_sum(bf16_ptr(heavy_a), bf16_ptr(heavy_u), heavy_total,
                                                       static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),

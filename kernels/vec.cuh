@@ -86,6 +86,20 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
   return v;
 }
 
+// The sum of every thread's v over a CTA of kThreads threads (a power of two), added in a fixed
+// order (a shared-memory tree), so the same on every run; valid in thread 0. `sums`: kThreads
+// floats of shared memory.
+template <int kThreads>
+__device__ __forceinline__ float cta_ordered_sum(float v, float* sums) {
+  sums[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  return sums[0];
+}
+
 // Dot product of a shared-memory row (xs) with a global bf16 row (w), both of dim elements,
 // computed by one warp; every lane returns the sum. kLoads 16-byte loads of w in flight per lane.
 template <int kLoads>
