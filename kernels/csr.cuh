@@ -23,7 +23,7 @@ namespace sparse_llm {
 // Largest D the row kernels stage in shared memory (a block of rows of x or grad_y).
 constexpr int kMaxTrainDim = 8192;
 
-// The split of the rows by their counts nnz[M] (int64), written by one launch. Outputs marked
+// The split of the rows by their counts nnz[M] (int64), written by launch_csr_split_rows. Outputs marked
 // optional may be null.
 struct RowSplitView {
   uint8_t* heavy;        // [M]: the row is heavy
@@ -35,9 +35,12 @@ struct RowSplitView {
   int64_t* sizes;        // optional [4]: light entries, heavy rows, heavy entries, active rows
 };
 
-// Heavy rows: nnz[r] > threshold where heavy_list is null, else the n_heavy_list rows of heavy_list.
+// Heavy rows: nnz[r] > threshold where heavy_list is null, else the n_heavy_list rows of heavy_list
+// (ascending). tile_scratch: csr_split_tiles(M) * 4 int64 of device memory.
+int64_t csr_split_tiles(int64_t rows);
 cudaError_t launch_csr_split_rows(const int64_t* nnz, int64_t rows, int64_t threshold, const int64_t* heavy_list,
-                                  int64_t n_heavy_list, RowSplitView out, cudaStream_t stream);
+                                  int64_t n_heavy_list, int64_t* tile_scratch, RowSplitView out,
+                                  cudaStream_t stream);
 
 // nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
 cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);
@@ -55,10 +58,14 @@ cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, co
 // Training forward after the pack, light rows: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry
 // e of row r, then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu,
 // wd_t: [H, D] (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
+// Each CTA also writes l1_partial[b] = its sum of |float(a_e) * float(u_e)| (u_e as stored), for
+// b < csr_updown_blocks(M); launch_csr_l1_finish then sets *l1 = scale * their sum (fixed order).
 cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                               const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
                               const uint8_t* heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
-                              __nv_bfloat16* y, cudaStream_t stream);
+                              __nv_bfloat16* y, float* l1_partial, cudaStream_t stream);
+int64_t csr_updown_blocks(int64_t rows);
+cudaError_t launch_csr_l1_finish(const float* l1_partial, int64_t n, float scale, float* l1, cudaStream_t stream);
 
 // vals[e] = dense[i, cols[e]] for the entries e of row list[i], i < n (dense: [n, H] bf16).
 cudaError_t launch_csr_gather_rows(const __nv_bfloat16* dense, const int64_t* list, int64_t n, int hidden,
@@ -90,16 +97,19 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
 // Backward, per unit j, over its light-row entries in column order (unit_ptr [H + 1]; for the k-th
 // entry of the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
 //   dwg[j] = sum dg_e x[r],  dwu[j] = sum du_e x[r],  dwd_t[j] = sum a_e u_e grad_y[r].
-// Units with no entries get zero rows. x, grad_y: [M, D]; dwg, dwu, dwd_t: [H, D], bf16 or float
-// (fp32 accumulation either way; a float gradient is rounded once, where the master weights are).
+// Units with no entries get zero rows; with `accumulate`, the sums are added to the rows instead
+// (rounded once) and units with no entries are left as they are. x, grad_y: [M, D]; dwg, dwu,
+// dwd_t: [H, D], bf16 or float (fp32 accumulation either way; a float gradient is rounded once,
+// where the master weights are).
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      int hidden, int dim, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
                                       __nv_bfloat16* dwd_t, cudaStream_t stream);
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, float* dwg, float* dwu, float* dwd_t, cudaStream_t stream);
+                                      int hidden, int dim, bool accumulate, float* dwg, float* dwu, float* dwd_t,
+                                      cudaStream_t stream);
 
 }  // namespace sparse_llm

@@ -7,7 +7,8 @@
 //
 // Units kernel (one warp per unit and column slice): walks the unit's entries in column order and
 // accumulates its rows of dWg, dWu (from x) and dWd^T (from grad_y) in registers, so every weight
-// gradient row is written once, with no atomics: deterministic.
+// gradient row is written (or, after the heavy rows' GEMMs, added to) once, with no atomics:
+// deterministic.
 #include "csr_rows.cuh"
 
 namespace sparse_llm {
@@ -94,13 +95,14 @@ __global__ void __launch_bounds__(kUnitThreads)
                               const int64_t* __restrict__ unit_ptr, const int32_t* __restrict__ csc_rows,
                               const int32_t* __restrict__ csc_entry, const float* __restrict__ dg,
                               const float* __restrict__ du, const __nv_bfloat16* __restrict__ a_vals,
-                              const __nv_bfloat16* __restrict__ u_vals, int dim, Grad* __restrict__ dwg,
-                              Grad* __restrict__ dwu, Grad* __restrict__ dwd_t) {
+                              const __nv_bfloat16* __restrict__ u_vals, int dim, bool accumulate,
+                              Grad* __restrict__ dwg, Grad* __restrict__ dwu, Grad* __restrict__ dwd_t) {
   const int64_t unit = blockIdx.x;
   const int v = blockIdx.y * kUnitThreads + threadIdx.x;  // this thread's 8 columns
   if (v * kChunk >= dim) return;
-  float acc_g[kChunk] = {}, acc_u[kChunk] = {}, acc_d[kChunk] = {};
   const int64_t begin = unit_ptr[unit], end = unit_ptr[unit + 1];
+  if (accumulate && begin == end) return;  // the row holds the heavy rows' share already
+  float acc_g[kChunk] = {}, acc_u[kChunk] = {}, acc_d[kChunk] = {};
   int64_t k = begin;
   for (; k + kUnitUnroll <= end; k += kUnitUnroll) {
     uint4 xv[kUnitUnroll], gv[kUnitUnroll];
@@ -139,21 +141,27 @@ __global__ void __launch_bounds__(kUnitThreads)
     const float h = __bfloat162float(a_vals[e]) * __bfloat162float(u_vals[e]);
     axpy_bf16x8(h, __ldg(reinterpret_cast<const uint4*>(grad_y + row * dim) + v), acc_d);
   }
-  store8(dwg + unit * dim, v, acc_g);
-  store8(dwu + unit * dim, v, acc_u);
-  store8(dwd_t + unit * dim, v, acc_d);
+  if (accumulate) {
+    add8(dwg + unit * dim, v, acc_g);
+    add8(dwu + unit * dim, v, acc_u);
+    add8(dwd_t + unit * dim, v, acc_d);
+  } else {
+    store8(dwg + unit * dim, v, acc_g);
+    store8(dwu + unit * dim, v, acc_u);
+    store8(dwd_t + unit * dim, v, acc_d);
+  }
 }
 
 template <typename Grad>
 cudaError_t launch_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                          const int32_t* csc_rows, const int32_t* csc_entry, const float* dg, const float* du,
-                         const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals, int hidden, int dim, Grad* dwg,
-                         Grad* dwu, Grad* dwd_t, cudaStream_t stream) {
+                         const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals, int hidden, int dim,
+                         bool accumulate, Grad* dwg, Grad* dwu, Grad* dwd_t, cudaStream_t stream) {
   if (hidden == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols));
-  csr_backward_units_kernel<Grad><<<grid, kUnitThreads, 0, stream>>>(x, grad_y, unit_ptr, csc_rows, csc_entry, dg,
-                                                                     du, a_vals, u_vals, dim, dwg, dwu, dwd_t);
+  csr_backward_units_kernel<Grad><<<grid, kUnitThreads, 0, stream>>>(
+      x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, dim, accumulate, dwg, dwu, dwd_t);
   return cudaGetLastError();
 }
 
@@ -179,18 +187,19 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      int hidden, int dim, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
                                       __nv_bfloat16* dwd_t, cudaStream_t stream) {
-  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, dwg, dwu, dwd_t,
-                      stream);
+  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, accumulate, dwg,
+                      dwu, dwd_t, stream);
 }
 
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, float* dwg, float* dwu, float* dwd_t, cudaStream_t stream) {
-  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, dwg, dwu, dwd_t,
-                      stream);
+                                      int hidden, int dim, bool accumulate, float* dwg, float* dwu, float* dwd_t,
+                                      cudaStream_t stream) {
+  return launch_units(x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, hidden, dim, accumulate, dwg,
+                      dwu, dwd_t, stream);
 }
 
 }  // namespace sparse_llm

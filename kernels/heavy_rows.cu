@@ -4,6 +4,7 @@
 // may be read on the device (`count`), so that the training forward can queue the first rows'
 // work before its host read has told it how many heavy rows there are.
 #include "twell.cuh"
+#include "vec.cuh"
 
 namespace sparse_llm {
 namespace {
@@ -79,16 +80,11 @@ constexpr int kSumThreads = 1024;
 __global__ void __launch_bounds__(kSumThreads)
     add_abs_product_sum_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ u, int64_t n,
                                float scale, float* __restrict__ acc) {
-  __shared__ float partial[kSumThreads];
+  __shared__ float sums[kSumThreads];
   float sum = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += kSumThreads) sum += fabsf(__bfloat162float(a[i]) * __bfloat162float(u[i]));
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int stride = kSumThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *acc += partial[0] * scale;
+  sum = cta_ordered_sum<kSumThreads>(sum, sums);
+  if (threadIdx.x == 0) *acc += sum * scale;
 }
 
 // Blocks of a grid-stride launch over `work` items: one item a thread, at most 65536 blocks.

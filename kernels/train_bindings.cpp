@@ -44,8 +44,8 @@ void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& 
 }
 
 // Rows with more than heavy_threshold active units are heavy (the dense path owns them), the
-// others light; each kind's record has its own row offsets (csr.cuh). One launch
-// (launch_csr_split_rows) makes all of it.
+// others light; each kind's record has its own row offsets (csr.cuh). Two launches
+// (launch_csr_split_rows) make all of it.
 struct RowSplit {
   at::Tensor heavy;        // [M] bool
   at::Tensor light_nnz;    // [M] int64, 0 on heavy rows
@@ -82,19 +82,42 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
                                       optional_ptr(split.heavy_rows),
                                       optional_ptr(split.active_rows),
                                       optional_ptr(split.sizes)};
+  at::Tensor tile_scratch = at::empty({sparse_llm::csr_split_tiles(rows), 4}, nnz.options());
   check_cuda(sparse_llm::launch_csr_split_rows(nnz.data_ptr<int64_t>(), rows, threshold,
                                                forward ? nullptr : heavy_list.data_ptr<int64_t>(),
-                                               forward ? 0 : heavy_list.size(0), view, stream),
+                                               forward ? 0 : heavy_list.size(0), tile_scratch.data_ptr<int64_t>(),
+                                               view, stream),
              "csr_split_rows");
   return split;
 }
 
-// acc += a @ b in acc's dtype: a float acc takes the product of bf16 a and b unrounded.
-void accumulate_product(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
-  if (acc.scalar_type() == a.scalar_type())
-    acc.addmm_(a, b);
+// out = a @ b in out's dtype: a float out takes the product of bf16 a and b unrounded. out is
+// written whole and not read (beta 0), so it may hold anything before.
+void write_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (out.scalar_type() == a.scalar_type())
+    at::mm_out(out, a, b);
   else
-    at::addmm_out(acc, acc, a, b, acc.scalar_type());
+    at::addmm_out(out, out, a, b, out.scalar_type(), /*beta=*/0, /*alpha=*/1);
+}
+
+// The heavy rows' dense path on the rows list[0, n), or on the first min(*count, n) of them where
+// count (on the device) is given: u = x[list] @ Wu^T and y[list] = bf16(relu(g[list]) * u) @ Wd^T,
+// both GEMMs over `padded` rows (zero past the rows). Returns u ([padded, H]): the heavy record
+// takes its values at the rows' entries.
+at::Tensor heavy_rows_up_down(const at::Tensor& x, const at::Tensor& g, const at::Tensor& wu, const at::Tensor& wd_t,
+                              const at::Tensor& list, const int64_t* count, int64_t n, int64_t padded, at::Tensor& y,
+                              cudaStream_t stream) {
+  const int64_t* rows = list.data_ptr<int64_t>();
+  const at::Tensor u = at::mm(sparse_llm_glue::gather_rows(x, list, n, padded, count), wu.t());
+  at::Tensor h = at::empty_like(u);
+  check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), rows, count, n, static_cast<int>(g.size(1)), bf16_ptr(u),
+                                              bf16_mut_ptr(h), stream),
+             "gate_mul_rows");
+  const at::Tensor y_rows = at::mm(h, wd_t);
+  check_cuda(sparse_llm::launch_scatter_rows(y_rows.data_ptr(), rows, count, n, y.size(1) * y.element_size(),
+                                             y.data_ptr(), stream),
+             "scatter_rows");
+  return u;
 }
 
 // t[list]: one launch of our gather where t allows it (contiguous, 16-byte rows), else index_select.
@@ -102,11 +125,6 @@ at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
   const bool gatherable = t.dim() == 2 && t.is_contiguous() && (t.size(1) * t.element_size()) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   return gatherable ? sparse_llm_glue::gather_rows(t, list, list.size(0), list.size(0)) : t.index_select(0, list);
-}
-
-// sum |h| over a record's entries, h = a * u in fp32 as the kernels use it.
-at::Tensor abs_h_sum(const at::Tensor& a_vals, const at::Tensor& u_vals) {
-  return (a_vals.to(at::kFloat) * u_vals.to(at::kFloat)).abs().sum();
 }
 
 // (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows,
@@ -146,23 +164,28 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
 
-  // Light rows (and the fire counts of all rows). a and u are zero past the
-  // record's end, so l1 sums the capacity.
+  // Light rows (and the fire counts of all rows), with their L1 share.
   const int64_t capacity = rows * std::min<int64_t>(heavy_threshold, hidden);
   at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
-  at::Tensor a_cap = at::zeros({capacity}, x.options());
-  at::Tensor u_cap = at::zeros({capacity}, x.options());
+  at::Tensor a_cap = at::empty({capacity}, x.options());
+  at::Tensor u_cap = at::empty({capacity}, x.options());
   const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
   check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, light_ptr, nnz.data_ptr<int64_t>(),
                                          mask_ptr(split.heavy), /*heavy_rows=*/false, cols_cap.data_ptr<int32_t>(),
                                          bf16_mut_ptr(a_cap), fire.data_ptr<int32_t>(), stream),
              "csr_fill");
+  const int64_t updown_blocks = sparse_llm::csr_updown_blocks(rows);
+  at::Tensor l1_partial = at::empty({updown_blocks}, x.options().dtype(at::kFloat));
   check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), light_ptr,
                                            cols_cap.data_ptr<int32_t>(), bf16_ptr(a_cap), mask_ptr(split.heavy), rows,
-                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), stream),
+                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), l1_partial.data_ptr<float>(),
+                                           stream),
              "csr_updown");
   const double inv_rows = 1.0 / static_cast<double>(std::max<int64_t>(rows, 1));
-  at::Tensor l1 = abs_h_sum(a_cap, u_cap) * inv_rows;  // mean over rows of sum |h|
+  at::Tensor l1 = at::empty({}, x.options().dtype(at::kFloat));  // mean over rows of sum |h|
+  check_cuda(sparse_llm::launch_csr_l1_finish(l1_partial.data_ptr<float>(), updown_blocks,
+                                              static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
+             "csr_l1_finish");
   const at::Tensor fire_long = fire.to(at::kLong);
 
   // The first heavy rows' dense path, queued before the read too: its kernels read the number of
@@ -173,18 +196,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   const int64_t early = sparse_llm_glue::heavy_gemm_rows((rows + kEarlyHeavyRowsPer - 1) / kEarlyHeavyRowsPer);
   const int64_t* heavy_count = split.sizes.data_ptr<int64_t>() + 1;
   const int64_t* heavy_list = split.heavy_rows.data_ptr<int64_t>();
-  at::Tensor early_u;  // [early, H] u on the first heavy rows
-  if (early > 0) {
-    early_u = at::mm(sparse_llm_glue::gather_rows(x, split.heavy_rows, early, early, heavy_count), wu.t());
-    at::Tensor early_h = at::empty_like(early_u);
-    check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), heavy_list, heavy_count, early, hidden,
-                                                bf16_ptr(early_u), bf16_mut_ptr(early_h), stream),
-               "gate_mul_rows");
-    const at::Tensor early_y = at::mm(early_h, wd_t);
-    check_cuda(sparse_llm::launch_scatter_rows(early_y.data_ptr(), heavy_list, heavy_count, early,
-                                               dim * y.element_size(), y.data_ptr(), stream),
-               "scatter_rows");
-  }
+  const at::Tensor early_u =
+      early > 0 ? heavy_rows_up_down(x, g, wu, wd_t, split.heavy_rows, heavy_count, early, early, y, stream)
+                : at::Tensor();
 
   const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
@@ -212,14 +226,11 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
     if (n_heavy > early) {
       const at::Tensor rest = heavy_rows.narrow(0, early, n_heavy - early);
       const int64_t n_rest = rest.size(0);
-      at::Tensor u = at::mm(sparse_llm_glue::gather_rows_padded(x, rest), wu.t());  // [padded, H]; then h
+      const at::Tensor u = heavy_rows_up_down(x, g, wu, wd_t, rest, /*count=*/nullptr, n_rest,
+                                              sparse_llm_glue::heavy_gemm_rows(n_rest), y, stream);
       check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(u), rest.data_ptr<int64_t>(), n_rest, hidden, heavy_ptr,
                                                     heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u), stream),
                  "csr_gather_rows");
-      check_cuda(sparse_llm::launch_gate_mul_rows(bf16_ptr(g), rest.data_ptr<int64_t>(), /*count=*/nullptr, n_rest,
-                                                  hidden, bf16_ptr(u), bf16_mut_ptr(u), stream),
-                 "gate_mul_rows");
-      y.index_copy_(0, rest, at::mm(u, wd_t).narrow(0, 0, n_rest));
     }
     check_cuda(sparse_llm::launch_add_abs_product_sum(bf16_ptr(heavy_a), bf16_ptr(heavy_u), heavy_total,
                                                       static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
@@ -232,9 +243,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
-// the gathered rows, added to the weight gradients. The weights come in bf16, or in float (the
-// master weights under bf16 autocast): the kernels read bf16 casts of them, and the weight
-// gradients come out in the weights' dtype, accumulated in fp32 and rounded once.
+// the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'. The
+// weights come in bf16, or in float (the master weights under bf16 autocast): the kernels read
+// bf16 casts of them, and the weight gradients come out in the weights' dtype, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
     const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
@@ -286,20 +297,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   at::Tensor dwg = at::empty_like(wg);
   at::Tensor dwu = at::empty_like(wu);
   at::Tensor dwd_t = at::empty({hidden, dim}, wd.options());
-  const int64_t* unit_ptr_d = unit_ptr.data_ptr<int64_t>();
-  const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
-  const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
-  check_cuda(grad_dtype == at::kFloat
-                 ? sparse_llm::launch_csr_backward_units(
-                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, dwg.data_ptr<float>(),
-                       dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
-                 : sparse_llm::launch_csr_backward_units(
-                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, bf16_mut_ptr(dwg),
-                       bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
-             "csr_backward_units");
-
+  // Heavy rows first: their GEMMs write the weight gradients whole (no read of them), and the
+  // per-unit kernel then adds the light rows' sums to the units they touch only. Adding the GEMMs
+  // to the kernel's rows instead read and wrote the three [H, D] gradients once more (fp32 under
+  // autocast: ~100 us a layer on an H100, however few the heavy rows).
   if (n_heavy > 0) {
     // Padded rows (kHeavyRowsGranule) are zero in x_h, gy_h, a_h and u_h: they add nothing.
     const at::Tensor x_h = sparse_llm_glue::gather_rows_padded(x, heavy_rows);
@@ -320,10 +321,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     at::Tensor dx_h = at::mm(dh, wg_c);
     dx_h.addmm_(a_h, wu_c);
     dx.index_copy_(0, heavy_rows, dx_h.narrow(0, 0, n_heavy));
-    accumulate_product(dwg, dh.t(), x_h);
-    accumulate_product(dwu, a_h.t(), x_h);
-    accumulate_product(dwd_t, u_h.t(), gy_h);
+    write_product(dwg, dh.t(), x_h);
+    write_product(dwu, a_h.t(), x_h);
+    write_product(dwd_t, u_h.t(), gy_h);
   }
+  const int64_t* unit_ptr_d = unit_ptr.data_ptr<int64_t>();
+  const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
+  const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
+  const bool accumulate = n_heavy > 0;
+  check_cuda(grad_dtype == at::kFloat
+                 ? sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, accumulate,
+                       dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
+                 : sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, accumulate,
+                       bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+             "csr_backward_units");
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 

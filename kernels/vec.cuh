@@ -38,6 +38,21 @@ __device__ __forceinline__ void store8(float* row, int v, const float (&in)[kChu
   out[1] = make_float4(in[4], in[5], in[6], in[7]);
 }
 
+// Adds 8 fp32 values to element v of such a row, rounding once to the row's dtype.
+__device__ __forceinline__ void add8(__nv_bfloat16* row, int v, const float (&in)[kChunk]) {
+  float sum[kChunk];
+  bf16x8_to_float(reinterpret_cast<const uint4*>(row)[v], sum);
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) sum[c] += in[c];
+  store8(row, v, sum);
+}
+__device__ __forceinline__ void add8(float* row, int v, const float (&in)[kChunk]) {
+  float4* out = reinterpret_cast<float4*>(row) + 2 * v;
+  const float4 lo = out[0], hi = out[1];
+  out[0] = make_float4(lo.x + in[0], lo.y + in[1], lo.z + in[2], lo.w + in[3]);
+  out[1] = make_float4(hi.x + in[4], hi.y + in[5], hi.z + in[6], hi.w + in[7]);
+}
+
 __device__ __forceinline__ float dot_bf16x8(const uint4& a, const uint4& b) {
   float fa[kChunk], fb[kChunk];
   bf16x8_to_float(a, fa);
@@ -69,6 +84,20 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
     if (lane >= off) v += n;
   }
   return v;
+}
+
+// The sum of every thread's v over a CTA of kThreads threads (a power of two), added in a fixed
+// order (a shared-memory tree), so the same on every run; valid in thread 0. `sums`: kThreads
+// floats of shared memory.
+template <int kThreads>
+__device__ __forceinline__ float cta_ordered_sum(float v, float* sums) {
+  sums[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  return sums[0];
 }
 
 // Dot product of a shared-memory row (xs) with a global bf16 row (w), both of dim elements,

@@ -253,6 +253,28 @@ def test_cuda_block_matches_fp64(pattern, m, d, h):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_cuda_block_backward_never_reads_rows_without_an_active_unit(monkeypatch):
+    """The backward leaves the norm output unwritten on rows without an active unit (the kernels
+    never read them): with NaN there, every output and gradient is finite and the same as with the
+    allocator's memory."""
+    inputs = gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=5)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    clean = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
+    new_empty = torch.Tensor.new_empty
+
+    def nan_filled(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = new_empty(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled)
+    nan_filled_run = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
+    for name, got, want in zip(NAMES, nan_filled_run, clean, strict=True):
+        assert torch.isfinite(got.double()).all(), name
+        assert rel_err(got, want.double()) <= 1e-6, name
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_cuda_block_compiled_and_checkpointed_match_eager():
     inputs = gpu_block_inputs("mixed_rows", 515, 256, 768, seed=9)
     r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)

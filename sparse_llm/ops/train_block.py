@@ -79,9 +79,12 @@ class _FFNBlock(torch.autograd.Function):
             grad_out = x_active.new_zeros((ctx.rows, x_active.shape[1]))
         if grad_l1 is None:
             grad_l1 = x_active.new_zeros((), dtype=acc_dtype(dtype))
-        # The norm's output where the FFN reads it (rows with an active unit); the other rows are
-        # never read by the backward kernels.
-        normed = x_active.new_zeros((ctx.rows, x_active.shape[1]), dtype=dtype)
+        # The norm's output where the FFN reads it (rows with an active unit). The CUDA kernels
+        # never read the other rows, so they are left unwritten there (a [M, D] fill a layer less);
+        # the reference's dense matmuls read them, so they are zero there.
+        shape = (ctx.rows, x_active.shape[1])
+        make = x_active.new_empty if ctx.impl == "cuda" else x_active.new_zeros
+        normed = make(shape, dtype=dtype)
         normed.index_copy_(0, active_rows, rms_norm(x_active, norm_weight, ctx.eps, dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
