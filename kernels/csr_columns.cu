@@ -6,9 +6,10 @@
 // range's entries per unit (shared-memory histogram) into counts[unit * blocks + block]. (2) An
 // exclusive scan of counts, unit-major, gives each (unit, block) its first position. (3) Each CTA
 // walks its range in order and writes every entry at its unit's next position, ranking equal units
-// inside a warp-wide chunk with __match_any_sync. Four launches; with ATen (a stable sort,
-// searchsorted, repeat_interleave, index_select and casts) it was ~12 and ~40 us a layer on the
-// 1b step.
+// inside a warp-wide chunk with __match_any_sync. That walk is serial (one warp), so a CTA takes
+// ~256 entries: with 2048 a CTA the kernel took ~50 us a call at 11K entries on an H100. Four
+// launches; with ATen (a stable sort, searchsorted, repeat_interleave, index_select and casts) it
+// was ~12 and ~40 us a layer on the 1b step.
 #include <algorithm>
 
 #include <cub/device/device_scan.cuh>
@@ -19,8 +20,9 @@ namespace sparse_llm {
 namespace {
 
 constexpr int kColumnThreads = 256;
-constexpr int kColumnChunk = 2048;       // entries staged in shared memory at a time
-constexpr int64_t kMaxColumnBlocks = 256;  // bounds counts[] when the record is large
+constexpr int kColumnChunk = 2048;         // entries staged in shared memory at a time
+constexpr int64_t kColumnBlockEntries = 256;  // entries a CTA takes: one warp ranks them in order
+constexpr int64_t kMaxColumnBlocks = 256;    // bounds counts[] when the record is large
 
 struct Range {
   int64_t begin, end;
@@ -78,23 +80,30 @@ __global__ void __launch_bounds__(kColumnThreads)
   extern __shared__ int32_t next[];  // [hidden]: each unit's next position
   __shared__ int32_t chunk_col[kColumnChunk];
   __shared__ int32_t chunk_row[kColumnChunk];
-  for (int u = threadIdx.x; u < hidden; u += kColumnThreads) {
-    next[u] = offsets[u * blocks + blockIdx.x];
-    if (blockIdx.x == 0) unit_ptr[u] = next[u];
+  if (blockIdx.x == 0) {
+    for (int u = threadIdx.x; u < hidden; u += kColumnThreads) unit_ptr[u] = offsets[u * blocks];
+    if (threadIdx.x == 0) unit_ptr[hidden] = total;
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) unit_ptr[hidden] = total;
-
+  // Each unit's first position for this CTA, read only for the units its entries hold (the
+  // offsets of one CTA are strided in memory).
+  for (int u = threadIdx.x; u < hidden; u += kColumnThreads) next[u] = 0;
+  __syncthreads();
   const Range range = block_range(total, blocks);
+  for (int64_t e = range.begin + threadIdx.x; e < range.end; e += kColumnThreads) next[cols[e]] = 1;
+  __syncthreads();
+  for (int u = threadIdx.x; u < hidden; u += kColumnThreads)
+    if (next[u] != 0) next[u] = offsets[u * blocks + blockIdx.x];
+
   const int lane = threadIdx.x % 32;
   for (int64_t c0 = range.begin; c0 < range.end; c0 += kColumnChunk) {
     const int n = static_cast<int>(smaller(kColumnChunk, range.end - c0));
     // Stage the chunk's units and rows: each thread finds the row of its slice's first entry,
     // then walks on through the slice.
-    constexpr int kPerThread = kColumnChunk / kColumnThreads;
-    const int i0 = threadIdx.x * kPerThread;
+    const int per_thread = (n + kColumnThreads - 1) / kColumnThreads;
+    const int i0 = threadIdx.x * per_thread;
     if (i0 < n) {
       int64_t r = row_of_entry(row_ptr, rows, c0 + i0);
-      for (int i = i0; i < n && i < i0 + kPerThread; ++i) {
+      for (int i = i0; i < n && i < i0 + per_thread; ++i) {
         r = advance_row(row_ptr, rows, r, c0 + i);
         chunk_row[i] = static_cast<int32_t>(r);
         chunk_col[i] = cols[c0 + i];
@@ -125,7 +134,8 @@ __global__ void __launch_bounds__(kColumnThreads)
 }
 
 int64_t column_blocks(int64_t total) {
-  return std::max<int64_t>(1, std::min<int64_t>(kMaxColumnBlocks, (total + kColumnChunk - 1) / kColumnChunk));
+  const int64_t wanted = (total + kColumnBlockEntries - 1) / kColumnBlockEntries;
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxColumnBlocks, wanted));
 }
 
 }  // namespace
