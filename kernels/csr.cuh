@@ -94,6 +94,23 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
                                      const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
                                      float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream);
 
+// The column order the per-unit kernel reads, from the light record (row_ptr [M + 1], cols):
+// unit_ptr [H + 1] (int64) each unit's range, csc_entry [total] the record's entries by unit,
+// ascending within a unit (a stable counting sort), csc_rows [total] their rows. Scratch sized by
+// csr_column_order_scratch: counts and offsets (count_ints int32 each) and scan_bytes for the scan.
+// H <= kMaxColumnSortHidden (a shared-memory histogram), total < 2^31.
+constexpr int kMaxColumnSortHidden = 49152;
+struct ColumnOrderScratch {
+  int64_t blocks;      // CTAs over the entries
+  int64_t count_ints;  // H * blocks
+  int64_t scan_bytes;  // CUB's scan temporary storage
+};
+ColumnOrderScratch csr_column_order_scratch(int64_t total, int hidden);
+cudaError_t launch_csr_column_order(const int64_t* row_ptr, int64_t rows, const int32_t* cols, int64_t total,
+                                    int hidden, ColumnOrderScratch scratch, int32_t* counts, int32_t* offsets,
+                                    void* scan_temp, int64_t* unit_ptr, int32_t* csc_rows, int32_t* csc_entry,
+                                    cudaStream_t stream);
+
 // Backward, per unit j, over its light-row entries in column order (unit_ptr [H + 1]; for the k-th
 // entry of the unit, csc_rows[k] is its row and csc_entry[k] its index in the CSR record):
 //   dwg[j] = sum dg_e x[r],  dwu[j] = sum du_e x[r],  dwd_t[j] = sum a_e u_e grad_y[r].

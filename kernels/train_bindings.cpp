@@ -29,6 +29,8 @@ void check_weights(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& 
   TORCH_CHECK(dim % 8 == 0 && dim <= sparse_llm::kMaxTrainDim, "D must be a multiple of 8 and at most ",
               sparse_llm::kMaxTrainDim, ", got ", dim);
   TORCH_CHECK(hidden % 8 == 0, "H must be a multiple of 8, got ", hidden);
+  TORCH_CHECK(hidden <= sparse_llm::kMaxColumnSortHidden, "H must be at most ", sparse_llm::kMaxColumnSortHidden,
+              ", got ", hidden);
 }
 
 void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& cols, const at::Tensor& a_vals,
@@ -286,13 +288,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
              "csr_backward_rows");
 
   // Column order of the light entries (stable: rows ascending within a unit) and each unit's range.
-  const at::Tensor entry_rows =
-      at::repeat_interleave(at::arange(rows, nnz.options()), split.light_nnz, /*dim=*/0, total);
-  const auto [sorted_cols, order] = at::sort(cols, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor unit_ptr =
-      at::searchsorted(sorted_cols, at::arange(hidden + 1, cols.options()), /*out_int32=*/false, /*right=*/false);
-  const at::Tensor csc_rows = entry_rows.index_select(0, order).to(at::kInt);
-  const at::Tensor csc_entry = order.to(at::kInt);
+  const sparse_llm::ColumnOrderScratch order_scratch = sparse_llm::csr_column_order_scratch(total, hidden);
+  at::Tensor order_counts = at::empty({2, order_scratch.count_ints}, cols.options());  // counts, offsets
+  at::Tensor scan_temp = at::empty({order_scratch.scan_bytes}, x.options().dtype(at::kByte));
+  at::Tensor unit_ptr = at::empty({hidden + 1}, nnz.options());
+  at::Tensor csc_rows = at::empty({total}, cols.options());
+  at::Tensor csc_entry = at::empty({total}, cols.options());
+  check_cuda(sparse_llm::launch_csr_column_order(row_ptr, rows, cols.data_ptr<int32_t>(), total, hidden, order_scratch,
+                                                 order_counts[0].data_ptr<int32_t>(),
+                                                 order_counts[1].data_ptr<int32_t>(), scan_temp.data_ptr(),
+                                                 unit_ptr.data_ptr<int64_t>(), csc_rows.data_ptr<int32_t>(),
+                                                 csc_entry.data_ptr<int32_t>(), stream),
+             "csr_column_order");
 
   at::Tensor dwg = at::empty_like(wg);
   at::Tensor dwu = at::empty_like(wu);

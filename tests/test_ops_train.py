@@ -8,6 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm import ops
+from sparse_llm.ops.checks import CUDA_TRAIN_MAX_HIDDEN
 from sparse_llm.ops.train import ffn_forward_train
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
@@ -246,6 +247,11 @@ def test_impl_cuda_without_a_gpu_is_a_clear_error_and_bad_impl_rejected():
         ffn_forward_train(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         ffn_forward_train(x, wg, wu, wd, impl="fast")
+    x, wg, wu, wd = make(4, 8, CUDA_TRAIN_MAX_HIDDEN + 8)
+    with pytest.raises(
+        ValueError, match=f"need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {CUDA_TRAIN_MAX_HIDDEN + 8}"
+    ):
+        ffn_forward_train(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="Wd must be"):
         ffn_forward_train(x, wg, wu, wd.T.contiguous()[:3], impl="reference")
     assert ops.ffn_forward_train is ffn_forward_train

@@ -7,6 +7,9 @@ import torch
 # What the CUDA kernels accept (kernels/twell.cuh): bf16, 16-byte rows, bounded D.
 CUDA_MAX_DIM = 8192
 CUDA_ALIGN = 8  # D and H must be multiples of 8 (16-byte rows of bf16)
+# The training backward orders its entries by unit with a shared-memory histogram of H counters
+# (kernels/csr.cuh, kMaxColumnSortHidden).
+CUDA_TRAIN_MAX_HIDDEN = 49152
 
 
 def check_ffn_inputs(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from sparse_llm.ops import train_ops
-from sparse_llm.ops.checks import check_ffn_inputs, cuda_unsupported_reason
+from sparse_llm.ops.checks import CUDA_TRAIN_MAX_HIDDEN, check_ffn_inputs, cuda_unsupported_reason
 from sparse_llm.ops.ffn import use_cuda_kernels
 from sparse_llm.ops.train_reference import acc_dtype
 from sparse_llm.precision import autocast_dtype
@@ -48,16 +48,25 @@ class FFNTrainOutput(NamedTuple):
     fire_counts: torch.Tensor
 
 
+def train_cuda_unsupported_reason(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> str | None:
+    """Why the CUDA training kernels cannot take these (checked) inputs, or None if they can."""
+    if wg.shape[0] > CUDA_TRAIN_MAX_HIDDEN:
+        return f"the CUDA training kernels need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {wg.shape[0]}"
+    return cuda_unsupported_reason(x, wg, wu, wd)
+
+
 def resolve_train_impl(
     impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
 ) -> str:
     """'cuda' or 'reference' for these (checked) inputs: 'auto' takes the CUDA kernels where they
-    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192) and the reference elsewhere (with
+    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192, H <= 49152) and the reference elsewhere (with
     a warning when the tensors are on a GPU: the reference is exact but slower than dense there);
     'cuda' raises with the reason instead of falling back."""
     if impl not in ("auto", "cuda", "reference"):
         raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-    reason = cuda_unsupported_reason(x, wg, wu, wd)
+    reason = train_cuda_unsupported_reason(x, wg, wu, wd)
     if use_cuda_kernels(impl, reason):
         return "cuda"
     if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
