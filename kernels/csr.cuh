@@ -27,8 +27,7 @@ constexpr int kMaxTrainDim = 8192;
 // optional may be null.
 struct RowSplitView {
   uint8_t* heavy;        // [M]: the row is heavy
-  int64_t* light_nnz;    // [M]: nnz on light rows, 0 on heavy rows
-  int64_t* light_ptr;    // [M + 1]: exclusive prefix sum of light_nnz (the light record's row offsets)
+  int64_t* light_ptr;    // [M + 1]: exclusive prefix sum of the light rows' nnz (the light record's row offsets)
   int64_t* heavy_ptr;    // [M + 1]: the same over the heavy rows' counts
   int64_t* heavy_rows;   // optional [M]: the heavy rows in order, then unspecified
   int64_t* active_rows;  // optional [M]: the rows with nnz > 0 in order, then unspecified

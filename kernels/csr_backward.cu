@@ -178,7 +178,7 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
   cudaError_t err = cudaFuncSetAttribute(csr_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const int64_t blocks = (rows + kCsrRowsPerCta - 1) / kCsrRowsPerCta;
+  const int64_t blocks = csr_row_blocks(rows);
   csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kCsrRowThreads, smem, stream>>>(
       grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, heavy, grad_l1, rows, dim, dg, du, dx);
   return cudaGetLastError();

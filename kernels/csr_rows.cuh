@@ -12,6 +12,9 @@ constexpr int kCsrRowsPerCta = 8;
 constexpr int kCsrRowThreads = 256;
 constexpr int kCsrRowWarps = kCsrRowThreads / 32;
 
+// CTAs over `rows` rows, one block of kCsrRowsPerCta each.
+inline int64_t csr_row_blocks(int64_t rows) { return (rows + kCsrRowsPerCta - 1) / kCsrRowsPerCta; }
+
 // Rows of this CTA's block (the last block may be short).
 __device__ __forceinline__ int row_block_size(int64_t rows, int64_t row0) {
   return static_cast<int>(rows - row0 < kCsrRowsPerCta ? rows - row0 : kCsrRowsPerCta);

@@ -1,5 +1,5 @@
 // The split of the rows into light and heavy, with everything the training kernels index by it:
-// the heavy mask, the light rows' counts, both kinds' row offsets and, for the forward, the ordered
+// the heavy mask, both kinds' row offsets and, for the forward, the ordered
 // lists of the heavy and of the active rows and the four sizes the host reads.
 //
 // Two launches over tiles of kTileRows rows: the first sums each tile, the second scans each tile
@@ -146,7 +146,6 @@ __global__ void __launch_bounds__(kSplitThreads)
       ++at.active_rows;
     }
     out.heavy[r] = heavy;
-    out.light_nnz[r] = heavy ? 0 : n;
     out.light_ptr[r + 1] = at.light_entries;
     out.heavy_ptr[r + 1] = at.heavy_entries;
     if (r == rows - 1 && out.sizes != nullptr) {  // the running sums through the last row: the totals

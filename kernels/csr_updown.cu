@@ -106,13 +106,13 @@ cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, c
   cudaError_t err =
       cudaFuncSetAttribute(csr_updown_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const int64_t blocks = (rows + kCsrRowsPerCta - 1) / kCsrRowsPerCta;
+  const int64_t blocks = csr_row_blocks(rows);
   csr_updown_kernel<<<static_cast<unsigned>(blocks), kCsrRowThreads, smem, stream>>>(
       x, wu, wd_t, row_ptr, cols, a_vals, heavy, rows, dim, u_vals, y, l1_partial);
   return cudaGetLastError();
 }
 
-int64_t csr_updown_blocks(int64_t rows) { return (rows + kCsrRowsPerCta - 1) / kCsrRowsPerCta; }
+int64_t csr_updown_blocks(int64_t rows) { return csr_row_blocks(rows); }
 
 cudaError_t launch_csr_l1_finish(const float* l1_partial, int64_t n, float scale, float* l1, cudaStream_t stream) {
   csr_l1_finish_kernel<<<1, kL1FinishThreads, 0, stream>>>(l1_partial, n, scale, l1);

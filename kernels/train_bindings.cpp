@@ -50,7 +50,6 @@ void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& 
 // (launch_csr_split_rows) make all of it.
 struct RowSplit {
   at::Tensor heavy;        // [M] bool
-  at::Tensor light_nnz;    // [M] int64, 0 on heavy rows
   at::Tensor light_ptr;    // [M + 1] int64, heavy rows empty
   at::Tensor heavy_ptr;    // [M + 1] int64, light rows empty
   at::Tensor heavy_rows;   // forward only: [M] int64, the heavy rows in order, then unspecified
@@ -69,8 +68,8 @@ const uint8_t* mask_ptr(const at::Tensor& heavy) { return reinterpret_cast<const
 RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& heavy_list, cudaStream_t stream) {
   const int64_t rows = nnz.size(0);
   const bool forward = !heavy_list.defined();
-  RowSplit split{at::empty({rows}, nnz.options().dtype(at::kBool)), at::empty_like(nnz),
-                 at::empty({rows + 1}, nnz.options()), at::empty({rows + 1}, nnz.options())};
+  RowSplit split{at::empty({rows}, nnz.options().dtype(at::kBool)), at::empty({rows + 1}, nnz.options()),
+                 at::empty({rows + 1}, nnz.options())};
   if (forward) {
     split.heavy_rows = at::empty({rows}, nnz.options());
     split.active_rows = at::empty({rows}, nnz.options());
@@ -78,7 +77,6 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
   }
   const auto optional_ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; };
   const sparse_llm::RowSplitView view{reinterpret_cast<uint8_t*>(split.heavy.data_ptr<bool>()),
-                                      split.light_nnz.data_ptr<int64_t>(),
                                       split.light_ptr.data_ptr<int64_t>(),
                                       split.heavy_ptr.data_ptr<int64_t>(),
                                       optional_ptr(split.heavy_rows),
