@@ -116,16 +116,18 @@ cudaError_t launch_csr_column_order(const int64_t* row_ptr, int64_t rows, const 
 // Units with no entries get zero rows; with `accumulate`, the sums are added to the rows instead
 // (rounded once) and units with no entries are left as they are. x, grad_y: [M, D]; dwg, dwu,
 // dwd_t: [H, D], bf16 or float (fp32 accumulation either way; a float gradient is rounded once,
-// where the master weights are).
+// where the master weights are). total: the record's entries (unit_ptr[H]); long_scratch: H + 1
+// int32 of device memory (the list of units with many entries, which take more warps each).
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
-                                      __nv_bfloat16* dwd_t, cudaStream_t stream);
-cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
-                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
-                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, bool accumulate, float* dwg, float* dwu, float* dwd_t,
+                                      int hidden, int dim, int64_t total, bool accumulate, int32_t* long_scratch,
+                                      __nv_bfloat16* dwg, __nv_bfloat16* dwu, __nv_bfloat16* dwd_t,
                                       cudaStream_t stream);
+cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
+                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                      int hidden, int dim, int64_t total, bool accumulate, int32_t* long_scratch,
+                                      float* dwg, float* dwu, float* dwd_t, cudaStream_t stream);
 
 }  // namespace sparse_llm

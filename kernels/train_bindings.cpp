@@ -334,14 +334,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
   const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
   const bool accumulate = n_heavy > 0;
+  at::Tensor long_units = at::empty({hidden + 1}, cols.options());  // the units with many entries, then their count
+  int32_t* long_d = long_units.data_ptr<int32_t>();
   check_cuda(grad_dtype == at::kFloat
                  ? sparse_llm::launch_csr_backward_units(
                        bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, accumulate,
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
                        dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
                  : sparse_llm::launch_csr_backward_units(
                        bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, accumulate,
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
                        bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
              "csr_backward_units");
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};

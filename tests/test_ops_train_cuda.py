@@ -242,3 +242,40 @@ def test_impl_cuda_rejects_float32_clearly():
     x, wg, wu, wd = (t.float() for t in gpu_pattern("random", 8, 64, 128, seed=1))
     with pytest.raises(ValueError, match="bfloat16"):
         ffn_forward_train(x, wg, wu, wd, impl="cuda")
+
+
+def hot_units_inputs(m: int, d: int, h: int, seed: int):
+    """Four units fire in every row, the others in ~0.1-2% of rows: the hot units' gradient rows sum
+    over more entries than one warp takes (the per-unit kernel splits them over several warps)."""
+    x, wg, wu, wd = gpu_pattern("empty", m, d, h, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bias = -2.0 - torch.rand(h, generator=gen, device="cuda")
+    bias[:: max(1, h // 4)] = 50.0
+    wg[:, 0] = bias.bfloat16()
+    return x, wg, wu, wd
+
+
+@needs_hopper
+@pytest.mark.parametrize("heavy_threshold", [1 << 20, 16])
+def test_hot_units_match_fp64_and_are_deterministic(heavy_threshold):
+    """Hot units with and without heavy rows (the kernels' write and add paths), in bf16 and with
+    float32 weights (one rounding of the same sums)."""
+    inputs = hot_units_inputs(3000, 512, 1536, seed=heavy_threshold % 1000)
+    check_contract(inputs, heavy_threshold)
+    x, *casts = inputs
+    out = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, *casts, None, heavy_threshold)
+    nnz_per_token, heavy_rows, record = out[2], out[9], out[6:]
+    assert (heavy_rows.numel() > 0) == (heavy_threshold == 16)
+    grad_y = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    grad_l1 = torch.tensor(0.7, device="cuda")
+    bwd = torch.ops.sparse_llm.ffn_train_bwd_cuda
+    first = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
+    again = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), first, again, strict=True):
+        assert torch.equal(a, b), name
+    _, *grads32 = bwd(grad_y, grad_l1, x, *(t.float() for t in casts), nnz_per_token, *record)
+    for name, g16, g32 in zip(("dWg", "dWu", "dWd"), first[1:], grads32, strict=True):
+        if heavy_threshold == 1 << 20:
+            assert torch.equal(g32.bfloat16(), g16), name
+        else:
+            assert rel_err(g32, g16.float()) <= 2**-8, name
