@@ -41,15 +41,20 @@ cudaError_t launch_csr_split_rows(const int64_t* nnz, int64_t rows, int64_t thre
                                   int64_t n_heavy_list, int64_t* tile_scratch, RowSplitView out,
                                   cudaStream_t stream);
 
-// nnz[r] = number of g[r, :] > 0. g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
-cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int64_t* nnz, cudaStream_t stream);
+// nnz[r] = number of g[r, :] > 0; the first min(nnz[r], stage_width) active entries of row r (units
+// ascending) staged at stage_cols/stage_a[r * stage_width ...] ([M * stage_width]: all of a light
+// row's when stage_width is the heavy-row threshold); every active unit added to fire_counts[H]
+// (int32, zeroed by the caller). g: [M, H] bf16 row-major, H % 8 == 0, 16-byte aligned.
+cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int stage_width, int64_t* nnz,
+                             int32_t* stage_cols, __nv_bfloat16* stage_a, int32_t* fire_counts, cudaStream_t stream);
 
-// For the rows r of one kind ((heavy[r] != 0) == heavy_rows), writes the record's cols and a_vals
-// at row_ptr[r] ... row_ptr[r + 1]. Unless fire_counts is null, adds every row's active units (of
-// both kinds) to fire_counts[H] (int32, zeroed by the caller). nnz: the counts of launch_csr_count.
-cudaError_t launch_csr_fill(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                            const int64_t* nnz, const uint8_t* heavy, bool heavy_rows, int32_t* cols,
-                            __nv_bfloat16* a_vals, int32_t* fire_counts, cudaStream_t stream);
+// The records' cols and a_vals at row_ptr[r] ... row_ptr[r + 1]: of the light rows (heavy[r] == 0)
+// from the stage of launch_csr_count, or of the heavy rows from g.
+cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
+                                  int64_t rows, const int64_t* row_ptr, const uint8_t* heavy, int32_t* cols,
+                                  __nv_bfloat16* a_vals, cudaStream_t stream);
+cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
+                                  const uint8_t* heavy, int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream);
 
 // Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
 // path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).

@@ -154,26 +154,34 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
 
   const at::Tensor g = at::mm(x, wg.t());
   at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
-  check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, nnz.data_ptr<int64_t>(), stream), "csr_count");
+  // Light rows hold at most `width` entries: the count stages that many of every row, so the light
+  // record needs no second read of g, and its capacity is known before the host read.
+  const int width = static_cast<int>(std::min<int64_t>(heavy_threshold, hidden));
+  at::Tensor stage_cols = at::empty({rows * width}, x.options().dtype(at::kInt));
+  at::Tensor stage_a = at::empty({rows * width}, x.options());
+  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
+  check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, width, nnz.data_ptr<int64_t>(),
+                                          stage_cols.data_ptr<int32_t>(), bf16_mut_ptr(stage_a),
+                                          fire.data_ptr<int32_t>(), stream),
+             "csr_count");
   const RowSplit split = split_rows(nnz, heavy_threshold, at::Tensor(), stream);
   // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
   // the GEMM, the count and the split: everything below is queued before it and runs while the
   // host reads.
   sparse_llm_glue::EarlyHostRead sizes(split.sizes, stream);
   const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
-  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty_like(x);
 
-  // Light rows (and the fire counts of all rows), with their L1 share.
-  const int64_t capacity = rows * std::min<int64_t>(heavy_threshold, hidden);
+  // Light rows, with their L1 share.
+  const int64_t capacity = rows * width;
   at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
   at::Tensor a_cap = at::empty({capacity}, x.options());
   at::Tensor u_cap = at::empty({capacity}, x.options());
   const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
-  check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, light_ptr, nnz.data_ptr<int64_t>(),
-                                         mask_ptr(split.heavy), /*heavy_rows=*/false, cols_cap.data_ptr<int32_t>(),
-                                         bf16_mut_ptr(a_cap), fire.data_ptr<int32_t>(), stream),
-             "csr_fill");
+  check_cuda(sparse_llm::launch_csr_fill_light(stage_cols.data_ptr<int32_t>(), bf16_ptr(stage_a), width, rows,
+                                               light_ptr, mask_ptr(split.heavy), cols_cap.data_ptr<int32_t>(),
+                                               bf16_mut_ptr(a_cap), stream),
+             "csr_fill_light");
   const int64_t updown_blocks = sparse_llm::csr_updown_blocks(rows);
   at::Tensor l1_partial = at::empty({updown_blocks}, x.options().dtype(at::kFloat));
   check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), light_ptr,
@@ -215,10 +223,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor heavy_u = at::empty({heavy_total}, x.options());
   if (n_heavy > 0) {
     const int64_t* heavy_ptr = split.heavy_ptr.data_ptr<int64_t>();
-    check_cuda(sparse_llm::launch_csr_fill(bf16_ptr(g), rows, hidden, heavy_ptr, nnz.data_ptr<int64_t>(),
-                                           mask_ptr(split.heavy), /*heavy_rows=*/true, heavy_cols.data_ptr<int32_t>(),
-                                           bf16_mut_ptr(heavy_a), /*fire_counts=*/nullptr, stream),
-               "csr_fill");
+    check_cuda(sparse_llm::launch_csr_fill_heavy(bf16_ptr(g), rows, hidden, heavy_ptr, mask_ptr(split.heavy),
+                                                 heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_a), stream),
+               "csr_fill_heavy");
     check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(early_u), heavy_list, std::min(n_heavy, early), hidden,
                                                   heavy_ptr, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u),
                                                   stream),
