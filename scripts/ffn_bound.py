@@ -12,12 +12,14 @@ scheduling cost, every part at its rate at once, and picks the best T per case:
     light non-zero  gathered bytes. Forward: a row of Wu and of Wd (2 * 2D bytes), divided by the
                     reuse factor (a unit shared by rows of one block is read once). Forward +
                     backward: also Wd, Wg and Wu rows again (3 * 2D / reuse) and the rows of x and
-                    grad_y for the weight gradients (2 * 2D, no reuse)
+                    grad_y for the weight gradients (2 * 2D, no reuse), at their own rate: those
+                    activations (134 MB at M = 16384) do not fit L2 as the weights (69 MB) nearly do
 
 The defaults are optimistic for an H100 or H200: 800 TFLOP/s is above what cuBLAS reaches on the
 gate GEMM (~750), 7 TB/s above the measured L2 gather rate of the sparse up/down (~5), and 1.4 is
 the measured reuse within 64-row blocks. Time over the bound is what any kernel of this design
-can still win; dense time over the bound is the largest speed-up it can reach.
+can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
+sets the rates our kernels reach on an H100 instead (benchmarks/NOTES_kernels.md, session 15).
 
     python scripts/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md
@@ -42,8 +44,15 @@ BF16_BYTES = 2
 @dataclass
 class Rates:
     gemm_flops: float  # per second
-    gather_bytes: float  # per second
+    gather_bytes: float  # weight rows, per second
     reuse: float  # weight-row reads saved by sharing within a block of rows
+    activation_gather_bytes: float | None = None  # rows of x and grad_y, per second; None: gather_bytes
+
+
+# What our kernels reach on an H100 at 30 non-zeros, M = 16384 (session 15): cuBLAS's gate GEMM 378
+# GFLOP in 0.488 ms; the light up/down and the per-row backward gather weight rows at 5.0-6.2 TB/s; the
+# per-unit kernels gather x and grad_y rows at ~4.7 TB/s; no reuse across rows.
+MEASURED_H100 = Rates(gemm_flops=775e12, gather_bytes=5.5e12, reuse=1.0, activation_gather_bytes=4.7e12)
 
 
 @dataclass
@@ -78,14 +87,18 @@ def best_bound(
     gemm_rows = TRAIN_GEMM_ROWS if train else FORWARD_GEMM_ROWS
     weight_rows = 5 if train else 2
     activation_rows = 2 if train else 0
-    light_bytes_per_nnz = (weight_rows / rates.reuse + activation_rows) * d * BF16_BYTES
+    activation_rate = rates.activation_gather_bytes or rates.gather_bytes
+    light_s_per_nnz = (
+        weight_rows / rates.reuse * d * BF16_BYTES / rates.gather_bytes
+        + activation_rows * d * BF16_BYTES / activation_rate
+    )
     gate_s = 2 * m * d * h / rates.gemm_flops
     best: Bound | None = None
     for threshold in range(int(row_counts.max()) + 1):
         heavy = row_counts > threshold
         fired = int((unit_max_row > threshold).sum())
         heavy_s = int(heavy.sum()) * gemm_rows * 2 * d * fired / rates.gemm_flops
-        light_s = int(row_counts[~heavy].sum()) * light_bytes_per_nnz / rates.gather_bytes
+        light_s = int(row_counts[~heavy].sum()) * light_s_per_nnz
         ms = (gate_s + heavy_s + light_s) * 1e3
         if best is None or ms < best.ms:
             best = Bound(ms, threshold, float(heavy.float().mean()), fired / h)
@@ -125,12 +138,13 @@ def row(m: int, nnz: float, bound: Bound, result: dict | None, train: bool) -> d
 
 
 def markdown(rows: list[dict], rates: Rates, meta: str) -> str:
+    activation = rates.activation_gather_bytes or rates.gather_bytes
     lines = [
         "# Lower bound of the exact hybrid sparse FFN (scripts/ffn_bound.py)",
         "",
-        f"{meta}. Rates: GEMMs {rates.gemm_flops / 1e12:.0f} TFLOP/s, gathers "
-        f"{rates.gather_bytes / 1e12:.1f} TB/s, weight-row reuse {rates.reuse:g}; no launch, sync or "
-        "pack cost. Dense and ours: measured (benchmark_ffn.py).",
+        f"{meta}. Rates: GEMMs {rates.gemm_flops / 1e12:.0f} TFLOP/s, weight-row gathers "
+        f"{rates.gather_bytes / 1e12:.1f} TB/s, x and grad_y rows {activation / 1e12:.1f} TB/s, weight-row "
+        f"reuse {rates.reuse:g}; no launch, sync or pack cost. Dense and ours: measured (benchmark_ffn.py).",
         "",
         "| pass | M | nnz | bound ms | best threshold | heavy rows | units in heavy GEMMs "
         "| dense compiled ms | ours ms | ours / bound | ours vs dense | largest possible vs dense |",
@@ -160,6 +174,15 @@ def main() -> None:
     p.add_argument("--gemm-tflops", type=float, default=800.0)
     p.add_argument("--gather-tbps", type=float, default=7.0)
     p.add_argument("--reuse", type=float, default=1.4)
+    p.add_argument(
+        "--activation-gather-tbps",
+        type=float,
+        default=None,
+        help="x and grad_y rows (default: --gather-tbps)",
+    )
+    p.add_argument(
+        "--measured-rates", action="store_true", help="the rates our kernels reach on an H100 (overrides)"
+    )
     p.add_argument("--measured", type=Path, default=None, help="benchmark_ffn.py JSON (inference)")
     p.add_argument("--measured-train", type=Path, default=None, help="benchmark_ffn.py --train JSON")
     p.add_argument("--tiny", action="store_true", help="a small workload: checks the script end to end")
@@ -168,10 +191,17 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.M, args.D, args.H, args.nnz = [512], 64, 256, [4, 16]
-    if min(args.gemm_tflops, args.gather_tbps, args.reuse) <= 0:
-        raise SystemExit("--gemm-tflops, --gather-tbps and --reuse must be positive")
+    if min(args.gemm_tflops, args.gather_tbps, args.reuse, args.activation_gather_tbps or 1.0) <= 0:
+        raise SystemExit(
+            "--gemm-tflops, --gather-tbps, --activation-gather-tbps and --reuse must be positive"
+        )
     measured = {False: measured_cases(args.measured), True: measured_cases(args.measured_train)}
-    rates = Rates(args.gemm_tflops * 1e12, args.gather_tbps * 1e12, args.reuse)
+    activation = None if args.activation_gather_tbps is None else args.activation_gather_tbps * 1e12
+    rates = (
+        MEASURED_H100
+        if args.measured_rates
+        else Rates(args.gemm_tflops * 1e12, args.gather_tbps * 1e12, args.reuse, activation)
+    )
 
     rows = []
     for m in args.M:

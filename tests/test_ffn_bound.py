@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ffn_bound.py"
@@ -45,6 +46,24 @@ def test_bound_picks_the_cheapest_threshold_and_only_the_units_heavy_rows_use():
     assert abs(bound.ms - cost(expected_t)) < 1e-9
     # The forward + backward bound is never below the forward's.
     assert fb.best_bound(row_counts, unit_max_row, d, rates, train=True).ms >= bound.ms
+
+
+def test_activation_rate_prices_only_the_backward_activation_rows():
+    fb = _load_script()
+    d = 4
+    row_counts = torch.tensor([1, 1, 1])  # at threshold 1: three light non-zeros
+    unit_max_row = torch.tensor([1, 1])
+    # GEMMs so slow that every row stays light.
+    same = fb.Rates(gemm_flops=1.0, gather_bytes=1e3, reuse=1.0)
+    slow_activations = fb.Rates(gemm_flops=1.0, gather_bytes=1e3, reuse=1.0, activation_gather_bytes=5e2)
+    for train in (False, True):
+        a = fb.best_bound(row_counts, unit_max_row, d, same, train)
+        b = fb.best_bound(row_counts, unit_max_row, d, slow_activations, train)
+        assert a.threshold == b.threshold == 1
+        # Per light non-zero, forward+backward gathers 2 rows of x and grad_y (2 * 2d bytes):
+        # at half the rate they cost that much again (in ms); the forward gathers none.
+        extra = 3 * 2 * 2 * d / 1e3 * 1e3 if train else 0.0
+        assert b.ms - a.ms == pytest.approx(extra, abs=1e-6)
 
 
 def test_activity_profile_matches_the_workload_counts():
