@@ -48,13 +48,14 @@ cudaError_t launch_csr_split_rows(const int64_t* nnz, int64_t rows, int64_t thre
 cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, int stage_width, int64_t* nnz,
                              int32_t* stage_cols, __nv_bfloat16* stage_a, int32_t* fire_counts, cudaStream_t stream);
 
-// The records' cols and a_vals at row_ptr[r] ... row_ptr[r + 1]: of the light rows (heavy[r] == 0)
-// from the stage of launch_csr_count, or of the heavy rows from g.
+// One kind's record, cols and a_vals at row_ptr[r] ... row_ptr[r + 1] (the split's light_ptr or
+// heavy_ptr: the other kind's rows are empty there): the light rows' from the stage of
+// launch_csr_count, the heavy rows' from g.
 cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
-                                  int64_t rows, const int64_t* row_ptr, const uint8_t* heavy, int32_t* cols,
-                                  __nv_bfloat16* a_vals, cudaStream_t stream);
+                                  int64_t rows, const int64_t* row_ptr, int32_t* cols, __nv_bfloat16* a_vals,
+                                  cudaStream_t stream);
 cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                                  const uint8_t* heavy, int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream);
+                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream);
 
 // Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
 // path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).

@@ -25,6 +25,8 @@ constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows 
 constexpr int kUnitThreads = 32;
 constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
 constexpr int kUnitUnroll = 4;                    // entries in flight per thread
+static_assert(kUnitThreads == 32, "the long-units kernel maps a warp's lanes onto one slice of kUnitCols");
+__host__ __device__ inline int unit_slices(int dim) { return (dim + kUnitCols - 1) / kUnitCols; }
 // Units with more entries than this take the long-units kernel: kLongUnitWarps warps share each
 // (unit, slice), so a hot unit's chain of dependent gathers is that many times shorter.
 constexpr int kLongUnit = 256;
@@ -208,10 +210,10 @@ __global__ void __launch_bounds__(kLongUnitWarps * 32, 3)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int count = *n_long;
-  const int64_t pairs = static_cast<int64_t>(count) * ((dim / kChunk + 31) / 32);
+  const int64_t pairs = static_cast<int64_t>(count) * unit_slices(dim);
   for (int64_t i = blockIdx.x; i < pairs; i += gridDim.x) {
     const int64_t unit = long_units[i % count];
-    const int v = static_cast<int>(i / count) * 32 + lane;  // this thread's 8 columns
+    const int v = static_cast<int>(i / count) * kUnitThreads + lane;  // this thread's 8 columns
     const bool in_dim = v * kChunk < dim;
     const int64_t begin = unit_ptr[unit], len = unit_ptr[unit + 1] - begin;
     float acc[3][kChunk] = {};
@@ -249,8 +251,8 @@ cudaError_t launch_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, co
   int32_t* n_long = long_scratch + hidden;
   cudaError_t err = cudaMemsetAsync(n_long, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  const unsigned slices = static_cast<unsigned>((dim + kUnitCols - 1) / kUnitCols);
-  csr_backward_units_kernel<Grad><<<dim3(static_cast<unsigned>(hidden), slices), kUnitThreads, 0, stream>>>(
+  const dim3 grid(static_cast<unsigned>(hidden), static_cast<unsigned>(unit_slices(dim)));
+  csr_backward_units_kernel<Grad><<<grid, kUnitThreads, 0, stream>>>(
       x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, dim, accumulate, long_scratch, n_long, dwg,
       dwu, dwd_t);
   err = cudaGetLastError();
@@ -258,7 +260,7 @@ cudaError_t launch_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, co
   // At most total / (kLongUnit + 1) units are long; the list's length is read on the device.
   const int64_t max_long = std::min<int64_t>(hidden, total / (kLongUnit + 1));
   if (max_long == 0) return cudaSuccess;
-  const int64_t max_pairs = max_long * ((dim / kChunk + 31) / 32);
+  const int64_t max_pairs = max_long * unit_slices(dim);
   const unsigned ctas = static_cast<unsigned>(std::min<int64_t>(max_pairs, kLongUnitCtas));
   csr_backward_long_units_kernel<Grad><<<ctas, kLongUnitWarps * 32, 0, stream>>>(
       x, grad_y, unit_ptr, csc_rows, csc_entry, dg, du, a_vals, u_vals, dim, accumulate, long_scratch, n_long, dwg,

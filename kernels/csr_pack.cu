@@ -63,15 +63,14 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) nnz[row] = count;
 }
 
-// The light rows' record from the stage: one warp per row.
+// The light rows' record from the stage (a heavy row's range in row_ptr is empty): one warp per row.
 __global__ void __launch_bounds__(kThreads)
     csr_fill_light_kernel(const int32_t* __restrict__ stage_cols, const __nv_bfloat16* __restrict__ stage_a,
-                           int stage_width, int64_t rows, const int64_t* __restrict__ row_ptr,
-                           const uint8_t* __restrict__ heavy, int32_t* __restrict__ cols,
-                           __nv_bfloat16* __restrict__ a_vals) {
+                          int stage_width, int64_t rows, const int64_t* __restrict__ row_ptr,
+                          int32_t* __restrict__ cols, __nv_bfloat16* __restrict__ a_vals) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
-  if (row >= rows || heavy[row]) return;
+  if (row >= rows) return;
   const int64_t begin = row_ptr[row], n = row_ptr[row + 1] - begin, stage0 = row * stage_width;
   for (int64_t i = lane; i < n; i += 32) {
     cols[begin + i] = stage_cols[stage0 + i];
@@ -79,15 +78,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The heavy rows' record, from g.
+// The heavy rows' record, from g. A light row's range in row_ptr is empty (a heavy row has at least
+// one entry), and its row of g is not read.
 __global__ void __launch_bounds__(kThreads)
     csr_fill_heavy_kernel(const __nv_bfloat16* __restrict__ g, int64_t rows, int hidden,
-                          const int64_t* __restrict__ row_ptr, const uint8_t* __restrict__ heavy,
-                          int32_t* __restrict__ cols, __nv_bfloat16* __restrict__ a_vals) {
+                          const int64_t* __restrict__ row_ptr, int32_t* __restrict__ cols,
+                          __nv_bfloat16* __restrict__ a_vals) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
-  if (row >= rows || !heavy[row]) return;
+  if (row >= rows) return;
   const int64_t begin = row_ptr[row];
+  if (row_ptr[row + 1] == begin) return;
   scan_row(g, row, hidden, lane, [&](int64_t pos, int unit, float value) {
     cols[begin + pos] = unit;
     a_vals[begin + pos] = __float2bfloat16(value);
@@ -108,19 +109,19 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 }
 
 cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
-                                  int64_t rows, const int64_t* row_ptr, const uint8_t* heavy, int32_t* cols,
-                                  __nv_bfloat16* a_vals, cudaStream_t stream) {
+                                  int64_t rows, const int64_t* row_ptr, int32_t* cols, __nv_bfloat16* a_vals,
+                                  cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   csr_fill_light_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(stage_cols, stage_a, stage_width, rows, row_ptr,
-                                                                    heavy, cols, a_vals);
+                                                                   cols, a_vals);
   return cudaGetLastError();
 }
 
 cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                                  const uint8_t* heavy, int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream) {
+                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (hidden % kChunk != 0) return cudaErrorInvalidValue;
-  csr_fill_heavy_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, heavy, cols, a_vals);
+  csr_fill_heavy_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, cols, a_vals);
   return cudaGetLastError();
 }
 

@@ -179,8 +179,7 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor u_cap = at::empty({capacity}, x.options());
   const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
   check_cuda(sparse_llm::launch_csr_fill_light(stage_cols.data_ptr<int32_t>(), bf16_ptr(stage_a), width, rows,
-                                               light_ptr, mask_ptr(split.heavy), cols_cap.data_ptr<int32_t>(),
-                                               bf16_mut_ptr(a_cap), stream),
+                                               light_ptr, cols_cap.data_ptr<int32_t>(), bf16_mut_ptr(a_cap), stream),
              "csr_fill_light");
   const int64_t updown_blocks = sparse_llm::csr_updown_blocks(rows);
   at::Tensor l1_partial = at::empty({updown_blocks}, x.options().dtype(at::kFloat));
@@ -223,8 +222,8 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   at::Tensor heavy_u = at::empty({heavy_total}, x.options());
   if (n_heavy > 0) {
     const int64_t* heavy_ptr = split.heavy_ptr.data_ptr<int64_t>();
-    check_cuda(sparse_llm::launch_csr_fill_heavy(bf16_ptr(g), rows, hidden, heavy_ptr, mask_ptr(split.heavy),
-                                                 heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_a), stream),
+    check_cuda(sparse_llm::launch_csr_fill_heavy(bf16_ptr(g), rows, hidden, heavy_ptr, heavy_cols.data_ptr<int32_t>(),
+                                                 bf16_mut_ptr(heavy_a), stream),
                "csr_fill_heavy");
     check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(early_u), heavy_list, std::min(n_heavy, early), hidden,
                                                   heavy_ptr, heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u),

@@ -191,7 +191,8 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.M, args.D, args.H, args.nnz = [512], 64, 256, [4, 16]
-    if min(args.gemm_tflops, args.gather_tbps, args.reuse, args.activation_gather_tbps or 1.0) <= 0:
+    given = [args.gemm_tflops, args.gather_tbps, args.reuse, args.activation_gather_tbps]
+    if min(v for v in given if v is not None) <= 0:
         raise SystemExit(
             "--gemm-tflops, --gather-tbps, --activation-gather-tbps and --reuse must be positive"
         )

@@ -209,6 +209,26 @@ def test_autocast_with_fp32_master_weights():
             assert rel_err(g, ref) <= 2 * rel_err(d, ref) + ABS_FLOOR, name
 
 
+def backward_of_forward(x, weights, heavy_threshold: int, grad_seed: int):
+    """Runs the CUDA forward op on bf16 weights (heavy rows exactly when heavy_threshold is 16) and
+    returns a function giving the backward op's (dx, dWg, dWu, dWd) on its record for a fixed random
+    grad_y and grad_l1 = 0.7, with the weights it is given (the casts, or float32 masters)."""
+    out = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, *weights, None, heavy_threshold)
+    nnz_per_token, heavy_rows, record = out[2], out[9], out[6:]
+    assert (heavy_rows.numel() > 0) == (heavy_threshold == 16)
+    grad_y = torch.randn(
+        x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(grad_seed)
+    ).bfloat16()
+    grad_l1 = torch.tensor(0.7, device="cuda")
+
+    def backward(backward_weights):
+        return torch.ops.sparse_llm.ffn_train_bwd_cuda(
+            grad_y, grad_l1, x, *backward_weights, nnz_per_token, *record
+        )
+
+    return backward
+
+
 @needs_hopper
 @pytest.mark.parametrize("heavy_threshold", [768, 16])
 def test_backward_with_float32_weights_rounds_once(heavy_threshold):
@@ -220,14 +240,9 @@ def test_backward_with_float32_weights_rounds_once(heavy_threshold):
     x = w.x.bfloat16()
     masters = [w.wg, w.wu, w.wd]
     casts = [t.bfloat16() for t in masters]
-    out = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, *casts, None, heavy_threshold)
-    nnz_per_token, heavy_rows, record = out[2], out[9], out[6:]
-    assert (heavy_rows.numel() > 0) == (heavy_threshold == 16)
-    grad_y = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
-    grad_l1 = torch.tensor(0.7, device="cuda")
-    bwd = torch.ops.sparse_llm.ffn_train_bwd_cuda
-    dx16, *grads16 = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
-    dx32, *grads32 = bwd(grad_y, grad_l1, x, *masters, nnz_per_token, *record)
+    backward = backward_of_forward(x, casts, heavy_threshold, grad_seed=3)
+    dx16, *grads16 = backward(casts)
+    dx32, *grads32 = backward(masters)
     assert torch.equal(dx16, dx32)
     for name, g16, g32 in zip(("dWg", "dWu", "dWd"), grads16, grads32, strict=True):
         assert g16.dtype == torch.bfloat16 and g32.dtype == torch.float32, name
@@ -263,17 +278,12 @@ def test_hot_units_match_fp64_and_are_deterministic(heavy_threshold):
     inputs = hot_units_inputs(3000, 512, 1536, seed=heavy_threshold % 1000)
     check_contract(inputs, heavy_threshold)
     x, *casts = inputs
-    out = torch.ops.sparse_llm.ffn_train_fwd_cuda(x, *casts, None, heavy_threshold)
-    nnz_per_token, heavy_rows, record = out[2], out[9], out[6:]
-    assert (heavy_rows.numel() > 0) == (heavy_threshold == 16)
-    grad_y = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
-    grad_l1 = torch.tensor(0.7, device="cuda")
-    bwd = torch.ops.sparse_llm.ffn_train_bwd_cuda
-    first = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
-    again = bwd(grad_y, grad_l1, x, *casts, nnz_per_token, *record)
+    backward = backward_of_forward(x, casts, heavy_threshold, grad_seed=1)
+    first = backward(casts)
+    again = backward(casts)
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), first, again, strict=True):
         assert torch.equal(a, b), name
-    _, *grads32 = bwd(grad_y, grad_l1, x, *(t.float() for t in casts), nnz_per_token, *record)
+    _, *grads32 = backward([t.float() for t in casts])
     for name, g16, g32 in zip(("dWg", "dWu", "dWd"), first[1:], grads32, strict=True):
         if heavy_threshold == 1 << 20:
             assert torch.equal(g32.bfloat16(), g16), name
