@@ -81,9 +81,10 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     compile: bool = False
     activation_checkpointing: bool = False
-    # RMSNorm outputs recomputed in the backward instead of saved: two [tokens, D] activations a
-    # layer less (2.25 GiB on the 1b preset at 8 x 2048 tokens) for ~0.5% (dense) to 4% (cuda FFN)
-    # of the step time (H200, benchmarks/results/train_1b_sparse_h200.md).
+    # RMSNorm outputs recomputed in the backward instead of saved: a [tokens, D] activation per norm
+    # less (1b preset at 8 x 2048 tokens: 2.25 GiB dense, 1.13 GiB with ffn_impl=cuda, whose FFN
+    # block never saves its norm's output) for 0.6-0.8% of the step time
+    # (H100, benchmarks/results/train_1b_recompute_h100.md).
     recompute_norms: bool = False
     seed: int = 0
     device: str = "auto"  # auto, cpu, cuda
