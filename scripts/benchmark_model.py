@@ -266,7 +266,35 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
             f"| {100 * r['active_token_fraction']:.1f}% | {r['loss_last']:.4f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + pairings_markdown(rows)) + "\n"
+
+
+def pairings_markdown(rows: list[dict]) -> list[str]:
+    """With several norm settings timed: every sparse variant against every dense one at its
+    micro-batch (e.g. the sparse path recomputing its norms against dense at its fastest setting),
+    which the main table's same-setting ratios leave out. Empty otherwise."""
+    if len({r["recompute_norms"] for r in rows}) < 2:
+        return []
+    lines = [
+        "",
+        "Every sparse variant against every dense one (speed: dense ms / its ms; memory: its peak / dense's):",
+        "",
+        "| micro-batch | ffn_impl | its norms recomputed | dense norms recomputed | speed | peak memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["impl"] == "dense":
+            continue
+        for d in rows:
+            if d["impl"] != "dense" or d["micro_batch"] != r["micro_batch"]:
+                continue
+            # Peak memory is only measured on a GPU (NaN on the CPU).
+            mem = f"{r['peak_mem_gib'] / d['peak_mem_gib']:.3f}x" if d["peak_mem_gib"] > 0 else "-"
+            lines.append(
+                f"| {r['micro_batch']} | {r['impl']} | {r['recompute_norms']} | {d['recompute_norms']} "
+                f"| {d['ms_step'] / r['ms_step']:.3f}x | {mem} |"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -196,13 +196,23 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_model.py"
     out = tmp_path / "bench.json"
     args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    args += ["--recompute-norms", "off", "on"]
     subprocess.run([sys.executable, str(script), *args, "--md", str(tmp_path / "bench.md")], check=True)
     result = json.loads(out.read_text())
-    dense, sparse = result["results"]
-    assert (dense["impl"], sparse["impl"]) == ("dense", "cuda") and result["meta"]["commit"]
+    dense, sparse, dense_recomputing, sparse_recomputing = result["results"]
+    assert [r["impl"] for r in result["results"]] == ["dense", "cuda"] * 2 and result["meta"]["commit"]
+    assert [r["recompute_norms"] for r in result["results"]] == ["off", "off", "on", "on"]
     assert sparse["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
     assert sparse["l0_mean"] == pytest.approx(dense["l0_mean"])
-    assert "| dense |" in (tmp_path / "bench.md").read_text()
+    # Recomputing the norms changes where they are computed, not the step's result.
+    assert sparse_recomputing["loss_last"] == pytest.approx(sparse["loss_last"], rel=1e-4)
+    assert dense_recomputing["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| dense |" in md
+    # The cross pairings: each sparse variant against both dense ones, with the speed ratio.
+    speed = dense["ms_step"] / sparse_recomputing["ms_step"]
+    assert f"| 2 | cuda | on | off | {speed:.3f}x |" in md
+    assert md.count("| 2 | cuda |") == 4
 
 
 def test_attention_residual_in_the_gemm_epilogue_matches_the_separate_add():
