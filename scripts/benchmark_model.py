@@ -282,12 +282,9 @@ def pairings_markdown(rows: list[dict]) -> list[str]:
         "| micro-batch | ffn_impl | its norms recomputed | dense norms recomputed | speed | peak memory |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r["impl"] == "dense":
-            continue
-        for d in rows:
-            if d["impl"] != "dense" or d["micro_batch"] != r["micro_batch"]:
-                continue
+    dense = [d for d in rows if d["impl"] == "dense"]
+    for r in (r for r in rows if r["impl"] != "dense"):
+        for d in (d for d in dense if d["micro_batch"] == r["micro_batch"]):
             # Peak memory is only measured on a GPU (NaN on the CPU).
             mem = f"{r['peak_mem_gib'] / d['peak_mem_gib']:.3f}x" if d["peak_mem_gib"] > 0 else "-"
             lines.append(

@@ -48,6 +48,11 @@ class Rates:
     reuse: float  # weight-row reads saved by sharing within a block of rows
     activation_gather_bytes: float | None = None  # rows of x and grad_y, per second; None: gather_bytes
 
+    @property
+    def activation_rate(self) -> float:
+        """Bytes per second for the rows of x and grad_y."""
+        return self.activation_gather_bytes or self.gather_bytes
+
 
 # What our kernels reach on an H100 at 30 non-zeros, M = 16384 (session 15): cuBLAS's gate GEMM 378
 # GFLOP in 0.488 ms; the light up/down and the per-row backward gather weight rows at 5.0-6.2 TB/s; the
@@ -87,10 +92,9 @@ def best_bound(
     gemm_rows = TRAIN_GEMM_ROWS if train else FORWARD_GEMM_ROWS
     weight_rows = 5 if train else 2
     activation_rows = 2 if train else 0
-    activation_rate = rates.activation_gather_bytes or rates.gather_bytes
     light_s_per_nnz = (
         weight_rows / rates.reuse * d * BF16_BYTES / rates.gather_bytes
-        + activation_rows * d * BF16_BYTES / activation_rate
+        + activation_rows * d * BF16_BYTES / rates.activation_rate
     )
     gate_s = 2 * m * d * h / rates.gemm_flops
     best: Bound | None = None
@@ -138,12 +142,11 @@ def row(m: int, nnz: float, bound: Bound, result: dict | None, train: bool) -> d
 
 
 def markdown(rows: list[dict], rates: Rates, meta: str) -> str:
-    activation = rates.activation_gather_bytes or rates.gather_bytes
     lines = [
         "# Lower bound of the exact hybrid sparse FFN (scripts/ffn_bound.py)",
         "",
         f"{meta}. Rates: GEMMs {rates.gemm_flops / 1e12:.0f} TFLOP/s, weight-row gathers "
-        f"{rates.gather_bytes / 1e12:.1f} TB/s, x and grad_y rows {activation / 1e12:.1f} TB/s, weight-row "
+        f"{rates.gather_bytes / 1e12:.1f} TB/s, x and grad_y rows {rates.activation_rate / 1e12:.1f} TB/s, weight-row "
         f"reuse {rates.reuse:g}; no launch, sync or pack cost. Dense and ours: measured (benchmark_ffn.py).",
         "",
         "| pass | M | nnz | bound ms | best threshold | heavy rows | units in heavy GEMMs "
