@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm import ops
-from sparse_llm.benchmarking import gpu_idle_table, write_report
+from sparse_llm.benchmarking import device_kernel_table, gpu_idle_table, write_report
 from sparse_llm.ops import _extension
 from sparse_llm.ops.workload import make_workload
 from sparse_llm.training.run_info import collect_run_info
@@ -88,6 +88,7 @@ def print_profile(fn: Callable, iters: int = 5) -> None:
             fn()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(device_kernel_table(prof.events(), calls=iters))
     print(gpu_idle_table(prof.events()))
 
 

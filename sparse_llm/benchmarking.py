@@ -107,6 +107,37 @@ def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+def device_kernel_table(events: Any, calls: int = 1, rows: int = 40) -> str:
+    """GPU time of every kernel (and device memset or copy) over `calls` profiled calls, per call,
+    largest first: the operator table of torch.profiler folds small kernels under their operators
+    and cuts the list, so a few microseconds each, many times a call, go unseen there."""
+    from torch.autograd import DeviceType
+
+    per_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    if not per_name:
+        return ""
+    total = sum(sum(v) for v in per_name.values()) / calls
+    lines = [
+        "",
+        f"GPU time per call: {total:.1f} us in {sum(len(v) for v in per_name.values()) / calls:g} launches",
+        "",
+        "| us per call | launches per call | kernel |",
+        "|---|---|---|",
+    ]
+    ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, spans in ranked[:rows]:
+        lines.append(f"| {sum(spans) / calls:.1f} | {len(spans) / calls:g} | {_short(name, 90)} |")
+    if len(ranked) > rows:
+        rest = [t for _, spans in ranked[rows:] for t in spans]
+        lines.append(
+            f"| {sum(rest) / calls:.1f} | {len(rest) / calls:g} | (the remaining {len(ranked) - rows}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _frame_text(frame: dict[str, Any]) -> str:
     return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
 

@@ -9,7 +9,13 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import DeviceType
 
-from sparse_llm.benchmarking import gpu_idle_table, kernel_table, median_ms, memory_peak_table
+from sparse_llm.benchmarking import (
+    device_kernel_table,
+    gpu_idle_table,
+    kernel_table,
+    median_ms,
+    memory_peak_table,
+)
 
 
 def _event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
@@ -32,6 +38,24 @@ def test_gpu_idle_table_sums_gaps_by_neighbouring_kernels():
 
 def test_gpu_idle_table_without_device_events_is_empty():
     assert gpu_idle_table([_event("host_op", 0, 10, DeviceType.CPU)]) == ""
+
+
+def test_device_kernel_table_lists_every_kernel_per_call():
+    events = [
+        _event("gemm", 0, 100),
+        _event("pack", 100, 104),
+        _event("pack", 104, 108),
+        _event("host_op", 0, 500, DeviceType.CPU),  # not GPU time
+        _event("gemm", 200, 300),
+        _event("pack", 300, 304),
+        _event("pack", 304, 308),
+        _event("fill", 310, 312),
+    ]
+    table = device_kernel_table(events, calls=2, rows=2)
+    assert "GPU time per call: 109.0 us in 3.5 launches" in table
+    assert table.index("| 100.0 | 1 | gemm |") < table.index("| 8.0 | 2 | pack |")
+    assert "| 1.0 | 0.5 | (the remaining 1) |" in table
+    assert device_kernel_table([_event("host_op", 0, 10, DeviceType.CPU)]) == ""
 
 
 def test_kernel_table_on_cpu_writes_the_trace(tmp_path):
