@@ -66,17 +66,22 @@ def _short(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def _device_spans(events: Any) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of the profiler's device events (kernels, memsets, copies)."""
+    from torch.autograd import DeviceType
+
+    return [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+
+
 def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
     """Where the GPU idles between the first and the last device event: the gaps (all streams
     merged) grouped by the kernels on either side, largest total first. A gap that follows a
     host read or a burst of small launches shows up here, not in the kernel table."""
-    from torch.autograd import DeviceType
-
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in events
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
+    spans = sorted(_device_spans(events))
     if not spans:
         return ""
     gaps: dict[tuple[str, str], list[float]] = {}
@@ -111,12 +116,9 @@ def device_kernel_table(events: Any, calls: int = 1, rows: int = 40) -> str:
     """GPU time of every kernel (and device memset or copy) over `calls` profiled calls, per call,
     largest first: the operator table of torch.profiler folds small kernels under their operators
     and cuts the list, so a few microseconds each, many times a call, go unseen there."""
-    from torch.autograd import DeviceType
-
     per_name: dict[str, list[float]] = {}
-    for e in events:
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    for start, end, name in _device_spans(events):
+        per_name.setdefault(name, []).append(end - start)
     if not per_name:
         return ""
     total = sum(sum(v) for v in per_name.values()) / calls
