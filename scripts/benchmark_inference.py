@@ -37,10 +37,11 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
+
 from sparse_llm.benchmarking import kernel_table  # noqa: E402
 from sparse_llm.inference import compile_prefill, load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
-from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
-from sparse_llm.kv_cache import KVCache  # noqa: E402
+from sparse_llm.model.kv_cache import KVCache  # noqa: E402
 from sparse_llm.training.run_info import git_commit  # noqa: E402
 
 TINY = dict(batch=2, prompt_len=32, decode_tokens=4, reps=1, warmup=0, sparsify_steps=4)

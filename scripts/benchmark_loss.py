@@ -1,4 +1,4 @@
-"""Benchmark the chunked output projection + cross-entropy (sparse_llm.loss), forward and backward
+"""Benchmark the chunked output projection + cross-entropy (sparse_llm.model.loss), forward and backward
 under torch.compile: each chunk's loss and logit gradient by the CUDA kernel (impl='cuda') or in
 PyTorch (impl='reference', which Inductor fuses across chunks), against F.cross_entropy on the
 whole logits. Medians of CUDA-event timings, the peak memory above the inputs, and the error of
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.benchmarking import median_ms, write_report
-from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
+from sparse_llm.model.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
 from sparse_llm.training.run_info import collect_run_info
 
 

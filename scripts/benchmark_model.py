@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sparse_llm.benchmarking import kernel_table, memory_peak_table, write_report  # noqa: E402
-from sparse_llm.compiling import compile_model  # noqa: E402
 from sparse_llm.config import ModelConfig  # noqa: E402
 from sparse_llm.model import build_model  # noqa: E402
+from sparse_llm.model.compiling import compile_model  # noqa: E402
 from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
 from sparse_llm.training.run_info import collect_run_info  # noqa: E402
 

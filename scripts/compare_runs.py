@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from sparse_llm.sparsity.plots import plot_runs_overlay
-from sparse_llm.sparsity.sweep import summarize_run, to_markdown
+from sparse_llm.analysis.plots import plot_runs_overlay
+from sparse_llm.analysis.sweep import summarize_run, to_markdown
 
 OVERLAY_KEYS = ("sparsity/mean", "dead/mean", "val_loss")
 

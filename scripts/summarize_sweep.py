@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparse_llm.sparsity.sweep import SweepError, summarize_sweep, to_markdown, write_summary
+from sparse_llm.analysis.sweep import SweepError, summarize_sweep, to_markdown, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:

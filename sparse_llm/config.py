@@ -7,14 +7,15 @@ checks the cross-field rules. Everything here runs before any model or data is b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-FFN_IMPLS = ("dense", "reference", "cuda")
+# The FFN implementations (sparse_llm.ops.select says what each means and picks what runs).
+FFN_IMPLS = ("auto", "dense", "reference", "cuda")
 ATTN_IMPLS = ("sdpa", "flash")
 DATA_SOURCES = ("embedded", "files", "hub")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -154,6 +155,22 @@ def load_config(raw: DictConfig | dict[str, Any], world_size: int = 1) -> RunCon
         raise ConfigError(f"config key '{key}': {reason}") from None
     validate(cfg, world_size)
     return cfg
+
+
+def resolve_config(cfg: RunConfig, tokenizer_vocab: int, world_size: int = 1) -> RunConfig:
+    """The config with its derived values filled in (model.vocab_size = 0 takes the tokenizer's
+    vocabulary), validated as a whole; a new object, `cfg` is left as it was."""
+    model = cfg.model
+    if model.vocab_size == 0:
+        model = replace(model, vocab_size=tokenizer_vocab)
+    elif model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"config key 'model.vocab_size': {model.vocab_size} is smaller than "
+            f"the tokenizer's vocabulary ({tokenizer_vocab})"
+        )
+    resolved = replace(cfg, model=model)
+    validate(resolved, world_size)
+    return resolved
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

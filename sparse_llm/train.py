@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sparse_llm.config import ConfigError, load_config, to_yaml
+from sparse_llm.run_files import CONFIG_FILE
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -28,8 +29,8 @@ def run(raw: DictConfig, run_dir: Path) -> Path:
     callbacks = build_callbacks(cfg.callbacks)
     trainer = Trainer(cfg, run_dir, callbacks)
     if trainer.accelerator.is_main_process:
-        # Written after the trainer resolved derived values (vocab size), so it is the config that ran.
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        # The trainer's config: resolved (vocab size) and validated, the config that runs.
+        (run_dir / CONFIG_FILE).write_text(to_yaml(trainer.cfg))
         write_run_info(run_dir, trainer.device, trainer.world_size)
     trainer.fit()
     return run_dir

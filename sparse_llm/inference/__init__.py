@@ -5,22 +5,22 @@ gen = Generator.from_pretrained("runs/my_run/export")   # or a checkpoints/step_
 print(gen.generate("def main():", max_new_tokens=32).texts[0])
 """
 
-from sparse_llm.inference.ffn_select import measure_ffn_impls, resolve_ffn_impls, set_ffn_impl
+from sparse_llm.inference.calibrate import FASTEST, choose_ffn_plan, measure_ffn_impls
 from sparse_llm.inference.generate import GenerationOutput, Generator, compile_prefill, generate_ids
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, filter_logits, sample_next
 
 __all__ = [
+    "FASTEST",
     "GenerationOutput",
     "Generator",
     "LoadedModel",
     "SamplingParams",
+    "choose_ffn_plan",
     "compile_prefill",
     "filter_logits",
     "generate_ids",
     "load_model",
     "measure_ffn_impls",
-    "resolve_ffn_impls",
     "sample_next",
-    "set_ffn_impl",
 ]

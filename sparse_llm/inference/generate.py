@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_llm.inference.ffn_select import resolve_ffn_impls, set_ffn_impl
+from sparse_llm.inference.calibrate import FASTEST, choose_ffn_plan
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import CausalLMOutput, KVCache, SparseLlamaForCausalLM
@@ -44,16 +44,15 @@ def generate_ids(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     eos_token_ids: Sequence[int] = (),
-    prefill_ffn: str = "dense",
-    decode_ffn: str = "dense",
     prefill_forward: Callable[..., CausalLMOutput] | None = None,
 ) -> GenerationOutput:
     """Generate for a batch of token-id prompts of any lengths (left-padded internally).
 
     Each row stops at its first EOS (when params.stop_at_eos) or after max_new_tokens; the batch
     ends when every row has stopped. Rows are independent: a prompt gives the same tokens alone
-    or in a batch (up to floating-point ties). `prefill_forward` runs the prefill instead of
-    `model` itself, e.g. `torch.compile(model)` (see `compile_prefill`); decode runs `model`.
+    or in a batch (up to floating-point ties). The FFN of each phase is the model's plan
+    (`model.ffn_plan`). `prefill_forward` runs the prefill instead of `model` itself, e.g.
+    `torch.compile(model)` (see `compile_prefill`); decode runs `model`.
     """
     cfg = model.config
     check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings, params.max_new_tokens)
@@ -75,34 +74,29 @@ def generate_ids(
         generator = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
 
-    set_ffn_impl(model, prefill_ffn)
     prefill = model if prefill_forward is None else prefill_forward
     logits = prefill(
         ids, cache=cache, position_ids=positions, attention_mask=mask, last_logits_only=True
     ).logits
-    set_ffn_impl(model, decode_ffn)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     next_pos = lengths.clone()
     steps = []
-    try:
-        for step in range(params.max_new_tokens):
-            token = sample_next(logits[:, -1], params, generator)
-            token = torch.where(finished, torch.zeros_like(token), token)
-            steps.append(token)
-            if eos.numel():
-                finished |= torch.isin(token, eos)
-                if bool(finished.all()):
-                    break
-            if step == params.max_new_tokens - 1:
+    for step in range(params.max_new_tokens):
+        token = sample_next(logits[:, -1], params, generator)
+        token = torch.where(finished, torch.zeros_like(token), token)
+        steps.append(token)
+        if eos.numel():
+            finished |= torch.isin(token, eos)
+            if bool(finished.all()):
                 break
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
-            logits = model(
-                token[:, None], cache=cache, position_ids=next_pos[:, None], attention_mask=mask
-            ).logits
-            next_pos += 1
-    finally:
-        set_ffn_impl(model, "dense")
+        if step == params.max_new_tokens - 1:
+            break
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
+        logits = model(
+            token[:, None], cache=cache, position_ids=next_pos[:, None], attention_mask=mask
+        ).logits
+        next_pos += 1
     table = torch.stack(steps, dim=1).tolist()
     eos_set = set(eos.tolist())
     tokens, reasons = [], []
@@ -122,9 +116,10 @@ def compile_prefill(model: SparseLlamaForCausalLM, **compile_kwargs) -> Callable
 
 
 class Generator:
-    """A loaded model with its tokenizer and per-phase FFN implementations.
+    """A loaded model with its tokenizer and per-phase FFN implementations (fixed when it is made:
+    see sparse_llm.inference.calibrate for the values; `fastest` times dense against the kernels).
 
-    gen = Generator.from_pretrained("runs/x/export", prefill_ffn="auto", decode_ffn="auto")
+    gen = Generator.from_pretrained("runs/x/export", prefill_ffn="fastest", decode_ffn="fastest")
     out = gen.generate(["def main():"], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=0)
     out.texts[0]
 
@@ -135,15 +130,17 @@ class Generator:
     def __init__(
         self,
         loaded: LoadedModel,
-        prefill_ffn: str = "auto",
-        decode_ffn: str = "auto",
+        prefill_ffn: str = FASTEST,
+        decode_ffn: str = FASTEST,
         compile: bool = False,
     ) -> None:
         self.loaded = loaded
-        self.model = loaded.model
+        plan, self.ffn_measurement = choose_ffn_plan(loaded.model, prefill_ffn, decode_ffn)
+        self.model = loaded.model.with_ffn_plan(plan)
+        self.ffn = {"prefill": plan.prefill.impl, "decode": plan.decode.impl}
+        self.ffn_plan = plan
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.ffn, self.ffn_measurement = resolve_ffn_impls(self.model, prefill_ffn, decode_ffn)
         self.prefill_forward = compile_prefill(self.model) if compile else None
 
     @classmethod
@@ -152,8 +149,8 @@ class Generator:
         path: str | Path,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
-        prefill_ffn: str = "auto",
-        decode_ffn: str = "auto",
+        prefill_ffn: str = FASTEST,
+        decode_ffn: str = FASTEST,
         compile: bool = False,
     ) -> Generator:
         return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn, compile)
@@ -169,8 +166,6 @@ class Generator:
             prompts,
             params,
             self.eos_token_ids,
-            self.ffn["prefill"],
-            self.ffn["decode"],
             self.prefill_forward,
         )
 

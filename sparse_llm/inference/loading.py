@@ -1,6 +1,6 @@
 """Load a trained model for inference: an HF export directory or a training checkpoint.
 
-An export directory (written by `sparse_llm.export.export_hf`) holds config.json,
+An export directory (written by `sparse_llm.model.hf_export.export_hf`) holds config.json,
 model.safetensors and the tokenizer files. A training checkpoint is `<run_dir>/checkpoints/
 step_*`; the model config comes from the run's `config.yaml` (two levels up) and the tokenizer
 from its `data.tokenizer`. A run directory is also taken: its latest complete checkpoint.
@@ -20,8 +20,15 @@ from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.data import load_tokenizer
-from sparse_llm.model import SparseLlamaForCausalLM, build_model
-from sparse_llm.training import checkpoint as ckpt_io
+from sparse_llm.model import FFNPlan, SparseLlamaForCausalLM
+from sparse_llm.model.state import load_model_state
+from sparse_llm.run_files import (
+    CHECKPOINT_MANIFEST,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    STEP_DIR,
+    latest_checkpoint,
+)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DTYPES.update({"float16": torch.float16, "fp16": torch.float16})
@@ -67,13 +74,13 @@ def detect_source(path: Path) -> tuple[str, Path]:
             if not (path / name).is_file():
                 raise FileNotFoundError(f"export directory {path} has config.json but no {name}")
         return "export", path
-    if ckpt_io.STEP_DIR.match(path.name):
-        if not (path / ckpt_io.MANIFEST).is_file():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {ckpt_io.MANIFEST})")
+    if STEP_DIR.match(path.name):
+        if not (path / CHECKPOINT_MANIFEST).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {CHECKPOINT_MANIFEST})")
         if not (path / "model.safetensors").is_file():
             raise FileNotFoundError(f"checkpoint {path} has no model.safetensors")
         return "checkpoint", path
-    latest = ckpt_io.latest_checkpoint(path / "checkpoints")
+    latest = latest_checkpoint(path / CHECKPOINTS_DIR)
     if latest is not None:
         return "checkpoint", latest
     raise FileNotFoundError(
@@ -115,7 +122,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 def _run_config(checkpoint: Path) -> tuple[ModelConfig, str]:
     """Model config and tokenizer spec from `<run_dir>/config.yaml` (run_dir = checkpoint/../..)."""
-    path = checkpoint.parent.parent / "config.yaml"
+    path = checkpoint.parent.parent / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"no run config at {path}: a checkpoint is loaded with its run's config.yaml "
@@ -129,9 +136,13 @@ def _run_config(checkpoint: Path) -> tuple[ModelConfig, str]:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+    path: str | Path,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    ffn: str | dict[str, str] = "dense",
 ) -> LoadedModel:
-    """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`."""
+    """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`, with
+    the FFN plan resolved from `ffn` (one value of ops.select for every phase, or one per phase)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source, directory = detect_source(Path(path).expanduser())
@@ -146,14 +157,15 @@ def load_model(
         eos = None
     state = load_file(directory / "model.safetensors")
     if cfg.vocab_size == 0:
-        cfg.vocab_size = state["model.embed_tokens.weight"].shape[0]
-    cfg.ffn_impl, cfg.attn_impl = "dense", "sdpa"
+        cfg = dataclasses.replace(cfg, vocab_size=state["model.embed_tokens.weight"].shape[0])
+    cfg = dataclasses.replace(cfg, ffn_impl="dense", attn_impl="sdpa")
+    plan = FFNPlan.resolve(ffn, cfg, device, dtype, where="ffn")
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = SparseLlamaForCausalLM(cfg, plan)
     model.to_empty(device="cpu")
     # to_empty leaves buffers uninitialised; the RoPE tables are not in the checkpoint.
     model.model.rotary_emb.reset_tables()
-    ckpt_io.load_model_state(model, state)
+    load_model_state(model, state)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # .to(dtype) also rounds the RoPE cos/sin tables to `dtype`: what the rotary would cast them to.

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops import _extension
-from sparse_llm.ops.cuda_ops import extension
+from sparse_llm.ops.select import extension, kernels_unavailable
 
 # What the kernel takes: 16-byte rows, one shared-memory counter per column (activation_counts.cuh).
 KERNEL_ALIGN, KERNEL_MAX_COLUMNS = 8, 12288
@@ -29,7 +28,7 @@ def runs_on_kernel(a: torch.Tensor) -> bool:
         and a.is_contiguous()
         and a.shape[1] % KERNEL_ALIGN == 0
         and a.shape[1] <= KERNEL_MAX_COLUMNS
-        and _extension.available()
+        and kernels_unavailable(a.device) is None
     )
 
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import torch
 
-# What the CUDA kernels accept (kernels/twell.cuh): bf16, 16-byte rows, bounded D.
-CUDA_MAX_DIM = 8192
-CUDA_ALIGN = 8  # D and H must be multiples of 8 (16-byte rows of bf16)
-# The training backward orders its entries by unit with a shared-memory histogram of H counters
-# (kernels/csr.cuh, kMaxColumnSortHidden).
-CUDA_TRAIN_MAX_HIDDEN = 49152
+# Rows with more active units than this take the dense path (Tensor Cores on the gathered rows),
+# the others the sparse kernels, in inference and training alike. A speed knob only: every value
+# gives the exact answer.
+DEFAULT_HEAVY_THRESHOLD = 64
+# The inference kernels keep a light row's entries in TwELL slots: at most this many
+# (kernels/twell.cuh, kMaxLightRowNnz). The training kernels have no such bound.
+MAX_LIGHT_ROW_NNZ = 512
+
+
+def check_heavy_threshold(heavy_threshold: int, *, inference: bool) -> None:
+    upper = MAX_LIGHT_ROW_NNZ if inference else None
+    if heavy_threshold < 0 or (upper is not None and heavy_threshold > upper):
+        bounds = f"in [0, {upper}]" if upper is not None else ">= 0"
+        raise ValueError(f"heavy_threshold must be {bounds}, got {heavy_threshold}")
 
 
 def check_ffn_inputs(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> None:
@@ -36,27 +44,6 @@ def check_ffn_inputs(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: to
         raise ValueError(
             f"x, Wg, Wu, Wd must be on one device, got {x.device}, {wg.device}, {wu.device}, {wd.device}"
         )
-
-
-def cuda_unsupported_reason(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> str | None:
-    """Why the CUDA kernels cannot take these (already checked) inputs, or None if they can."""
-    hidden, dim = wg.shape
-    if x.device.type != "cuda":
-        return f"tensors are on {x.device}, not a CUDA device"
-    if x.dtype != torch.bfloat16:
-        return f"the CUDA kernels take bfloat16, got {x.dtype}"
-    if dim % CUDA_ALIGN or not CUDA_ALIGN <= dim <= CUDA_MAX_DIM:
-        return (
-            f"the CUDA kernels need D a multiple of {CUDA_ALIGN} in [{CUDA_ALIGN}, {CUDA_MAX_DIM}], got {dim}"
-        )
-    if hidden % CUDA_ALIGN:
-        return f"the CUDA kernels need H a multiple of {CUDA_ALIGN}, got {hidden}"
-    for name, t in (("Wg", wg), ("Wu", wu), ("Wd", wd)):
-        if not t.is_contiguous():
-            return f"{name} must be contiguous for the CUDA kernels"
-    return None
 
 
 def check_in_place_output(op: str, out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:

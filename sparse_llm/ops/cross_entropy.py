@@ -1,5 +1,5 @@
 """Cross-entropy of rows of logits together with its gradient with respect to them: the step of the
-chunked loss (sparse_llm.loss) between a chunk's logit GEMM and its two gradient GEMMs.
+chunked loss (sparse_llm.model.loss) between a chunk's logit GEMM and its two gradient GEMMs.
 
     loss_rows, grad = cross_entropy_rows(logits, labels, grad_scale)
     loss_rows = cross_entropy_rows_(logits, labels, grad_scale)  # the gradient over the logits
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops import _extension
-from sparse_llm.ops.cuda_ops import extension
+from sparse_llm.ops.select import KernelsUnavailable, extension, kernels_unavailable
 
 IGNORE_INDEX = -100
 
@@ -113,33 +112,24 @@ def _(logits, labels, ignore_index, grad_scale):
     return logits.new_empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
-def kernel_unsupported_reason(logits: torch.Tensor) -> str | None:
-    """Why the CUDA kernel cannot take these logits, or None if it can."""
-    if not logits.is_cuda:
-        return f"logits are on {logits.device}, not a CUDA device"
-    if logits.dtype != torch.bfloat16:
-        return f"the kernel takes bfloat16 logits, got {logits.dtype}"
-    if not _extension.available():
-        return f"the CUDA extension is unavailable: {_extension.unavailable_reason()}"
-    return None
-
-
 def runs_on_kernel(logits: torch.Tensor) -> bool:
     """Whether cross_entropy_rows(impl='auto') takes the CUDA kernel for these logits."""
-    return kernel_unsupported_reason(logits) is None
+    return resolve_impl("auto", logits) == "cuda"
 
 
 def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     """'cuda' or 'reference' for logits of this device and dtype (their shape is not read):
-    'auto' takes the kernel where it can run, 'cuda' raises the reason where it cannot."""
+    'auto' takes the kernel where it can run, 'cuda' raises KernelsUnavailable where it cannot."""
     if impl not in ("auto", "cuda", "reference"):
         raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
     if impl == "reference":
         return impl
-    reason = kernel_unsupported_reason(logits)
-    if impl == "cuda" and reason is not None:
-        raise ValueError(f"impl='cuda' cannot run: {reason}")
-    return "reference" if reason is not None else "cuda"
+    unavailable = kernels_unavailable(logits.device)
+    if unavailable is None and logits.dtype != torch.bfloat16:
+        unavailable = f"the kernel takes bfloat16 logits, got {logits.dtype}"
+    if impl == "cuda" and unavailable is not None:
+        raise KernelsUnavailable(f"impl='cuda' cannot run: {unavailable}")
+    return "reference" if unavailable is not None else "cuda"
 
 
 def _check_rows(logits: torch.Tensor, labels: torch.Tensor) -> None:

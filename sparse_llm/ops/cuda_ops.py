@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops import _extension
+from sparse_llm.ops.select import extension
 from sparse_llm.ops.twell import SLOTS, n_tiles
-
-
-def extension():
-    """The loaded CUDA extension; raises with the reason when it cannot be built or run here."""
-    ext = _extension.load()
-    if ext is None:
-        raise RuntimeError(f"sparse_llm CUDA extension unavailable: {_extension.unavailable_reason()}")
-    return ext
 
 
 @torch.library.custom_op("sparse_llm::twell_ffn_forward", mutates_args=())

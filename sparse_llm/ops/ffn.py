@@ -6,37 +6,21 @@ from typing import Literal
 
 import torch
 
-from sparse_llm.ops import _extension
-from sparse_llm.ops.checks import check_ffn_inputs, check_in_place_output, cuda_unsupported_reason
+from sparse_llm.ops.checks import (
+    DEFAULT_HEAVY_THRESHOLD,
+    check_ffn_inputs,
+    check_heavy_threshold,
+    check_in_place_output,
+)
 from sparse_llm.ops.reference import ffn_forward_reference
+from sparse_llm.ops.select import CUDA_ALIGN, select_ffn, select_for_tensors
 from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
 
 Impl = Literal["auto", "cuda", "reference"]
 
-# Rows with more non-zeros than this take the dense path (Tensor Cores on the gathered rows);
-# the rest take the sparse gather path. A speed knob only: every value gives the exact answer.
-DEFAULT_HEAVY_THRESHOLD = 64
-
-
-def use_cuda_kernels(impl: str, reason: str | None) -> bool:
-    """Whether `impl` runs the CUDA kernels, given why they cannot take the inputs (or None):
-    'auto' falls back to the reference quietly, 'cuda' raises the reason."""
-    if impl == "reference":
-        return False
-    if impl == "cuda":
-        if reason is not None:
-            raise ValueError(f"impl='cuda' cannot run: {reason}")
-        if not _extension.available():
-            raise RuntimeError(f"impl='cuda' cannot run: {_extension.unavailable_reason()}")
-        return True
-    if impl == "auto":
-        return reason is None and _extension.available()
-    raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-
 
 def _check_threshold_and_wd_t(heavy_threshold: int, wd: torch.Tensor, wd_t: torch.Tensor | None) -> None:
-    if not 0 <= heavy_threshold <= 512:
-        raise ValueError(f"heavy_threshold must be in [0, 512], got {heavy_threshold}")
+    check_heavy_threshold(heavy_threshold, inference=True)
     if wd_t is not None and (tuple(wd_t.shape) != tuple(wd.shape[::-1]) or not wd_t.is_contiguous()):
         raise ValueError(f"wd_t must be a contiguous [H, D] = {tuple(wd.shape[::-1])} tensor (Wd^T)")
 
@@ -64,7 +48,7 @@ def ffn_forward(
     """
     check_ffn_inputs(x, wg, wu, wd)
     _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
-    if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
+    if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd, wd_t, heavy_threshold)
@@ -102,7 +86,7 @@ def ffn_add_(
         for name, t in (("x", x), ("Wg", wg), ("Wu", wu), ("Wd", wd)):
             if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 raise ValueError(f"out must not share memory with {name}")
-    if not use_cuda_kernels(impl, cuda_unsupported_reason(x, wg, wu, wd)):
+    if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     torch.ops.sparse_llm.twell_ffn_add_(out, x2, wg, wu, wd, wd_t, heavy_threshold)
@@ -115,11 +99,16 @@ def twell_pack(
     """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.twell)."""
     if g.dim() != 2:
         raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
-    reason = None
-    if g.device.type != "cuda" or g.dtype != torch.bfloat16:
-        reason = "the CUDA pack takes a bfloat16 CUDA tensor"
-    elif g.shape[1] % 8 or not g.is_contiguous():
-        reason = "the CUDA pack needs a contiguous g with H a multiple of 8"
-    if not use_cuda_kernels(impl, reason):
+    # The pack reads g alone: D plays no part, so the check passes a D the kernels take.
+    selection = select_ffn(
+        impl,
+        "eval",
+        device=g.device,
+        dtype=g.dtype,
+        hidden_size=CUDA_ALIGN,
+        intermediate_size=g.shape[1],
+        contiguous=g.is_contiguous(),
+    )
+    if selection.impl != "cuda":
         return twell_pack_reference(g, heavy_threshold)
     return TwellPacked(*torch.ops.sparse_llm.twell_pack(g, heavy_threshold))

@@ -1,5 +1,5 @@
 """acc += a @ b in place, in acc's dtype, which may be wider than a's and b's: the chunked loss
-(sparse_llm.loss) sums its float32 weight gradient over chunks of bf16 products with it.
+(sparse_llm.model.loss) sums its float32 weight gradient over chunks of bf16 products with it.
 
 On CUDA the product of bf16 (or fp16) a and b goes into acc by the GEMM itself (addmm with a
 float32 output): no partial product is rounded to bf16 or kept beside acc. It is a custom op,

@@ -28,16 +28,12 @@ from typing import Literal, NamedTuple
 import torch
 
 from sparse_llm.ops import train_ops
-from sparse_llm.ops.checks import CUDA_TRAIN_MAX_HIDDEN, check_ffn_inputs, cuda_unsupported_reason
-from sparse_llm.ops.ffn import use_cuda_kernels
+from sparse_llm.ops.checks import DEFAULT_HEAVY_THRESHOLD, check_ffn_inputs, check_heavy_threshold
+from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.select import select_for_tensors
 from sparse_llm.ops.train_reference import acc_dtype
-from sparse_llm.precision import autocast_dtype
 
 TrainImpl = Literal["auto", "cuda", "reference"]
-
-# Rows with more active units than this take the CUDA path's dense GEMMs on gathered rows, the
-# rest its sparse kernels. A speed knob only: every value gives the exact answer.
-DEFAULT_TRAIN_HEAVY_THRESHOLD = 64
 
 
 class FFNTrainOutput(NamedTuple):
@@ -48,30 +44,22 @@ class FFNTrainOutput(NamedTuple):
     fire_counts: torch.Tensor
 
 
-def train_cuda_unsupported_reason(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> str | None:
-    """Why the CUDA training kernels cannot take these (checked) inputs, or None if they can."""
-    if wg.shape[0] > CUDA_TRAIN_MAX_HIDDEN:
-        return f"the CUDA training kernels need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {wg.shape[0]}"
-    return cuda_unsupported_reason(x, wg, wu, wd)
-
-
 def resolve_train_impl(
     impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
 ) -> str:
-    """'cuda' or 'reference' for these (checked) inputs: 'auto' takes the CUDA kernels where they
-    can run (bf16 on Hopper, D and H multiples of 8, D <= 8192, H <= 49152) and the reference elsewhere (with
-    a warning when the tensors are on a GPU: the reference is exact but slower than dense there);
+    """'cuda' or 'reference' for these (checked) inputs, as `ops.select` decides for the train
+    phase: 'auto' takes the CUDA kernels where they can run and the reference elsewhere (with a
+    warning when the tensors are on a GPU: the reference is exact but slower than dense there);
     'cuda' raises with the reason instead of falling back."""
     if impl not in ("auto", "cuda", "reference"):
         raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-    reason = train_cuda_unsupported_reason(x, wg, wu, wd)
-    if use_cuda_kernels(impl, reason):
+    selection = select_for_tensors(impl, "train", x, wg, wu, wd)
+    if selection.impl == "cuda":
         return "cuda"
-    if impl == "auto" and reason is not None and x.is_cuda and not torch.compiler.is_compiling():
+    if impl == "auto" and x.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(
-            f"sparse training FFN: the CUDA training kernels cannot run ({reason}); using the reference",
+            f"sparse training FFN: the CUDA training kernels cannot run ({selection.reason}); "
+            "using the reference",
             stacklevel=5,  # the caller of ffn_forward_train or ffn_block_train
         )
     return "reference"
@@ -103,8 +91,7 @@ def _resolve_checked(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
 ) -> str:
     """The resolved impl for inputs that passed check_ffn_inputs, after checking heavy_threshold."""
-    if heavy_threshold < 0:
-        raise ValueError(f"heavy_threshold must be >= 0, got {heavy_threshold}")
+    check_heavy_threshold(heavy_threshold, inference=False)
     return resolve_train_impl(impl, x, wg, wu, wd)
 
 
@@ -115,7 +102,7 @@ def ffn_forward_train(
     wd: torch.Tensor,
     impl: TrainImpl = "auto",
     *,
-    heavy_threshold: int = DEFAULT_TRAIN_HEAVY_THRESHOLD,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
     """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
 

@@ -10,7 +10,7 @@ every token. At >= 99% activation sparsity most tokens have no active unit: ther
 exactly zero and the norm's gradient is zero. So this op keeps the residual stream only on the
 rows with an active unit and recomputes the norm there in the backward: a token with no active
 unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
-is transformers' LlamaRMSNorm (sparse_llm.norm). Under autocast the op casts the FFN weights
+is transformers' LlamaRMSNorm (sparse_llm.ops.rms_norm). Under autocast the op casts the FFN weights
 itself and keeps the fp32 parameters for the backward, whose op casts them again: autograd (and
 torch.compile) would otherwise keep the bf16 casts from the forward to the backward.
 
@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.norm import rms_norm, rms_norm_backward
 from sparse_llm.ops import train_ops
-from sparse_llm.ops.train import (
-    DEFAULT_TRAIN_HEAVY_THRESHOLD,
-    FFNTrainOutput,
-    TrainImpl,
-    check_train_weights,
-)
+from sparse_llm.ops.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
+from sparse_llm.ops.train import FFNTrainOutput, TrainImpl, check_train_weights
 from sparse_llm.ops.train_reference import acc_dtype
-from sparse_llm.precision import autocast_dtype
 
 
 class _FFNBlock(torch.autograd.Function):
@@ -108,7 +104,7 @@ def ffn_block_train(
     wd: torch.Tensor,
     impl: TrainImpl = "auto",
     *,
-    heavy_threshold: int = DEFAULT_TRAIN_HEAVY_THRESHOLD,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
     """x + FFN(rms_norm(x)) with the FFN's statistics, differentiable in x, the norm weight and
     the three FFN weights; `out.y` is that sum.

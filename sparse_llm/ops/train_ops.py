@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from sparse_llm.ops.cuda_ops import extension
+from sparse_llm.ops.select import extension
 from sparse_llm.ops.train_reference import (
     acc_dtype,
     col_dtype,

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from sparse_llm.model import FFNStats
+from sparse_llm.run_files import NNZ_HIST_FILE
 from sparse_llm.sparsity.dead import DeadUnitTracker
 
-NNZ_HIST_FILE = "nnz_hist.json"
 AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -102,17 +102,11 @@ class DeadUnitReinitCallback(Callback):
 
 
 def default_callbacks(cfg: RunConfig) -> list[Callback]:
-    """The built-in callbacks the config switches on: dead-unit reinit, and for
-    model.ffn_impl=cuda the per-layer fallback to the dense FFN above model.ffn_dense_above."""
-    from sparse_llm.training.ffn_fallback import DensityFallbackCallback
-
-    callbacks: list[Callback] = []
+    """The built-in callbacks the config switches on: dead-unit reinit."""
     reinit = cfg.sparsity.reinit
     if reinit.enabled:
-        callbacks.append(DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down))
-    if cfg.model.ffn_impl == "cuda":
-        callbacks.append(DensityFallbackCallback(max_density=cfg.model.ffn_dense_above))
-    return callbacks
+        return [DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down)]
+    return []
 
 
 def build_callbacks(entries: list[Any]) -> list[Callback]:

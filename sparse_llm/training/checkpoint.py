@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -31,8 +30,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-MANIFEST = "trainer_state.json"
+from sparse_llm.model.state import load_model_state, model_state_to_save
+from sparse_llm.run_files import CHECKPOINT_MANIFEST as MANIFEST
+from sparse_llm.run_files import checkpoint_dir_name, list_checkpoints
+
 SHARDED_DIR = "sharded"
 
 
@@ -43,26 +44,6 @@ class Checkpoint:
     optimizer: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable trainer state
-
-
-def model_state_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with tensors that share storage (tied weights) stored once."""
-    seen: dict[int, str] = {}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen[key] = name
-        state[name] = tensor.detach().contiguous().cpu()
-    return state
-
-
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -117,10 +98,6 @@ def consolidate_sharded(path: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in full["model"].items()}
 
 
-def checkpoint_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
 def sharded_temporary(root: Path, step: int) -> Path:
     """The temporary directory of a sharded checkpoint: a name every rank can compute."""
     return root / f".tmp-{checkpoint_dir_name(step)}-sharded"
@@ -146,23 +123,6 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | No
     _fsync(root)
     _prune(root, keep_last)
     return final
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = STEP_DIR.match(path.name)
-        if match and (path / MANIFEST).is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    checkpoints = list_checkpoints(root)
-    return checkpoints[-1] if checkpoints else None
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -199,3 +159,107 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# A training run's whole state: what the trainer hands over to save and to restore.
+
+
+@dataclass
+class TrainingState:
+    """Everything that changes a run's behaviour, as the trainer holds it. A checkpoint holds all
+    of it, so a resumed run continues exactly as the uninterrupted one would."""
+
+    model: nn.Module  # the plain (unwrapped) model; its per-layer FFN dense fallback included
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: Any  # the training batch stream: state_dict() / load_state_dict()
+    sparsity: Any  # the SparsityMonitor: state_dict() / load_state_dict() of tensors
+    reinit_generator: torch.Generator
+    device: torch.device
+    sharded: bool  # FSDP2: model and optimizer go to `sharded/` (DCP), written by every rank
+
+
+def save_training_state(
+    root: Path,
+    parts: TrainingState,
+    step: int,
+    tokens_seen: int,
+    world_size: int,
+    keep_last: int,
+    accelerator: Any,
+) -> Path:
+    """Checkpoint `parts` at `step` under `root` (collective: every rank calls it; rank 0 writes
+    all but the shards). Returns the checkpoint directory."""
+    from accelerate.utils import gather_object
+
+    data_state = parts.data.state_dict()
+    if world_size > 1 and any(s != data_state for s in gather_object([data_state])):
+        raise RuntimeError("data-parallel ranks disagree on the data position; not checkpointing")
+    path = root / checkpoint_dir_name(step)
+    tmp = None
+    if parts.sharded:
+        # Every rank writes its shards into a temporary directory all of them can name.
+        tmp = sharded_temporary(root, step)
+        if accelerator.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        save_sharded_state(tmp / SHARDED_DIR, parts.model, parts.optimizer)
+        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tensors = {
+            "rng/torch_cpu": torch.get_rng_state(),
+            "rng/reinit": parts.reinit_generator.get_state(),
+        }
+        if parts.device.type == "cuda":
+            tensors["rng/torch_cuda"] = torch.cuda.get_rng_state(parts.device)
+        tensors.update({f"sparsity/{k}": v for k, v in parts.sparsity.state_dict().items()})
+        state = {
+            "tokens_seen": tokens_seen,
+            "world_size": world_size,
+            "scheduler": parts.scheduler.state_dict(),
+            "data": data_state,  # the global stream's position: the same on every rank
+            "ffn_dense_fallback": parts.model.ffn_dense_fallback(),
+        }
+        if parts.sharded:
+            checkpoint = Checkpoint(step, {}, {}, tensors, state)
+        else:
+            checkpoint = Checkpoint(
+                step, model_state_to_save(parts.model), parts.optimizer.state_dict(), tensors, state
+            )
+        path = save_checkpoint(root, checkpoint, keep_last, tmp=tmp)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
+    """Load the checkpoint at `path` into `parts` (collective under FSDP2); returns it for the
+    trainer's own counters (step, tokens_seen, the world size it was written by)."""
+    if (path / SHARDED_DIR).is_dir() != parts.sharded:
+        raise ValueError(
+            f"{path} is {'' if not parts.sharded else 'not '}sharded and this run is "
+            f"{'' if parts.sharded else 'not '}(FSDP2 checkpoints resume under FSDP2 only)"
+        )
+    ckpt = load_checkpoint(path)
+    if parts.sharded:
+        load_sharded_state(path / SHARDED_DIR, parts.model, parts.optimizer)
+    else:
+        load_model_state(parts.model, ckpt.model)
+        parts.optimizer.load_state_dict(ckpt.optimizer)
+    parts.scheduler.load_state_dict(ckpt.state["scheduler"])
+    parts.data.load_state_dict(ckpt.state["data"])
+    # Checkpoints from before the fallback was saved: every layer starts sparse, as they did.
+    fallback = ckpt.state.get("ffn_dense_fallback")
+    if fallback is not None:
+        parts.model.set_ffn_dense_fallback(fallback)
+    torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
+    parts.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
+    if parts.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:
+        torch.cuda.set_rng_state(ckpt.tensors["rng/torch_cuda"], parts.device)
+    prefix = "sparsity/"
+    parts.sparsity.load_state_dict(
+        {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
+    )
+    return ckpt

@@ -14,8 +14,8 @@ between the measured 30, 60 and 120; its gathers lean on L2, 50 MB on the H100 a
 the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md).
 Decisions use the global (all-rank) density, so every rank agrees.
 
-The trainer adds the callback by itself for model.ffn_impl=cuda, with
-max_density = model.ffn_dense_above.
+The trainer applies it by itself whenever the model's training FFN is sparse (model.ffn_impl
+reference, cuda, or auto where the kernels run), with max_density = model.ffn_dense_above.
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from torch import nn
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.training.callbacks import Callback
+from sparse_llm.model import SparseLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -43,69 +40,71 @@ def wants_dense(density: float, is_dense: bool, max_density: float, hysteresis: 
     return density > max_density
 
 
-def sparse_mlps(model: nn.Module) -> list[nn.Module]:
-    """The FFN modules of `model` (in layer order) that run a sparse implementation."""
-    return [layer.mlp for layer in model.model.layers if layer.mlp.ffn_impl != "dense"]
-
-
 def apply_density_fallback(
-    model: nn.Module,
+    model: SparseLlamaForCausalLM,
     l0_per_layer: Sequence[float],
     max_density: float = DEFAULT_MAX_DENSITY,
     hysteresis: float = DEFAULT_HYSTERESIS,
 ) -> dict[str, float]:
-    """Apply the rule to every layer of `model` from its measured L0; log each switch.
-
-    Returns metrics: `ffn_fallback/dense_layers` and `ffn_fallback/layer_NN` (1 = dense) for the
-    layers with a sparse ffn_impl; `ffn_fallback/switches` counts the switches made now."""
+    """Apply the rule to every layer of `model` from its measured L0 (the model's training FFN must
+    be sparse); log each switch. Returns metrics: `ffn_fallback/layer_NN` (1 = dense),
+    `ffn_fallback/dense_layers` and `ffn_fallback/switches` (the switches made now)."""
     if not 0 < max_density <= 1 or not 0 <= hysteresis <= 1:
         raise ValueError(
             f"need 0 < max_density <= 1 and 0 <= hysteresis <= 1, got {max_density}, {hysteresis}"
         )
-    layers = model.model.layers
-    if len(l0_per_layer) != len(layers):
-        raise ValueError(f"got L0 for {len(l0_per_layer)} layers, the model has {len(layers)}")
-    width = max(2, len(str(len(layers) - 1)))
+    sparse_impl = model.ffn_plan.impl("train")
+    if sparse_impl == "dense":
+        raise ValueError("the model's training FFN is dense: there is nothing to fall back from")
+    flags = model.ffn_dense_fallback()
+    if len(l0_per_layer) != len(flags):
+        raise ValueError(f"got L0 for {len(l0_per_layer)} layers, the model has {len(flags)}")
+    hidden = model.config.intermediate_size
+    width = max(2, len(str(len(flags) - 1)))
     metrics: dict[str, float] = {}
-    switches = 0
-    for i, (layer, l0) in enumerate(zip(layers, l0_per_layer, strict=True)):
-        mlp = layer.mlp
-        if mlp.ffn_impl == "dense":
-            continue
-        density = float(l0) / mlp.gate_proj.weight.shape[0]
-        dense = wants_dense(density, mlp.train_dense_fallback, max_density, hysteresis)
-        if dense != mlp.train_dense_fallback:
-            switches += 1
+    new_flags = []
+    for i, (is_dense, l0) in enumerate(zip(flags, l0_per_layer, strict=True)):
+        density = float(l0) / hidden
+        dense = wants_dense(density, is_dense, max_density, hysteresis)
+        if dense != is_dense:
             logger.info(
                 "layer %d: density %.4f %s; training FFN switches %s",
                 i,
                 density,
                 f"> {max_density:g}" if dense else f"< {hysteresis * max_density:g}",
-                f"from {mlp.ffn_impl} to dense" if dense else f"back from dense to {mlp.ffn_impl}",
+                f"from {sparse_impl} to dense" if dense else f"back from dense to {sparse_impl}",
             )
-            mlp.train_dense_fallback = dense
+        new_flags.append(dense)
         metrics[f"ffn_fallback/layer_{i:0{width}d}"] = float(dense)
-    metrics["ffn_fallback/dense_layers"] = float(sum(m.train_dense_fallback for m in sparse_mlps(model)))
-    metrics["ffn_fallback/switches"] = float(switches)
+    model.set_ffn_dense_fallback(new_flags)
+    metrics["ffn_fallback/dense_layers"] = float(sum(new_flags))
+    metrics["ffn_fallback/switches"] = float(sum(a != b for a, b in zip(flags, new_flags, strict=True)))
     return metrics
 
 
 _L0_KEY = re.compile(r"^l0/layer_(\d+)$")
 
 
-class DensityFallbackCallback(Callback):
-    """Applies the rule whenever the step's metrics carry the per-layer L0 (the sparsity monitor's
-    summary, global over ranks, every train.log_every steps); adds the fallback metrics."""
+class DensityFallback:
+    """Applies the rule whenever a step's metrics carry the per-layer L0 (the sparsity monitor's
+    summary, global over ranks, every train.log_every steps), so every rank decides alike. The
+    decisions are the model's state (`SparseLlamaForCausalLM.ffn_dense_fallback`), saved in
+    checkpoints with it."""
 
     def __init__(
-        self, max_density: float = DEFAULT_MAX_DENSITY, hysteresis: float = DEFAULT_HYSTERESIS
+        self,
+        model: SparseLlamaForCausalLM,
+        max_density: float = DEFAULT_MAX_DENSITY,
+        hysteresis: float = DEFAULT_HYSTERESIS,
     ) -> None:
+        self.model = model
         self.max_density = max_density
         self.hysteresis = hysteresis
 
-    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+    def update(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The fallback metrics after applying the rule to `metrics`' per-layer L0 (none without)."""
         found = {int(m.group(1)): v for k, v in metrics.items() if (m := _L0_KEY.match(k))}
-        if not found or not sparse_mlps(trainer.model):
-            return
+        if not found:
+            return {}
         l0 = [found[i] for i in sorted(found)]
-        metrics.update(apply_density_fallback(trainer.model, l0, self.max_density, self.hysteresis))
+        return apply_density_fallback(self.model, l0, self.max_density, self.hysteresis)

@@ -7,8 +7,8 @@ callbacks); this file only wires them together in the order data flows.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -16,19 +16,24 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from sparse_llm.compiling import compile_model
-from sparse_llm.config import ConfigError, RunConfig, validate
+from sparse_llm.config import ConfigError, RunConfig, resolve_config
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
+from sparse_llm.model.compiling import compile_model
+from sparse_llm.model.state import load_model_state
+from sparse_llm.ops.select import KernelsUnavailable
+from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
+from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -65,24 +70,17 @@ class Trainer:
         )
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
-        validate(cfg, self.world_size)
+        # Data first: a bad path or tokenizer fails here, before a model is allocated. The config
+        # is then resolved (the vocabulary from the tokenizer) and validated as a whole; the
+        # trainer never changes it after this.
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        cfg = resolve_config(cfg, tokenizer_vocab=len(self.tokenizer), world_size=self.world_size)
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.device = self.accelerator.device
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.world_size)
         self.tokens_per_step = t.global_batch_size * t.seq_len
-
-        # Data first: a bad path or tokenizer fails here, before a model is allocated.
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        vocab = len(self.tokenizer)
-        if cfg.model.vocab_size == 0:
-            cfg.model.vocab_size = vocab
-        elif cfg.model.vocab_size < vocab:
-            raise ConfigError(
-                f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than "
-                f"the tokenizer's vocabulary ({vocab})"
-            )
         # Every rank reads the same global stream and takes its own rows of each global
         # micro-batch, so a step sees the same global batch for any number of processes and the
         # data state is the same on every rank (see RankSlice).
@@ -107,9 +105,18 @@ class Trainer:
         self._val_pad = all_val[0] if all_val else None
 
         torch.manual_seed(t.seed)
-        model = build_model(cfg.model)
-        model.activation_checkpointing = t.activation_checkpointing
-        model.set_recompute_norms(t.recompute_norms)
+        try:
+            model = build_model(
+                cfg.model,
+                device=self.device,
+                compute_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                activation_checkpointing=t.activation_checkpointing,
+                recompute_norms=t.recompute_norms,
+            )
+        except KernelsUnavailable as err:
+            raise ConfigError(f"config key 'model.ffn_impl': {err}") from None
+        if self.accelerator.is_main_process:
+            logger.info("FFN: %s", model.ffn_plan.describe())
         optimizer = build_optimizer(model, t, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(optimizer, t)
         # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
@@ -135,6 +142,20 @@ class Trainer:
         # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal.
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
+        # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain.
+        self.ffn_fallback = (
+            DensityFallback(model, cfg.model.ffn_dense_above) if model.ffn_plan.impl("train") != "dense" else None
+        )
+        self.state = ckpt_io.TrainingState(
+            model=model,
+            optimizer=optimizer,
+            scheduler=self.scheduler,
+            data=self.train_stream,
+            sparsity=self.sparsity,
+            reinit_generator=self.reinit_generator,
+            device=self.device,
+            sharded=self.sharded,
+        )
         self.step = 0
         self.tokens_seen = 0
         self._last_ce = math.nan
@@ -146,7 +167,7 @@ class Trainer:
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / CHECKPOINTS_DIR
 
     # ----------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -185,6 +206,8 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(window_tokens, elapsed))
                 record.update(self.sparsity.summary())
+                if self.ffn_fallback is not None:
+                    record.update(self.ffn_fallback.update(record))
                 window_start, window_tokens = time.perf_counter(), 0
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             self.callbacks.on_step_end(self, self.step, record)
@@ -225,7 +248,7 @@ class Trainer:
         if not math.isfinite(ce) or not math.isfinite(l1_mean):
             raise TrainingDiverged(
                 f"loss became {ce} (L1 {l1_mean}) at step {self.step + 1}; stopping without a checkpoint. "
-                f"Last good checkpoint: {ckpt_io.latest_checkpoint(self.checkpoint_root) or 'none'}. "
+                f"Last good checkpoint: {latest_checkpoint(self.checkpoint_root) or 'none'}. "
                 "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
             )
         grad_norm = math.nan
@@ -283,47 +306,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        data_state = self.train_stream.state_dict()
-        if self.world_size > 1 and any(s != data_state for s in gather_object([data_state])):
-            raise RuntimeError("data-parallel ranks disagree on the data position; not checkpointing")
-        path = self.checkpoint_root / ckpt_io.checkpoint_dir_name(self.step)
-        tmp = None
-        if self.sharded:
-            # Every rank writes its shards into a temporary directory all of them can name.
-            tmp = ckpt_io.sharded_temporary(self.checkpoint_root, self.step)
-            if self.accelerator.is_main_process:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir(parents=True)
-            self.accelerator.wait_for_everyone()
-            ckpt_io.save_sharded_state(tmp / ckpt_io.SHARDED_DIR, self.model, self.optimizer)
-            self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            tensors = {
-                "rng/torch_cpu": torch.get_rng_state(),
-                "rng/reinit": self.reinit_generator.get_state(),
-            }
-            if self.device.type == "cuda":
-                tensors["rng/torch_cuda"] = torch.cuda.get_rng_state(self.device)
-            tensors.update({f"sparsity/{k}": v for k, v in self.sparsity.state_dict().items()})
-            state = {
-                "tokens_seen": self.tokens_seen,
-                "world_size": self.world_size,
-                "scheduler": self.scheduler.state_dict(),
-                "data": data_state,  # the global stream's position: the same on every rank
-            }
-            if self.sharded:
-                checkpoint = ckpt_io.Checkpoint(self.step, {}, {}, tensors, state)
-            else:
-                model_state = ckpt_io.model_state_to_save(self.model)
-                checkpoint = ckpt_io.Checkpoint(
-                    self.step, model_state, self.optimizer.state_dict(), tensors, state
-                )
-            path = ckpt_io.save_checkpoint(
-                self.checkpoint_root, checkpoint, self.cfg.train.keep_last, tmp=tmp
-            )
-        self.accelerator.wait_for_everyone()
-        return path
+        return ckpt_io.save_training_state(
+            self.checkpoint_root,
+            self.state,
+            self.step,
+            self.tokens_seen,
+            self.world_size,
+            self.cfg.train.keep_last,
+            self.accelerator,
+        )
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.train.resume
@@ -331,37 +322,20 @@ class Trainer:
             ckpt_io.remove_stale_temporaries(self.checkpoint_root)
         if resume == "none":
             return
-        path = ckpt_io.latest_checkpoint(self.checkpoint_root) if resume == "auto" else Path(resume)
+        path = latest_checkpoint(self.checkpoint_root) if resume == "auto" else Path(resume)
         if path is None:
             if self.accelerator.is_main_process:
                 print(f"resume=auto: no checkpoint in {self.checkpoint_root}, starting from scratch")
             return
-        ckpt = ckpt_io.load_checkpoint(path)
+        try:
+            ckpt = ckpt_io.restore_training_state(path, self.state)
+        except ValueError as err:
+            raise ConfigError(f"config key 'train.resume': {err}") from None
         saved_world = ckpt.state["world_size"]
         if saved_world != self.world_size and self.accelerator.is_main_process:
             # Weights, optimizer, tracker and data position are global: only the split of each
             # global batch over processes changes.
-            print(f"resuming a run of {saved_world} processes on {self.world_size}")
-        if (path / ckpt_io.SHARDED_DIR).is_dir() != self.sharded:
-            raise ConfigError(
-                f"config key 'train.resume': {path} is {'' if not self.sharded else 'not '}sharded and this "
-                f"run is {'' if self.sharded else 'not '}(FSDP2 checkpoints resume under FSDP2 only)"
-            )
-        if self.sharded:
-            ckpt_io.load_sharded_state(path / ckpt_io.SHARDED_DIR, self.model, self.optimizer)
-        else:
-            ckpt_io.load_model_state(self.model, ckpt.model)
-            self.optimizer.load_state_dict(ckpt.optimizer)
-        self.scheduler.load_state_dict(ckpt.state["scheduler"])
-        self.train_stream.load_state_dict(ckpt.state["data"])
-        torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
-        self.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
-        if self.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:
-            torch.cuda.set_rng_state(ckpt.tensors["rng/torch_cuda"], self.device)
-        prefix = "sparsity/"
-        self.sparsity.load_state_dict(
-            {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
-        )
+            print(f"resumed a run of {saved_world} processes on {self.world_size}")
         self.step = ckpt.step
         self.tokens_seen = int(ckpt.state["tokens_seen"])
         self.logger.truncate_after(self.step)
@@ -375,16 +349,16 @@ class Trainer:
             full_state = ckpt_io.full_model_state(self.model)  # collective; full on rank 0
         if self.accelerator.is_main_process:
             if self.cfg.train.export:
-                from sparse_llm.export import export_hf
+                from sparse_llm.model.hf_export import export_hf
 
                 model = self.model
                 if full_state is not None:
-                    model = build_model(self.cfg.model)
-                    ckpt_io.load_model_state(model, full_state)
-                export_hf(model, self.tokenizer, self.run_dir / "export")
+                    model = build_model(self.cfg.model, ffn="dense")
+                    load_model_state(model, full_state)
+                export_hf(model, self.tokenizer, self.run_dir / EXPORT_DIR)
             self.sparsity.save_histograms(self.run_dir)
             if self.cfg.sparsity.plots:
-                from sparse_llm.sparsity.plots import plot_run
+                from sparse_llm.analysis.plots import plot_run
 
                 plot_run(self.run_dir)
         self.logger.finish()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sparse_llm.sparsity.runs import CONFIG_FILE, METRICS_FILE, find_run_dirs, read_metrics, series
+from sparse_llm.analysis.runs import CONFIG_FILE, METRICS_FILE, find_run_dirs, read_metrics, series
 
 TOKENS_PER_S_KEY = "tokens_per_s"
 
@@ -74,7 +74,7 @@ def to_markdown(rows: list[RunSummary]) -> str:
 
 def write_summary(rows: list[RunSummary], out_dir: Path) -> list[Path]:
     """Write sweep_summary.md, sweep_summary.json and sweep_val_ce_vs_sparsity.png into `out_dir`."""
-    from sparse_llm.sparsity.plots import plot_val_ce_vs_sparsity  # matplotlib only when writing
+    from sparse_llm.analysis.plots import plot_val_ce_vs_sparsity  # matplotlib only when writing
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

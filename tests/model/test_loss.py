@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_llm.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
+from sparse_llm.model.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
 from sparse_llm.ops.cross_entropy import (
     cross_entropy_rows,
     cross_entropy_rows_,
@@ -340,7 +340,7 @@ def test_benchmark_loss_tiny_runs_end_to_end(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_loss.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_loss.py"
     out, md = tmp_path / "loss.json", tmp_path / "loss.md"
     subprocess.run([sys.executable, str(script), "--tiny", "--json", str(out), "--md", str(md)], check=True)
     result = json.loads(out.read_text())

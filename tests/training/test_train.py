@@ -18,7 +18,7 @@ from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer, TrainingDiverged
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def train(cfg: RunConfig, callbacks: list[Callback] | None = None) -> Trainer:

@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.export import to_hf_config
 from sparse_llm.model import build_model
+from sparse_llm.model.hf_export import to_hf_config
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -193,7 +193,7 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_model.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_model.py"
     out = tmp_path / "bench.json"
     args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
     args += ["--recompute-norms", "off", "on"]
@@ -243,7 +243,7 @@ def test_compiled_sparse_training_step_keeps_one_token_sized_residual_per_layer(
     (fp32 residual) and its attention norm's output, and for the FFN half only the active rows:
     no FFN output, no second residual, no FFN input (what torch.compile's partitioner chose
     before the FFN block op returned the active rows itself)."""
-    from sparse_llm.compiling import compile_model
+    from sparse_llm.model.compiling import compile_model
 
     layers = 3
     cfg = small_config(ffn_impl="reference", num_hidden_layers=layers)

@@ -59,7 +59,7 @@ def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
     logits match dense, eager and compiled (where the op mutates an intermediate of the graph).
     Compiled and eager differ by bf16 roundings only (Inductor keeps fused intermediates in fp32),
     so the check is the dense model's own compiled-vs-eager gap, which a lost add would exceed."""
-    from sparse_llm.kv_cache import KVCache
+    from sparse_llm.model.kv_cache import KVCache
 
     torch.manual_seed(0)
     dense_cfg = ModelConfig(
@@ -128,7 +128,7 @@ def test_compile_model_runs_the_cuda_training_step_in_one_graph():
     of the eager step up to bf16 rounding."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from sparse_llm.compiling import compile_model
+    from sparse_llm.model.compiling import compile_model
 
     torch.manual_seed(0)
     cfg = ModelConfig(

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.ops import _extension
-from sparse_llm.ops.cuda_ops import extension
-from sparse_llm.rope import apply_rotary
+from sparse_llm.model.rope import apply_rotary
+from sparse_llm.ops.select import extension, kernels_unavailable
 
 
 class KVCache:
@@ -68,8 +67,7 @@ def _fused_write_applies(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
         and k.data_ptr() % 16 == 0
         and v.data_ptr() % 16 == 0
         and head_dim % 16 == 0
-        and _extension.unavailable_reason() is None  # no build attempt (or warning) without Hopper
-        and _extension.load() is not None
+        and kernels_unavailable(k.device) is None
     )
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from sparse_llm.compiling import compile_model
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
+from sparse_llm.model.compiling import compile_model
 
 
 def _model() -> torch.nn.Module:

@@ -26,7 +26,7 @@ import torch
 
 from sparse_llm.ops.cross_entropy import IGNORE_INDEX, cross_entropy_rows, cross_entropy_rows_, resolve_impl
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
-from sparse_llm.precision import autocast_dtype
+from sparse_llm.ops.precision import autocast_dtype
 
 # Tokens per chunk: the chunk's fp32 logits stay under ~1 GiB whatever the vocabulary.
 _CHUNK_ELEMENTS = 1 << 28

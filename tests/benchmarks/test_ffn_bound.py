@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ffn_bound.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ffn_bound.py"
 
 
 def _load_script():

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.model import SparseLlamaForCausalLM
-from sparse_llm.training.checkpoint import model_state_to_save
+from sparse_llm.model.llama import SparseLlamaForCausalLM
+from sparse_llm.model.state import model_state_to_save
 
 
 def to_hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaConfig:

@@ -19,7 +19,7 @@ from sparse_llm.data.documents import split_of
 from sparse_llm.data.sources import stdlib_files
 from sparse_llm.data.tokenizer import EMBEDDED_TOKENIZER_DIR, EOS_TOKEN
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SEQ = 15  # rows of 16 tokens: small, so that batches cut documents in many places
 
 

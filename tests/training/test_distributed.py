@@ -24,7 +24,7 @@ from sparse_llm.data import RankSlice, TokenStream, load_tokenizer
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 KILL_AT = 4
 DEAD_ROWS = 8  # gate rows zeroed at the start: dead units that reinit must revive identically
@@ -236,7 +236,9 @@ def _trainer_fsdp2_worker(out: Path) -> None:
 def _launch(script_args: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(Path(__file__).resolve()), *script_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # The script imports the tests' shared helpers (tiny.py) from tests/.
+    pythonpath = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
+from sparse_llm.run_files import CONFIG_FILE, METRICS_FILE
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

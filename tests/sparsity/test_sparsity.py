@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sparse_llm.analysis.plots import plot_run, plot_runs_overlay
+from sparse_llm.analysis.sweep import SweepError, summarize_sweep
 from sparse_llm.config import ModelConfig, SparsityConfig
 from sparse_llm.model import FFNStats, ReluGatedMLP, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty, reinit_dead_units
-from sparse_llm.sparsity.plots import plot_run, plot_runs_overlay
-from sparse_llm.sparsity.sweep import SweepError, summarize_sweep
 
 
 def counts_from_hist(hist: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def counts_from_hist(hist: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(bins, row) for row in hist])
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 H, LAYERS = 64, 2
 
 

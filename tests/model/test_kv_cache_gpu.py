@@ -5,8 +5,8 @@ import pytest
 import torch
 from ffn_patterns import needs_hopper
 
-from sparse_llm.kv_cache import write_kv
-from sparse_llm.rope import RotaryEmbedding, apply_rotary
+from sparse_llm.model.kv_cache import write_kv
+from sparse_llm.model.rope import RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.gpu
 

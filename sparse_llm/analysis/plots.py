@@ -15,8 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sparse_llm.sparsity.monitor import NNZ_HIST_FILE
-from sparse_llm.sparsity.runs import read_metrics, series
+from sparse_llm.analysis.runs import read_metrics, series
+from sparse_llm.run_files import NNZ_HIST_FILE
 
 SPARSITY_PNG = "sparsity_per_layer.png"
 DEAD_PNG = "dead_per_layer.png"

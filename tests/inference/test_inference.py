@@ -13,7 +13,6 @@ from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM
 
 from sparse_llm.config import to_yaml
-from sparse_llm.export import export_hf
 from sparse_llm.inference import (
     Generator,
     SamplingParams,
@@ -25,12 +24,13 @@ from sparse_llm.inference import (
     resolve_ffn_impls,
     set_ffn_impl,
 )
-from sparse_llm.kv_cache import KVCache
 from sparse_llm.model import build_model
-from sparse_llm.rope import rope_tables
+from sparse_llm.model.hf_export import export_hf
+from sparse_llm.model.kv_cache import KVCache
+from sparse_llm.model.rope import rope_tables
 from sparse_llm.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def main():\n    return", "import os\n", "class Foo(object):\n    def __init__(self"]
 
 
@@ -385,7 +385,7 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
 
 
 def test_kv_write_rejects_bad_shapes_before_writing():
-    from sparse_llm.kv_cache import write_kv
+    from sparse_llm.model.kv_cache import write_kv
 
     cache = torch.zeros(1, 2, 8, 2, 16)
     k = torch.ones(2, 4, 2, 16)

@@ -1,0 +1,1 @@
+"""Reading what runs wrote: metrics, sweeps, plots."""

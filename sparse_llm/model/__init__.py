@@ -1,0 +1,15 @@
+"""The model: a Llama-style decoder whose FFN implementation is fixed when it is built."""
+
+from sparse_llm.model.ffn import FFNPlan, ReluGatedMLP
+from sparse_llm.model.kv_cache import KVCache
+from sparse_llm.model.llama import CausalLMOutput, FFNStats, SparseLlamaForCausalLM, build_model
+
+__all__ = [
+    "CausalLMOutput",
+    "FFNPlan",
+    "FFNStats",
+    "KVCache",
+    "ReluGatedMLP",
+    "SparseLlamaForCausalLM",
+    "build_model",
+]

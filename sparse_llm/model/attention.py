@@ -1,0 +1,81 @@
+"""Causal self-attention with RoPE, over a KV cache when decoding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparse_llm.config import ModelConfig
+from sparse_llm.model.kv_cache import KVCache
+from sparse_llm.model.rope import apply_rotary
+from sparse_llm.ops.linear_add import linear_add_
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.attn_impl = cfg.attn_impl
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """o_proj(attention(x)), plus `residual` when given; without autograd `residual` is
+        updated in place and returned (see `_project_out`)."""
+        b, t, _ = x.shape
+        # Token-major [B, T, heads, head_dim] as the projections leave them: RoPE and the KV-cache
+        # write need no transpose; SDPA takes the head-major views.
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        is_causal = True
+        if cache is not None:
+            # Inference: attend over the cache's filled columns, this step's included (the cache
+            # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
+            # padded or queries start after cached columns; None means plain causal attention
+            # (a prefill into an empty cache).
+            is_causal = cache.length == 0 and attn_mask is None
+            k, v = cache.update(layer_idx, k, v, cos, sin)
+        else:
+            k = apply_rotary(k, cos, sin)
+            if self.attn_impl == "flash":
+                from flash_attn import flash_attn_func  # optional extra; checked in build_model
+
+                return self._project_out(flash_attn_func(q, k, v, causal=True).reshape(b, t, -1), residual)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q = q.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads
+        ).transpose(1, 2)
+        return self._project_out(out.reshape(b, t, -1), residual)
+
+    def _project_out(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """o_proj(out) + residual. Without autograd and with everything in one dtype, the GEMM adds
+        o_proj(out) into `residual` in place (ops.linear_add_: no separate pass over the residual
+        stream) and returns it: the caller gives up that tensor."""
+        if residual is None:
+            return self.o_proj(out)
+        weight = self.o_proj.weight
+        if (
+            torch.is_grad_enabled()
+            or not residual.dtype == out.dtype == weight.dtype
+            or not residual.is_contiguous()
+        ):
+            return residual + self.o_proj(out)
+        return linear_add_(residual, out, weight)

@@ -1,0 +1,173 @@
+"""The ReLU-gated feed-forward block and the plan that says which implementation each phase runs.
+
+y = down(relu(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act="relu". The implementation
+is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`), one per phase:
+
+  train    a forward with autograd: the dense FFN, or the sparse training block op
+           (`ops.ffn_block_train`: norm + FFN + residual add, saving only the active rows)
+  eval     a forward without autograd and without a KV cache (held-out loss)
+  prefill  a forward over a KV cache with more than one new token per row
+  decode   a forward over a KV cache with one new token per row
+
+The one piece of state that changes while training is the per-layer dense fallback
+(`dense_fallback`, set by `sparse_llm.training.ffn_fallback` from the measured density and saved
+in checkpoints): a layer too dense to gain from the sparse path trains dense. Both compute the
+same function; the fallback changes speed, never the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparse_llm.config import ModelConfig
+from sparse_llm.ops.activation_counts import activation_counts
+from sparse_llm.ops.ffn import ffn_add_, ffn_forward
+from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.select import PHASES, FFNSelection, select_ffn
+from sparse_llm.ops.train_block import ffn_block_train
+
+
+@dataclass(frozen=True)
+class FFNPlan:
+    """The FFN implementation of every phase ("dense", "reference" or "cuda"), with why each is not
+    the kernels where it is not."""
+
+    train: FFNSelection
+    eval: FFNSelection
+    prefill: FFNSelection
+    decode: FFNSelection
+
+    @classmethod
+    def dense(cls) -> FFNPlan:
+        selection = FFNSelection("dense", "dense was asked for")
+        return cls(selection, selection, selection, selection)
+
+    @classmethod
+    def resolve(
+        cls,
+        requested: str | Mapping[str, str],
+        cfg: ModelConfig,
+        device: torch.device | str,
+        compute_dtype: torch.dtype,
+        where: str = "model.ffn_impl",
+    ) -> FFNPlan:
+        """Ask `ops.select` for every phase: `requested` is one value for all phases or one per
+        phase (missing phases: dense). Raises KernelsUnavailable for 'cuda' where the kernels
+        cannot run."""
+        per_phase = (
+            {phase: requested for phase in PHASES} if isinstance(requested, str) else dict(requested)
+        )
+        unknown = set(per_phase) - set(PHASES)
+        if unknown:
+            raise ValueError(f"unknown FFN phases {sorted(unknown)}; phases are {', '.join(PHASES)}")
+        selections = {
+            phase: select_ffn(
+                per_phase.get(phase, "dense"),
+                phase,
+                device=device,
+                dtype=compute_dtype,
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                where=where if isinstance(requested, str) else f"{phase}_ffn",
+            )
+            for phase in PHASES
+        }
+        return cls(**selections)
+
+    def impl(self, phase: str) -> str:
+        return getattr(self, phase).impl
+
+    def describe(self) -> str:
+        """One line: each phase's implementation, and why not the kernels where they do not run."""
+        parts = []
+        for phase in PHASES:
+            selection: FFNSelection = getattr(self, phase)
+            why = f" ({selection.reason})" if selection.impl != "cuda" and selection.reason else ""
+            parts.append(f"{phase}={selection.impl}{why}")
+        return "; ".join(parts)
+
+
+class ReluGatedMLP(nn.Module):
+    """y = down(relu(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act="relu"."""
+
+    def __init__(self, cfg: ModelConfig, plan: FFNPlan) -> None:
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.plan = plan
+        # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
+        # saved in checkpoints. Read only when the train phase is not dense.
+        self.dense_fallback = False
+
+    def impl(self, phase: str) -> str:
+        """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
+        if phase == "train" and self.dense_fallback:
+            return "dense"
+        return self.plan.impl(phase)
+
+    def forward(self, x: torch.Tensor, phase: str, with_stats: bool) -> tuple[torch.Tensor, tuple]:
+        """The FFN of x in `phase` (not the sparse train phase, which `DecoderLayer` runs through
+        `add_sparse_train_forward` with its norm), with the layer's statistics if asked for."""
+        impl = self.impl(phase)
+        if impl != "dense" and not with_stats and phase != "train":
+            return self.run(x, impl), ()
+        return self.dense_forward(x, with_stats)
+
+    @torch.no_grad()
+    def run(self, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """The FFN of x with `impl` given explicitly, without autograd: what calibration times."""
+        if impl == "dense":
+            return self.dense_forward(x, False)[0]
+        return ffn_forward(*self._inference_operands(x), impl=impl)
+
+    def dense_forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple]:
+        a = F.relu(self.gate_proj(x))
+        hidden = a * self.up_proj(x)
+        y = self.down_proj(hidden)
+        if not with_stats:
+            return y, ()
+        return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
+
+    def _inference_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x, Wg, Wu, Wd) in the dtype the dense matmuls would compute in: custom ops sit
+        outside autocast, so cast as autocast would."""
+        dtype = autocast_dtype(x) or x.dtype
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return (x.to(dtype), *(w.to(dtype) for w in weights))
+
+    def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """residual + self(x) for sparse inference, added in place into `residual` (the residual
+        stream, given up by the caller) when it has the compute dtype: the CUDA path then touches
+        only the rows with an active unit, and the separate y tensor and its add disappear."""
+        operands = self._inference_operands(x)
+        if residual.dtype != operands[0].dtype:  # e.g. an fp32 stream under bf16 autocast
+            return residual + ffn_forward(*operands, impl=impl)
+        return ffn_add_(residual, *operands, impl=impl)
+
+    def add_sparse_train_forward(
+        self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, impl: str, with_stats: bool
+    ) -> tuple[torch.Tensor, tuple]:
+        """residual + self(norm(residual)) for training, through `ops.ffn_block_train`: it saves
+        the residual stream only on the tokens with an active unit plus a compact record of the
+        active units (no dense M x H tensor, no norm output), and gives the layer's statistics
+        from the same call."""
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        out = ffn_block_train(residual, norm_weight, eps, *weights, impl=impl)
+        if not with_stats:
+            return out.y, ()
+        return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)
+
+
+def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
+    # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
+    l1 = hidden.abs().sum(-1, dtype=torch.float32).mean()
+    nnz_per_token, fire_counts = activation_counts(a.detach())
+    return l1, nnz_per_token, fire_counts

@@ -1,0 +1,142 @@
+"""Which FFN implementation runs, and why not the CUDA kernels: the one place that decides.
+
+Every caller (the model's training, evaluation, prefill and decode paths, the ops front, the
+benchmarks) asks `select_ffn` and gets an `FFNSelection`: the implementation that runs and, when
+it is not the kernels, why. The values, the same everywhere:
+
+  dense      the plain PyTorch FFN (three matmuls); what a transformers LlamaMLP computes
+  reference  the sparse ops' PyTorch reference (same arithmetic; the kernels' test oracle)
+  cuda       the TwELL / hybrid CUDA kernels; an error where they cannot run
+  auto       the kernels where they can run, `dense` elsewhere
+
+What the kernels need: a Hopper GPU (sm_90) with the extension built (nvcc and ninja present),
+bfloat16, D a multiple of 8 in [8, 8192], H a multiple of 8, and for training H <= 49152 (the
+backward's column sort keeps one shared-memory counter per unit). Other kernel-backed ops (loss,
+activation counts, KV-cache write) ask `kernels_unavailable` for the device and toolchain part.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from sparse_llm.config import FFN_IMPLS
+from sparse_llm.ops import _extension
+
+PHASES = ("train", "eval", "prefill", "decode")
+
+# What the CUDA kernels accept (kernels/twell.cuh): 16-byte rows of bf16, bounded D.
+CUDA_MAX_DIM = 8192
+CUDA_ALIGN = 8
+# The training backward orders its entries by unit with a shared-memory histogram of H counters
+# (kernels/csr.cuh, kMaxColumnSortHidden).
+CUDA_TRAIN_MAX_HIDDEN = 49152
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CUDA kernels were asked for (impl='cuda') where they cannot run."""
+
+
+@dataclass(frozen=True)
+class FFNSelection:
+    impl: str  # what runs: "dense", "reference" or "cuda"
+    reason: str | None  # why not the kernels (None when they run)
+
+
+@functools.cache
+def _load(device_index: int) -> ModuleType | str:
+    """The loaded extension, or why it cannot be had on this device (cached: one build try)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device_index)
+        return f"GPU {name} is sm_{major}{minor}; the kernels need Hopper (sm_90)"
+    return _extension.load()
+
+
+def kernels_unavailable(device: torch.device | str) -> str | None:
+    """Why the CUDA extension cannot run on `device`, or None when it can (builds it on first ask
+    on a Hopper GPU; a failed build is reported here, not raised)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    loaded = _load(_index(device))
+    return loaded if isinstance(loaded, str) else None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def extension(device: torch.device | str | None = None) -> ModuleType:
+    """The loaded extension; raises KernelsUnavailable with the reason where it cannot run."""
+    device = device if device is not None else torch.device("cuda")
+    reason = kernels_unavailable(device)
+    if reason is not None:
+        raise KernelsUnavailable(f"sparse_llm CUDA extension unavailable: {reason}")
+    return _load(_index(torch.device(device)))  # type: ignore[return-value]
+
+
+def select_ffn(
+    requested: str,
+    phase: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    intermediate_size: int,
+    contiguous: bool = True,
+    where: str = "impl",
+) -> FFNSelection:
+    """The FFN implementation that runs for `requested` in `phase` on these inputs, and why not the
+    kernels. `where` names the setting in errors (e.g. 'model.ffn_impl')."""
+    if requested not in FFN_IMPLS:
+        raise ValueError(f"{where} must be one of {', '.join(FFN_IMPLS)}, got {requested!r}")
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if requested in ("dense", "reference"):
+        return FFNSelection(requested, f"{where}={requested} was asked for")
+    reason = _inputs_unsupported(phase, dtype, hidden_size, intermediate_size, contiguous)
+    if reason is None:
+        reason = kernels_unavailable(device)
+    if reason is None:
+        return FFNSelection("cuda", None)
+    if requested == "cuda":
+        raise KernelsUnavailable(f"{where}=cuda cannot run the kernels ({phase}): {reason}")
+    return FFNSelection("dense", reason)
+
+
+def _inputs_unsupported(
+    phase: str, dtype: torch.dtype, dim: int, hidden: int, contiguous: bool
+) -> str | None:
+    if dtype != torch.bfloat16:
+        return f"the kernels take bfloat16, got {dtype}"
+    if dim % CUDA_ALIGN or not CUDA_ALIGN <= dim <= CUDA_MAX_DIM:
+        return f"the kernels need D a multiple of {CUDA_ALIGN} in [{CUDA_ALIGN}, {CUDA_MAX_DIM}], got {dim}"
+    if hidden % CUDA_ALIGN:
+        return f"the kernels need H a multiple of {CUDA_ALIGN}, got {hidden}"
+    if phase == "train" and hidden > CUDA_TRAIN_MAX_HIDDEN:
+        return f"the training kernels need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {hidden}"
+    if not contiguous:
+        return "the kernels need contiguous weights"
+    return None
+
+
+def select_for_tensors(
+    requested: str, phase: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> FFNSelection:
+    """`select_ffn` for an op's (checked) inputs: x [..., D], Wg, Wu [H, D], Wd [D, H]."""
+    hidden, dim = wg.shape
+    return select_ffn(
+        requested,
+        phase,
+        device=x.device,
+        dtype=x.dtype,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        contiguous=all(t.is_contiguous() for t in (wg, wu, wd)),
+    )
