@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
             return self.mlp.add_sparse_train_forward(x, norm.weight, norm.eps, impl, with_stats)
         if impl != "dense" and not with_stats:
             return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x), impl), ()
-        y, stats = self.mlp.dense_forward(self.post_attention_layernorm(x), with_stats)
+        y, stats = self.mlp(self.post_attention_layernorm(x), phase, with_stats)
         return x + y, stats
 
 

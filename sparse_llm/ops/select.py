@@ -100,8 +100,13 @@ def select_ffn(
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
     if requested in ("dense", "reference"):
         return FFNSelection(requested, f"{where}={requested} was asked for")
-    reason = _inputs_unsupported(phase, dtype, hidden_size, intermediate_size, contiguous)
+    device = torch.device(device)
+    reason = None
+    if device.type != "cuda":
+        reason = f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
     if reason is None:
+        reason = _inputs_unsupported(phase, dtype, hidden_size, intermediate_size, contiguous)
+    if reason is None:  # last: this one may build the extension
         reason = kernels_unavailable(device)
     if reason is None:
         return FFNSelection("cuda", None)

@@ -16,15 +16,14 @@ from sparse_llm.config import to_yaml
 from sparse_llm.inference import (
     Generator,
     SamplingParams,
+    choose_ffn_plan,
     compile_prefill,
     filter_logits,
     generate_ids,
     load_model,
     measure_ffn_impls,
-    resolve_ffn_impls,
-    set_ffn_impl,
 )
-from sparse_llm.model import build_model
+from sparse_llm.model import FFNPlan, build_model
 from sparse_llm.model.hf_export import export_hf
 from sparse_llm.model.kv_cache import KVCache
 from sparse_llm.model.rope import rope_tables
@@ -242,10 +241,14 @@ def test_top_p_and_top_k_filters():
 
 def test_generator_text_api_and_ffn_selection(run_dir):
     gen = Generator.from_pretrained(
-        run_dir / "export", device="cpu", prefill_ffn="auto", decode_ffn="reference"
+        run_dir / "export", device="cpu", prefill_ffn="fastest", decode_ffn="reference"
     )
-    # On CPU the kernels cannot run: auto is dense (the reference is the same arithmetic).
+    # On CPU the kernels cannot run: fastest is dense without timing, and the plan says why.
     assert gen.ffn == {"prefill": "dense", "decode": "reference"} and gen.ffn_measurement is None
+    assert "tensors are on cpu" in gen.ffn_plan.prefill.reason
+    assert gen.model.ffn_plan.impl("decode") == "reference"
+    assert gen.loaded.model.ffn_plan.impl("decode") == "dense"  # the loaded model is not changed
+    assert gen.model.lm_head.weight is gen.loaded.model.lm_head.weight  # weights shared, not copied
     out = gen.generate(PROMPTS[:2], max_new_tokens=6)
     assert len(out.texts) == 2 and all(len(t) <= 6 for t in out.tokens)
     dense = Generator(gen.loaded, "dense", "dense").generate(PROMPTS[:2], max_new_tokens=6)
@@ -293,9 +296,9 @@ def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         generate_ids(loaded.model, [[loaded.model.config.vocab_size]], greedy(4))
     with pytest.raises(ValueError, match="decode_ffn must be one of"):
-        resolve_ffn_impls(loaded.model, "dense", "sparse")
+        choose_ffn_plan(loaded.model, "dense", "sparse")
     with pytest.raises(ValueError, match="prefill_ffn=cuda cannot run"):
-        resolve_ffn_impls(loaded.model, "cuda", "dense")
+        choose_ffn_plan(loaded.model, "cuda", "dense")
     with pytest.raises(ValueError, match="dtype"):
         load_model(run_dir / "export", device="cpu", dtype="int8")
 
@@ -370,17 +373,18 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
     export_hf(build_model(cfg), tokenizer, tmp_path / "export")
     loaded = load_model(tmp_path / "export", device="cuda", dtype="bfloat16")
     prompts = encode(loaded, PROMPTS)
-    dense = generate_ids(loaded.model, prompts, greedy(8), (), "dense", "dense")
-    cuda = generate_ids(loaded.model, prompts, greedy(8), (), "cuda", "cuda")
+    sparse_model = loaded.model.with_ffn_plan(
+        FFNPlan.resolve("cuda", loaded.model.config, "cuda", torch.bfloat16)
+    )
+    dense = generate_ids(loaded.model, prompts, greedy(8), ())
+    cuda = generate_ids(sparse_model, prompts, greedy(8), ())
     assert cuda.tokens == dense.tokens
     ids = torch.tensor(prompts[:1], device="cuda")
-    with torch.no_grad():  # the sparse FFN serves no-grad forwards only
-        set_ffn_impl(loaded.model, "cuda")
-        sparse_logits = loaded.model(ids).logits.float()
-        set_ffn_impl(loaded.model, "dense")
+    with torch.no_grad():  # the sparse FFN serves no-grad forwards (the eval phase here)
+        sparse_logits = sparse_model(ids).logits.float()
         dense_logits = loaded.model(ids).logits.float()
     torch.testing.assert_close(sparse_logits, dense_logits, rtol=0.05, atol=0.05)
-    gen = Generator(loaded, "auto", "auto")
+    gen = Generator(loaded, "fastest", "fastest")
     assert gen.ffn_measurement is not None and set(gen.ffn.values()) <= {"dense", "cuda"}
 
 

@@ -16,6 +16,7 @@ from sparse_llm.ops.cross_entropy import (
     runs_on_kernel,
 )
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
+from sparse_llm.ops.select import KernelsUnavailable
 
 
 def _inputs(tokens: int, dim: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -98,7 +99,7 @@ def test_bad_inputs_are_refused() -> None:
         linear_cross_entropy(hidden, weight, labels, chunk_tokens=-2)
     with pytest.raises(ValueError, match="impl must be"):
         linear_cross_entropy(hidden, weight, labels, impl="triton")
-    with pytest.raises(ValueError, match="impl='cuda' cannot run: logits are on cpu"):
+    with pytest.raises(KernelsUnavailable, match="impl='cuda' cannot run: tensors are on cpu"):
         linear_cross_entropy(hidden, weight, labels, impl="cuda")
 
 
@@ -340,7 +341,7 @@ def test_benchmark_loss_tiny_runs_end_to_end(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_loss.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "loss.py"
     out, md = tmp_path / "loss.json", tmp_path / "loss.md"
     subprocess.run([sys.executable, str(script), "--tiny", "--json", str(out), "--md", str(md)], check=True)
     result = json.loads(out.read_text())

@@ -70,14 +70,15 @@ def test_loss_is_next_token_cross_entropy():
 @pytest.mark.parametrize("memory_saver", ["activation_checkpointing", "recompute_norms"])
 def test_memory_savers_give_same_gradients(memory_saver, ffn_impl):
     cfg = small_config(ffn_impl=ffn_impl)
-    torch.manual_seed(2)
-    model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     grads = []
     for enabled in (False, True):
-        model.zero_grad()
-        model.set_recompute_norms(enabled and memory_saver == "recompute_norms")
-        model.activation_checkpointing = enabled and memory_saver == "activation_checkpointing"
+        torch.manual_seed(2)
+        model = build_model(
+            cfg,
+            recompute_norms=enabled and memory_saver == "recompute_norms",
+            activation_checkpointing=enabled and memory_saver == "activation_checkpointing",
+        )
         out = model(ids, labels=ids, with_stats=True)
         (out.loss + out.ffn_stats.l1.mean()).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -91,7 +92,7 @@ def test_flash_attention_without_package_is_a_clear_error():
         build_model(small_config(attn_impl="flash"))
 
 
-@pytest.mark.parametrize("ffn_impl", ["reference", "cuda"])
+@pytest.mark.parametrize("ffn_impl", ["reference", "auto"])
 def test_sparse_ffn_impls_match_dense_logits_without_grad(ffn_impl):
     dense_cfg = small_config()
     torch.manual_seed(3)
@@ -100,9 +101,9 @@ def test_sparse_ffn_impls_match_dense_logits_without_grad(ffn_impl):
     sparse.load_state_dict(dense.state_dict())
     ids = torch.randint(0, dense_cfg.vocab_size, (2, 13))
     with torch.no_grad():
-        # On a machine without a Hopper GPU, `cuda` falls back to the reference (with a warning).
+        # On a machine without a Hopper GPU, `auto` is dense.
         torch.testing.assert_close(sparse(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
-    # With gradients: `reference` trains through the reference training op, `cuda` through the dense FFN.
+    # With gradients: `reference` trains through the reference training op, `auto` here densely.
     out = sparse(ids, labels=ids, with_stats=True)
     out.loss.backward()
     assert sparse.model.layers[0].mlp.gate_proj.weight.grad is not None
@@ -134,57 +135,52 @@ def test_training_through_sparse_reference_equals_dense():
     ref_losses, ref_stats, ref_state = _train_five_steps("reference")
     torch.testing.assert_close(ref_losses, dense_losses, rtol=1e-5, atol=1e-5)
     for name, value in dense_state.items():
-        torch.testing.assert_close(ref_state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # AdamW divides by the root of the second moment: last-bit differences of near-zero
+        # gradients (the two paths sum in different orders) move a weight by up to ~2e-5 in 5 steps.
+        torch.testing.assert_close(ref_state[name], value, rtol=1e-4, atol=5e-5, msg=name)
     for got, want in zip(ref_stats, dense_stats, strict=True):
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # l1
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # nnz, fire counts
 
 
 def test_training_forward_uses_the_train_op_unless_fallen_back(monkeypatch):
+    from sparse_llm.model import ffn as model_ffn
     from sparse_llm.ops import train_block
 
     calls = []
     real = train_block.ffn_block_train
-    monkeypatch.setattr(train_block, "ffn_block_train", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(model_ffn, "ffn_block_train", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = build_model(small_config(ffn_impl="reference"))
     ids = torch.randint(0, 97, (2, 7))
     model(ids, labels=ids, with_stats=True).loss.backward()
     assert len(calls) == 2
-    for layer in model.model.layers:
-        layer.mlp.train_dense_fallback = True
+    model.set_ffn_dense_fallback([True, True])
     model(ids, labels=ids, with_stats=True).loss.backward()
     assert len(calls) == 2
 
 
 def test_density_fallback_rule_switches_and_logs(caplog):
     import logging
-    from types import SimpleNamespace
 
-    from sparse_llm.training.ffn_fallback import DensityFallbackCallback, wants_dense
+    from sparse_llm.training.ffn_fallback import DensityFallback, wants_dense
 
     assert wants_dense(0.06, False, 0.05, 0.8) and not wants_dense(0.05, False, 0.05, 0.8)
     assert wants_dense(0.045, True, 0.05, 0.8) and not wants_dense(0.039, True, 0.05, 0.8)
     model = build_model(small_config(ffn_impl="reference"))  # H = 176
-    callback = DensityFallbackCallback(max_density=0.1, hysteresis=0.5)
-    trainer = SimpleNamespace(model=model)
-    metrics = {"loss": 1.0}
-    callback.on_step_end(trainer, 1, metrics)  # no L0 this step: nothing changes
-    assert metrics == {"loss": 1.0}
+    fallback = DensityFallback(model, max_density=0.1, hysteresis=0.5)
+    assert fallback.update({"loss": 1.0}) == {}  # no L0 this step: nothing changes
+    assert model.ffn_dense_fallback() == [False, False]
     with caplog.at_level(logging.INFO, logger="sparse_llm.training.ffn_fallback"):
-        metrics = {"l0/layer_00": 5.0, "l0/layer_01": 30.0}
-        callback.on_step_end(trainer, 2, metrics)
-    assert [layer.mlp.train_dense_fallback for layer in model.model.layers] == [False, True]
+        metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 30.0})
+    assert model.ffn_dense_fallback() == [False, True]
     assert metrics["ffn_fallback/layer_01"] == 1.0 and metrics["ffn_fallback/dense_layers"] == 1.0
     assert "layer 1" in caplog.text and "to dense" in caplog.text
-    metrics = {"l0/layer_00": 5.0, "l0/layer_01": 12.0}  # 0.068: inside the hysteresis band
-    callback.on_step_end(trainer, 3, metrics)
-    assert model.model.layers[1].mlp.train_dense_fallback and metrics["ffn_fallback/switches"] == 0.0
-    metrics = {"l0/layer_00": 5.0, "l0/layer_01": 8.0}  # 0.045 < 0.05: back to sparse
-    callback.on_step_end(trainer, 4, metrics)
-    assert not model.model.layers[1].mlp.train_dense_fallback and metrics["ffn_fallback/switches"] == 1.0
-    dense_model = build_model(small_config())
-    callback.on_step_end(SimpleNamespace(model=dense_model), 5, {"l0/layer_00": 170.0, "l0/layer_01": 170.0})
-    assert not any(layer.mlp.train_dense_fallback for layer in dense_model.model.layers)
+    metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 12.0})  # 0.068: inside the band
+    assert model.ffn_dense_fallback() == [False, True] and metrics["ffn_fallback/switches"] == 0.0
+    metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 8.0})  # 0.045 < 0.05: back to sparse
+    assert model.ffn_dense_fallback() == [False, False] and metrics["ffn_fallback/switches"] == 1.0
+    with pytest.raises(ValueError, match="training FFN is dense"):
+        DensityFallback(build_model(small_config())).update({"l0/layer_00": 170.0, "l0/layer_01": 170.0})
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
@@ -193,7 +189,7 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_model.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "model_step.py"
     out = tmp_path / "bench.json"
     args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
     args += ["--recompute-norms", "off", "on"]

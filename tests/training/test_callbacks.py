@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from callback_targets import Recorder
 
 from sparse_llm.config import ConfigError, ModelConfig, RunConfig
 from sparse_llm.model import FFNStats, build_model
@@ -27,23 +28,6 @@ def counts_from_hist(hist: torch.Tensor) -> torch.Tensor:
 
 
 H, LAYERS = 64, 2
-
-
-class Recorder(Callback):
-    def __init__(self, name: str, log: list) -> None:
-        self.name, self.log = name, log
-
-    def on_step_end(self, trainer, step, metrics):
-        self.log.append((self.name, "step", step))
-        metrics[self.name] = step
-
-    def on_checkpoint(self, trainer, step, path):
-        self.log.append((self.name, "ckpt", path))
-
-
-class NotACallback:
-    def __init__(self, every: int = 1) -> None:
-        self.every = every
 
 
 def test_callback_list_dispatches_in_order_and_base_hooks_are_noops():
@@ -71,7 +55,7 @@ def test_build_callbacks_instantiates_targets():
             "every": 5,
             "reset_up_down": True,
         },
-        {"_target_": "test_callbacks.Recorder", "name": "r", "log": []},
+        {"_target_": "callback_targets.Recorder", "name": "r", "log": []},
     ]
     built = build_callbacks(entries)
     assert isinstance(built[0], DeadUnitReinitCallback) and built[0].every == 5 and built[0].reset_up_down
@@ -84,7 +68,7 @@ def test_build_callbacks_instantiates_targets():
     [
         ({"_target_": "no_such_pkg.Thing"}, r"callbacks\[1\].*no_such_pkg.Thing"),
         ({"_target_": "sparse_llm.training.callbacks.NoSuchCallback"}, r"callbacks\[1\].*NoSuchCallback"),
-        ({"_target_": "test_callbacks.NotACallback"}, r"callbacks\[1\].*NotACallback.*not a .*Callback"),
+        ({"_target_": "callback_targets.NotACallback"}, r"callbacks\[1\].*NotACallback.*not a .*Callback"),
         ({"every": 3}, r"callbacks\[1\].*_target_"),
         (
             {"_target_": "sparse_llm.training.callbacks.DeadUnitReinitCallback", "bogus": 1},
@@ -104,15 +88,6 @@ def test_default_callbacks_follow_the_reinit_config():
     cfg.sparsity.reinit.enabled, cfg.sparsity.reinit.every = True, 7
     (callback,) = default_callbacks(cfg)
     assert isinstance(callback, DeadUnitReinitCallback) and callback.every == 7
-
-
-def test_cuda_ffn_gets_the_density_fallback_by_default():
-    from sparse_llm.training.ffn_fallback import DensityFallbackCallback
-
-    cfg = RunConfig(model=ModelConfig(ffn_impl="cuda", ffn_dense_above=0.03))
-    (callback,) = default_callbacks(cfg)
-    assert isinstance(callback, DensityFallbackCallback) and callback.max_density == 0.03
-    assert default_callbacks(RunConfig(model=ModelConfig(ffn_impl="reference"))) == []
 
 
 def make_trainer():

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import torch
 
+from sparse_llm import run_files
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
+from sparse_llm.model import state as model_state
 from sparse_llm.training import checkpoint as ckpt_io
 
 
@@ -20,7 +22,7 @@ def make_checkpoint(step: int) -> ckpt_io.Checkpoint:
     optimizer.step()
     return ckpt_io.Checkpoint(
         step=step,
-        model=ckpt_io.model_state_to_save(model),
+        model=model_state.model_state_to_save(model),
         optimizer=optimizer.state_dict(),
         tensors={"rng/torch_cpu": torch.get_rng_state()},
         state={"tokens_seen": step * 10, "data": [{"docs": step}]},
@@ -46,7 +48,7 @@ def test_interrupted_write_is_ignored(tmp_path: Path):
     (tmp_path / ".tmp-step_00000020-deadbeef").mkdir()
     (tmp_path / ".tmp-step_00000020-deadbeef" / "model.safetensors").write_bytes(b"partial")
     (tmp_path / "step_00000030").mkdir()
-    assert ckpt_io.latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
+    assert run_files.latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
     ckpt_io.remove_stale_temporaries(tmp_path)
     assert not list(tmp_path.glob(".tmp-*"))
 
@@ -54,7 +56,7 @@ def test_interrupted_write_is_ignored(tmp_path: Path):
 def test_keep_last_k(tmp_path: Path):
     for step in (1, 2, 3, 4):
         ckpt_io.save_checkpoint(tmp_path, make_checkpoint(step), keep_last=2)
-    names = [p.name for p in ckpt_io.list_checkpoints(tmp_path)]
+    names = [p.name for p in run_files.list_checkpoints(tmp_path)]
     assert names == ["step_00000003", "step_00000004"]
 
 
@@ -66,7 +68,7 @@ def test_load_model_state_restores_tied_weights():
     source = build_model(cfg)
     torch.manual_seed(1)
     target = build_model(cfg)
-    ckpt_io.load_model_state(target, ckpt_io.model_state_to_save(source))
+    model_state.load_model_state(target, model_state.model_state_to_save(source))
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert target.lm_head.weight is target.model.embed_tokens.weight

@@ -375,6 +375,7 @@ def test_two_process_checkpoint_resumes_on_one_process(two_procs, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path):
     from sparse_llm.model import build_model
+    from sparse_llm.model import state as model_state
     from sparse_llm.training import checkpoint as ckpt_io
 
     _launch([str(tmp_path), "fsdp2"])
@@ -390,7 +391,7 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path):
     # The consolidated state loads into a plain (unsharded) model: what the HF export needs.
     cfg = run_config(tmp_path).model
     cfg.vocab_size = 256
-    ckpt_io.load_model_state(build_model(cfg), consolidated)
+    model_state.load_model_state(build_model(cfg), consolidated)
 
 
 @pytest.mark.slow

@@ -12,8 +12,10 @@ import torch
 from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sparse_llm import run_files
 from sparse_llm.config import RunConfig
 from sparse_llm.model import build_model
+from sparse_llm.model import state as model_state
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer, TrainingDiverged
@@ -58,7 +60,7 @@ def test_short_run_loss_falls(tmp_path: Path):
     for key in ("loss", "tokens_per_s", "l1", "lr", "sparsity/mean", "l0/mean", "dead/mean"):
         assert key in records[-1]
     assert trainer.step == 60
-    assert ckpt_io.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
+    assert run_files.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
 @pytest.mark.parametrize("recompute_norms", [False, True])
@@ -105,6 +107,36 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path, prefetch: i
     assert straight.train_stream.state_dict() == resumed.train_stream.state_dict()
 
 
+def test_resume_restores_the_per_layer_dense_fallback(tmp_path: Path):
+    """A sparse training FFN (the reference path on CPU) whose layers fall back to dense: the
+    fallback is model state in the checkpoint, so the resumed run continues with the same layers
+    dense and reproduces the uninterrupted run bitwise (log_every=2: the resumed step 5 is not a
+    log step, so only the checkpoint can tell it which layers are dense)."""
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    run = dict(max_steps=8, checkpoint_every=4, log_every=2)
+    model = {"ffn_impl": "reference", "ffn_dense_above": 0.02}
+    straight = train(tiny_run_config(straight_dir, model=model, **run))
+    at_step_4 = next(r for r in read_metrics(straight_dir) if r["step"] == 4)
+    assert at_step_4["ffn_fallback/dense_layers"] >= 1, "the test needs a layer that falls back"
+    with pytest.raises(SimulatedKill):
+        train(tiny_run_config(resumed_dir, model=model, **run), [KillAfterCheckpoint(4)])
+    resumed = Trainer(tiny_run_config(resumed_dir, model=model, resume="auto", **run), resumed_dir)
+    resumed._maybe_resume()
+    flags = [at_step_4[f"ffn_fallback/layer_{i:02d}"] == 1.0 for i in range(2)]
+    assert resumed.model.ffn_dense_fallback() == flags
+    resumed.fit()
+    a, b = read_metrics(straight_dir), read_metrics(resumed_dir)
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [2, 4, 6, 8]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce", "l1", "grad_norm", "ffn_fallback/dense_layers", "ffn_fallback/layer_00"):
+            assert ra[key] == rb[key], (ra["step"], key)
+    assert straight.model.ffn_dense_fallback() == resumed.model.ffn_dense_fallback()
+    for (name, pa), pb in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+
+
 def test_resume_ignores_an_interrupted_checkpoint_write(tmp_path: Path):
     train(tiny_run_config(tmp_path, max_steps=4, checkpoint_every=2))
     root = tmp_path / "checkpoints"
@@ -129,7 +161,7 @@ def test_nan_loss_stops_without_writing_a_checkpoint(tmp_path: Path):
     cfg = tiny_run_config(tmp_path, max_steps=6, checkpoint_every=1)
     with pytest.raises(TrainingDiverged, match="step 3"):
         train(cfg, [PoisonWeightsAfterCheckpoint()])
-    names = [p.name for p in ckpt_io.list_checkpoints(tmp_path / "checkpoints")]
+    names = [p.name for p in run_files.list_checkpoints(tmp_path / "checkpoints")]
     assert names[-1] == "step_00000002"
 
 
@@ -140,8 +172,8 @@ def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = torch.tensor([tokenizer("def main():\n    return 42\n")["input_ids"]])
     ours = build_model(trainer.cfg.model).eval()
-    ckpt = ckpt_io.load_checkpoint(ckpt_io.latest_checkpoint(tmp_path / "checkpoints"))
-    ckpt_io.load_model_state(ours, ckpt.model)
+    ckpt = ckpt_io.load_checkpoint(run_files.latest_checkpoint(tmp_path / "checkpoints"))
+    model_state.load_model_state(ours, ckpt.model)
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
     assert hf_model.config.hidden_act == "relu"

@@ -1,12 +1,14 @@
 """Benchmark a whole-model training step: dense FFN vs the sparse training FFN (ffn_impl=cuda).
 
 With --sparsify-steps N the model is first trained N steps by the Trainer at a high L1 (so the
-FFNs reach the sparsity the kernels are for); every implementation is then timed on the same
-weights, side by side in one run: median step time (forward + backward + AdamW), tokens/s,
-peak memory, the measured L0/sparsity and the loss. Prints Markdown, writes JSON and Markdown.
+FFNs reach the sparsity the kernels are for: benchmarks.common.sparsify); every implementation is
+then timed on the same weights, side by side in one run: median step time (forward + backward +
+AdamW), tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the kernels'
+PyTorch reference where they cannot run (sparse_llm.ops.select says why; the table shows which
+ran). Prints Markdown, writes JSON and Markdown.
 
-    python scripts/benchmark_model.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
-    python scripts/benchmark_model.py --tiny      # CPU, seconds: the script end to end
+    python benchmarks/model_step.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
+    python benchmarks/model_step.py --tiny      # CPU, seconds: the script end to end
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from sparse_llm.benchmarking import kernel_table, memory_peak_table, write_report  # noqa: E402
-from sparse_llm.config import ModelConfig  # noqa: E402
-from sparse_llm.model import build_model  # noqa: E402
-from sparse_llm.model.compiling import compile_model  # noqa: E402
-from sparse_llm.sparsity.penalty import l1_penalty  # noqa: E402
-from sparse_llm.training.run_info import collect_run_info  # noqa: E402
+from benchmarks.common import (
+    kernel_table,
+    memory_peak_table,
+    model_preset,
+    sparsify,
+    token_batch,
+    write_report,
+)
+from sparse_llm.config import ModelConfig
+from sparse_llm.model import build_model
+from sparse_llm.model.compiling import compile_model
+from sparse_llm.ops.select import select_ffn
+from sparse_llm.sparsity.penalty import l1_penalty
+from sparse_llm.training.run_info import collect_run_info
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
@@ -43,7 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", type=Path, default=None, help="export, checkpoint or run directory to time instead"
     )
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script end to end")
-    p.add_argument("--impls", nargs="+", default=["dense", "cuda"], help="model.ffn_impl values to time")
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=["dense", "cuda"],
+        choices=["dense", "reference", "cuda", "auto"],
+        help="model.ffn_impl values to time",
+    )
     p.add_argument(
         "--micro-batch", type=int, nargs="+", default=[8], help="sequences per step; several: each is timed"
     )
@@ -92,44 +106,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_dict(args: argparse.Namespace) -> dict:
-    if args.tiny:
-        return dict(TINY_MODEL)
-    raw = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{args.preset}.yaml"))
-    raw.pop("name", None)
-    return raw
+    return dict(TINY_MODEL) if args.tiny else model_preset(args.preset)
 
 
-def sparsify(args: argparse.Namespace, model: dict, run_dir: Path) -> tuple[ModelConfig, dict, object]:
-    """Train `--sparsify-steps` steps at a high L1 with the Trainer; the resolved config, weights
-    and tokenizer."""
-    from sparse_llm.training.short_run import short_training_run
+def load_weights(path: Path) -> tuple[ModelConfig, dict, object]:
+    """The model config, fp32 weights (CPU) and tokenizer of an export, checkpoint or run directory."""
+    from sparse_llm.inference.loading import load_model
 
-    train = dict(
-        seq_len=args.seq_len,
-        global_batch_size=args.micro_batch[0],
-        micro_batch_size=args.micro_batch[0],
-        max_steps=args.sparsify_steps,
-        lr=args.sparsify_lr,
-        warmup_steps=max(1, args.sparsify_steps // 10),
-        log_every=max(1, args.sparsify_steps // 10),
+    loaded = load_model(path, "cpu", torch.float32)
+    return loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
+
+
+def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, object]:
+    """(model config, weights, tokenizer or None): of --model, of a sparsify run
+    (--sparsify-steps), or freshly initialised."""
+    if args.model is not None:
+        return load_weights(args.model)
+    model = model_dict(args)
+    if args.sparsify_steps > 0:
+
+        def sparse_weights(run_dir: Path) -> tuple[ModelConfig, dict, object]:
+            sparsify(
+                run_dir,
+                model,
+                steps=args.sparsify_steps,
+                l1_coeff=args.sparsify_l1,
+                lr=args.sparsify_lr,
+                seq_len=args.seq_len,
+                batch=args.micro_batch[0],
+                data={"max_documents": 300} if args.tiny else None,
+                train={"device": device},
+            )
+            return load_weights(run_dir)
+
+        if args.sparsify_dir is not None:
+            return sparse_weights(args.sparsify_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            return sparse_weights(Path(tmp) / "sparsify")
+    mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
+    torch.manual_seed(args.seed)
+    return mcfg, build_model(mcfg).state_dict(), None
+
+
+def train_ffn(impl: str, mcfg: ModelConfig, device: str, dtype: torch.dtype) -> tuple[str, str | None]:
+    """The training FFN that runs for `--impls` value `impl`, and why not the kernels: `cuda` is
+    the kernels where ops.select says they can run here, else their PyTorch reference (the same
+    sparse path, so the script runs anywhere)."""
+    selection = select_ffn(
+        "auto" if impl == "cuda" else impl,
+        "train",
+        device=device,
+        dtype=dtype,
+        hidden_size=mcfg.hidden_size,
+        intermediate_size=mcfg.intermediate_size,
+        where="--impls",
     )
-    data = {"max_documents": 300} if args.tiny else None
-    trainer = short_training_run(
-        run_dir, {**model, "ffn_impl": "dense"}, train, {"l1_coeff": args.sparsify_l1}, data
-    )
-    state = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
-    return trainer.model.config, state, trainer.tokenizer
-
-
-def text_batch(tokenizer, batch: int, length: int, vocab: int, seed: int) -> tuple[torch.Tensor, str]:
-    """[batch, length] token ids of held-out text of the embedded corpus (random ids without a
-    tokenizer), and which of the two it is."""
-    if tokenizer is not None:
-        from sparse_llm.data import heldout_text_ids
-
-        return heldout_text_ids(tokenizer, batch, length), "held-out text"
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=gen), "random tokens"
+    if impl == "cuda" and selection.impl != "cuda":
+        return "reference", selection.reason
+    return selection.impl, selection.reason
 
 
 def time_impl(
@@ -141,27 +175,22 @@ def time_impl(
     args: argparse.Namespace,
     device: str,
 ) -> dict:
-    from dataclasses import replace
-
-    from sparse_llm.ops.train import resolve_train_impl
-
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the autocast dtype of the step
+    ffn, why_not_kernels = train_ffn(impl, mcfg, device, dtype)
     torch.manual_seed(args.seed)
-    model = build_model(replace(mcfg, ffn_impl=impl))
+    model = build_model(
+        mcfg, device=device, compute_dtype=dtype, ffn=ffn, recompute_norms=recompute_norms == "on"
+    )
     model.load_state_dict(state)
     model.to(device).train()
-    model.set_recompute_norms(recompute_norms == "on")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     forward = compile_model(model) if args.compile else model
     ids = ids.to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     record: dict = {"impl": impl, "micro_batch": ids.shape[0], "recompute_norms": recompute_norms}
-    if impl != "dense":
-        # Which training FFN the layers run: the CUDA kernels where they take bf16 layers here.
-        d, h = mcfg.hidden_size, mcfg.intermediate_size
-        x, wg, wd = (
-            torch.empty(shape, device=device, dtype=torch.bfloat16) for shape in ((1, d), (h, d), (d, h))
-        )
-        record["train_ffn"] = resolve_train_impl("auto" if impl == "cuda" else "reference", x, wg, wg, wd)
+    if impl != "dense":  # which training FFN the layers run, and why not the kernels
+        record["train_ffn"] = model.ffn_plan.impl("train")
+        record["kernels_unavailable"] = why_not_kernels
 
     def step(held: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with autocast:
@@ -297,24 +326,10 @@ def pairings_markdown(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    model = model_dict(args)
-    tokenizer = None
-    if args.model is not None:
-        from sparse_llm.inference.loading import load_model
-
-        loaded = load_model(args.model, "cpu", torch.float32)
-        mcfg, state, tokenizer = loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
-    elif args.sparsify_dir is not None and args.sparsify_steps > 0:
-        mcfg, state, tokenizer = sparsify(args, model, args.sparsify_dir)
-    elif args.sparsify_steps > 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            mcfg, state, tokenizer = sparsify(args, model, Path(tmp) / "sparsify")
-    else:
-        mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
-        torch.manual_seed(args.seed)
-        state = build_model(mcfg).state_dict()
+    mcfg, state, tokenizer = weights(args, device)
     batches = {
-        b: text_batch(tokenizer, b, args.seq_len + 1, mcfg.vocab_size, args.seed) for b in args.micro_batch
+        b: token_batch(tokenizer, mcfg.vocab_size, b, args.seq_len + 1, seed=args.seed)
+        for b in args.micro_batch
     }
     tokens = next(iter(batches.values()))[1]
     meta = {

@@ -21,7 +21,7 @@ the measured reuse within 64-row blocks. Time over the bound is what any kernel 
 can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
 sets the rates our kernels reach on an H100 instead (benchmarks/NOTES_kernels.md, session 15).
 
-    python scripts/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
+    python benchmarks/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md
 """
 
@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from sparse_llm.ops.workload import make_workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
+
+from benchmarks.common import make_workload
 
 FORWARD_GEMM_ROWS = 2
 TRAIN_GEMM_ROWS = 7
@@ -72,7 +75,7 @@ def activity_profile(
     m: int, d: int, h: int, nnz: float, seed: int, chunk: int = 4096
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(active units per row [M], for each unit the largest such count among the rows it fires in
-    [H], 0 if it never fires), for the synthetic workload of benchmark_ffn.py, in float32."""
+    [H], 0 if it never fires), for the synthetic workload of benchmarks/ffn.py, in float32."""
     w = make_workload(m, d, h, nnz, seed=seed, dtype=torch.float32)
     row_counts = torch.empty(m, dtype=torch.long)
     unit_max_row = torch.zeros(h, dtype=torch.long)
@@ -111,7 +114,7 @@ def best_bound(
 
 
 def measured_cases(path: Path | None) -> dict[tuple[int, float], dict]:
-    """benchmark_ffn.py results keyed by (M, target non-zeros)."""
+    """benchmarks/ffn.py results keyed by (M, target non-zeros)."""
     if path is None:
         return {}
     if not path.is_file():
@@ -143,11 +146,11 @@ def row(m: int, nnz: float, bound: Bound, result: dict | None, train: bool) -> d
 
 def markdown(rows: list[dict], rates: Rates, meta: str) -> str:
     lines = [
-        "# Lower bound of the exact hybrid sparse FFN (scripts/ffn_bound.py)",
+        "# Lower bound of the exact hybrid sparse FFN (benchmarks/ffn_bound.py)",
         "",
         f"{meta}. Rates: GEMMs {rates.gemm_flops / 1e12:.0f} TFLOP/s, weight-row gathers "
         f"{rates.gather_bytes / 1e12:.1f} TB/s, x and grad_y rows {rates.activation_rate / 1e12:.1f} TB/s, weight-row "
-        f"reuse {rates.reuse:g}; no launch, sync or pack cost. Dense and ours: measured (benchmark_ffn.py).",
+        f"reuse {rates.reuse:g}; no launch, sync or pack cost. Dense and ours: measured (benchmarks/ffn.py).",
         "",
         "| pass | M | nnz | bound ms | best threshold | heavy rows | units in heavy GEMMs "
         "| dense compiled ms | ours ms | ours / bound | ours vs dense | largest possible vs dense |",
@@ -173,7 +176,7 @@ def main() -> None:
     p.add_argument("--D", type=int, default=2048)
     p.add_argument("--H", type=int, default=5632)
     p.add_argument("--nnz", type=float, nargs="+", default=[15, 30, 60, 120], help="mean non-zeros per token")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (benchmark_ffn.py's first input set)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (benchmarks/ffn.py's first input set)")
     p.add_argument("--gemm-tflops", type=float, default=800.0)
     p.add_argument("--gather-tbps", type=float, default=7.0)
     p.add_argument("--reuse", type=float, default=1.4)
@@ -186,8 +189,8 @@ def main() -> None:
     p.add_argument(
         "--measured-rates", action="store_true", help="the rates our kernels reach on an H100 (overrides)"
     )
-    p.add_argument("--measured", type=Path, default=None, help="benchmark_ffn.py JSON (inference)")
-    p.add_argument("--measured-train", type=Path, default=None, help="benchmark_ffn.py --train JSON")
+    p.add_argument("--measured", type=Path, default=None, help="benchmarks/ffn.py JSON (inference)")
+    p.add_argument("--measured-train", type=Path, default=None, help="benchmarks/ffn.py --train JSON")
     p.add_argument("--tiny", action="store_true", help="a small workload: checks the script end to end")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)

@@ -1,10 +1,15 @@
 """Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the TwELL
 inference forward, its in-place add into a residual, and the training forward + backward."""
 
+import sys
+from pathlib import Path
+
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
+
+from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.workload import make_workload
 
 # M, D, H, nnz, threshold; the last case is past masked_gate_min_rows (the masked gate and pack).
 CASES = [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512), (65536, 64, 1000, 5, 16)]

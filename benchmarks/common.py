@@ -1,16 +1,25 @@
-"""What the benchmark scripts share: the median time of a call, the kernel table (and GPU idle) of
-one profiled call, where the memory peak of a recorded call comes from, and their report files."""
+"""What the benchmark scripts share, and no library code needs: the synthetic FFN workload, weights
+made sparse by a short high-L1 training run, the median time of a call, the kernel table (and GPU
+idle) of one profiled call, where the memory peak of a recorded call comes from, and the report files.
+
+Every script runs from the repository root as `python benchmarks/<name>.py ...` or
+`python -m benchmarks.<name> ...`.
+"""
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
@@ -148,7 +157,7 @@ def _allocation_site(frames: list[dict[str, Any]]) -> tuple[str, str]:
     """(the innermost frame outside torch's package: e.g. a line of Inductor's generated code,
     the innermost frame of this repository: the model or script line behind it)."""
     own = next((f for f in frames if "/site-packages/torch/" not in f["filename"]), None)
-    repo = next((f for f in frames if "sparse_llm/" in f["filename"] or "scripts/" in f["filename"]), None)
+    repo = next((f for f in frames if "sparse_llm/" in f["filename"] or "benchmarks/" in f["filename"]), None)
     return (_frame_text(own) if own else "?", _frame_text(repo) if repo else "?")
 
 
@@ -198,3 +207,156 @@ def write_report(
         json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     if md_path:
         md_path.write_text(text)
+
+
+# ---- the synthetic sparse-FFN workload (DESIGN.md section 5), of every FFN benchmark ------------
+# x rows ~ N(0, s_t^2) with a per-token scale s_t ~ LogNormal(0, 0.3); input feature 0 is held at
+# 1.0 and gate column 0 holds minus a per-unit threshold, (base + 0.5 * N(0, 1)) standard
+# deviations of that unit's pre-activation; 30% of the units never fire. `base` is found by
+# bisection so that the mean number of non-zeros of relu(g) per token hits a target.
+
+_SCALE_SIGMA = 0.3  # sigma of the per-token LogNormal scale
+_SPREAD = 0.5  # per-unit threshold spread, in standard deviations
+_DEAD_FRACTION = 0.3
+_DEAD_THRESHOLD = 50.0  # standard deviations: such a unit never fires
+
+
+@dataclass
+class FFNWorkload:
+    x: torch.Tensor  # [M, D]
+    wg: torch.Tensor  # [H, D]
+    wu: torch.Tensor  # [H, D]
+    wd: torch.Tensor  # [D, H]
+    base: float  # the bisected threshold base, in standard deviations
+
+
+def make_inputs(m: int, d: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """Token rows with the per-token LogNormal scale and feature 0 held at 1.0 (float32)."""
+    scale = torch.exp(_SCALE_SIGMA * torch.randn(m, 1, generator=generator, device=device))
+    x = torch.randn(m, d, generator=generator, device=device) * scale
+    x[:, 0] = 1.0
+    return x
+
+
+def _mean_nnz(pre: torch.Tensor, thresholds: torch.Tensor) -> float:
+    return (pre > thresholds).sum(dim=1, dtype=torch.float64).mean().item()
+
+
+def make_workload(
+    m: int,
+    d: int,
+    h: int,
+    nnz_target: float,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    calib_tokens: int = 4096,
+) -> FFNWorkload:
+    """Build (x, Wg, Wu, Wd) whose relu(x Wg^T) has about `nnz_target` non-zeros per token."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    wg = torch.randn(h, d, generator=gen, device=device) / d**0.5
+    wu = torch.randn(h, d, generator=gen, device=device) / d**0.5
+    wd = torch.randn(d, h, generator=gen, device=device) / h**0.5
+    # Std of each unit's pre-activation over tokens without the threshold feature:
+    # ||w_j|| * sqrt(E[s^2]), E[s^2] = exp(2 sigma^2) for s ~ LogNormal(0, sigma).
+    sigma = wg[:, 1:].norm(dim=1) * torch.exp(torch.tensor(_SCALE_SIGMA**2, device=device))
+    offset = _SPREAD * torch.randn(h, generator=gen, device=device)
+    dead = torch.rand(h, generator=gen, device=device) < _DEAD_FRACTION
+    offset[dead] = _DEAD_THRESHOLD
+
+    x = make_inputs(m, d, gen, device)
+    calib = x[: min(m, calib_tokens)]
+    pre = calib[:, 1:] @ wg[:, 1:].T  # pre-activations without the threshold feature
+    lo, hi = -10.0, 20.0  # mean nnz decreases as base grows
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if _mean_nnz(pre, (mid + offset) * sigma) > nnz_target:
+            lo = mid
+        else:
+            hi = mid
+    base = 0.5 * (lo + hi)
+    wg[:, 0] = -(base + offset) * sigma
+    return FFNWorkload(x.to(dtype), wg.to(dtype), wu.to(dtype), wd.to(dtype), base)
+
+
+# ---- weights at realistic sparsity: a short training run at a high L1 --------------------------
+
+
+def model_preset(name: str) -> dict[str, Any]:
+    """configs/model/<name>.yaml as a dict of ModelConfig fields."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{name}.yaml"))
+
+
+def sparsify(
+    run_dir: Path,
+    model: dict[str, Any],
+    *,
+    steps: int,
+    l1_coeff: float,
+    lr: float,
+    seq_len: int,
+    batch: int,
+    micro_batch: int | None = None,
+    l1_warmup_end: int = 0,
+    data: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+) -> Path:
+    """Make sparse weights: train `model` (ModelConfig fields, e.g. `model_preset("1b")`, on the dense
+    FFN) for `steps` steps of `batch` sequences at L1 coefficient `l1_coeff`, through
+    `sparse_llm.train.run` (what `python -m sparse_llm.train` runs), quietly: no periodic evaluation
+    or checkpoint, no export, no plots, wandb off. `train` adds train.* keys, `overrides` are dotlist
+    entries applied last (e.g. "model.num_hidden_layers=2"). Returns `run_dir`, which then holds the
+    final checkpoint with config.yaml and metrics.jsonl: `sparse_llm.inference.load_model(run_dir)`
+    reads the weights. What the run held on the GPU is freed before returning."""
+    from omegaconf import OmegaConf
+
+    from sparse_llm.train import run
+
+    raw = {
+        "run_dir": str(run_dir),
+        "model": {**model, "ffn_impl": "dense"},
+        "data": data or {},
+        "train": {
+            "seq_len": seq_len,
+            "global_batch_size": batch,
+            "micro_batch_size": micro_batch or batch,
+            "max_steps": steps,
+            "lr": lr,
+            "warmup_steps": max(1, steps // 10),
+            "log_every": max(1, steps // 10),
+            "eval_every": 0,
+            "eval_batches": 1,
+            "checkpoint_every": 0,
+            "keep_last": 1,
+            "export": False,
+            "progress": False,
+            **(train or {}),
+        },
+        "sparsity": {"l1_coeff": l1_coeff, "l1_warmup_end": l1_warmup_end, "plots": False},
+        "logger": {"wandb": {"mode": "disabled"}},
+    }
+    run_dir = Path(run_dir)
+    run(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides))), run_dir)
+    # The trainer is gone; its compiled graphs (train.compile) still reference the weights.
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run_dir
+
+
+def token_batch(
+    tokenizer: Any, vocab_size: int, batch: int, length: int, *, random_tokens: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, str]:
+    """[batch, length] token ids: held-out text of the embedded corpus, or random ids (seeded) when
+    asked or without a tokenizer; and which of the two they are."""
+    if tokenizer is not None and not random_tokens:
+        from sparse_llm.data import heldout_text_ids
+
+        return heldout_text_ids(tokenizer, batch, length), "held-out text"
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=gen), "random tokens"

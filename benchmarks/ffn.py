@@ -1,26 +1,28 @@
 """Benchmark one inference FFN layer: dense eager, dense torch.compile and the TwELL kernels.
 
-The workload is DESIGN.md section 5 (sparse_llm.ops.workload). Each timed call reads one of
+The workload is DESIGN.md section 5 (benchmarks/common.py). Each timed call reads one of
 several input sets in turn (x and all three weights), so no call finds its weights in L2 from
 the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
 
-    python scripts/benchmark_ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
-    python scripts/benchmark_ffn.py --train ...   # forward+backward with L1 and saved bytes, vs dense
+    python benchmarks/ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
+    python benchmarks/ffn.py --train ...   # forward+backward with L1 and saved bytes, vs dense
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
+
+from benchmarks.common import device_kernel_table, gpu_idle_table, make_workload, write_report
 from sparse_llm import ops
-from sparse_llm.benchmarking import device_kernel_table, gpu_idle_table, write_report
-from sparse_llm.ops import _extension
-from sparse_llm.ops.workload import make_workload
+from sparse_llm.ops.select import extension, kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 
@@ -99,7 +101,7 @@ def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
 
 
 def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Callable) -> dict:
-    ext = _extension.load()
+    ext = extension()
     sets = []
     for k in range(args.sets):
         w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
@@ -392,9 +394,17 @@ def run_cases(args: argparse.Namespace, bench, render, describe, extra_meta: dic
     write_report(render(meta, rows), meta, rows, args.json, args.md)
 
 
+def require_gpu(what: str, kernels: bool) -> None:
+    """Exit with the reason where this run cannot go: no CUDA GPU, or (`kernels`) no CUDA kernels."""
+    reason = kernels_unavailable("cuda") if kernels else None if torch.cuda.is_available() else "no CUDA GPU"
+    if reason is not None:
+        raise SystemExit(
+            f"benchmarks/ffn.py{what}: needs {'the CUDA kernels' if kernels else 'a CUDA GPU'} ({reason})"
+        )
+
+
 def main_train(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmark_ffn --train: needs a CUDA GPU")
+    require_gpu(" --train", kernels=args.train_impl == "cuda")
     dense_compiled = torch.compile(dense_train, dynamic=False)
     ours_compiled = torch.compile(train_ours(args.train_impl, args.heavy_threshold[0]), dynamic=False)
     run_cases(
@@ -412,7 +422,8 @@ def main_train(args: argparse.Namespace) -> None:
 
 def main_gate_algos(args: argparse.Namespace) -> None:
     """Which of cuBLASLt's ranked ReLU-mask algorithms is fastest, against the plain GEMM."""
-    ext = _extension.load()
+    require_gpu(" --gate-algos", kernels=True)
+    ext = extension()
     for m in args.M:
         sets = [
             make_workload(m, args.D, args.H, 30, seed=args.seed + k, device="cuda") for k in range(args.sets)
@@ -437,10 +448,7 @@ def main() -> None:
     if args.train:
         main_train(args)
         return
-    if not torch.cuda.is_available() or _extension.load() is None:
-        raise SystemExit(
-            f"benchmark_ffn: needs a Hopper GPU and the extension ({_extension.unavailable_reason()})"
-        )
+    require_gpu("", kernels=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default, stated
     dense_compiled = torch.compile(ops.ffn_forward_reference, dynamic=False)
     run_cases(

@@ -1,0 +1,127 @@
+"""The package's import graph: no cycles, and no module imports a layer above its own.
+
+Layers, lowest first (a module may import its own subpackage and any lower layer):
+  0  config, run_files                  the schema and the names in a run directory
+  1  ops                                kernels' Python front and references
+  2  model                              the model, built from ops
+  3  data, sparsity, analysis           the recipe and the readers, each on its own
+  4  training, inference                the loops that use all of the above, each on its own
+  5  train, generate (CLIs)
+Every import counts, function-level ones included: a deferred import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sparse_llm"
+LAYERS = {
+    "config": 0,
+    "run_files": 0,
+    "ops": 1,
+    "model": 2,
+    "data": 3,
+    "sparsity": 3,
+    "analysis": 3,
+    "training": 4,
+    "inference": 4,
+    "train": 5,
+    "generate": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The package modules `path` imports (a `from pkg import sub` of a submodule is that submodule)."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name.startswith("sparse_llm"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not base.startswith("sparse_llm"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    out.discard(name)
+    return {m for m in out if m in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_top_level_part_has_a_layer():
+    parts = {_part(m) for m in _modules()} - {""}
+    assert parts <= set(LAYERS), f"give these a layer in tests/test_layers.py: {sorted(parts - set(LAYERS))}"
+
+
+def test_no_module_imports_a_layer_above_or_beside_its_own():
+    bad = []
+    for module, imported in _graph().items():
+        own = _part(module)
+        for target in imported:
+            other = _part(target)
+            if other in ("", own):
+                continue
+            if LAYERS.get(other, 99) >= LAYERS.get(own, -1):
+                bad.append(f"{module} -> {target}")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from sparse_llm.ops import select", {"sparse_llm.ops.select"}),
+        ("from sparse_llm.ops import ffn_forward", {"sparse_llm.ops"}),
+        ("import sparse_llm.config", {"sparse_llm.config"}),
+        ("def f():\n    from sparse_llm.model import llama", {"sparse_llm.model.llama"}),
+    ],
+)
+def test_the_graph_reader_resolves_imports(tmp_path, source, expected):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert _imports(path, "sparse_llm.x", _modules()) == expected
