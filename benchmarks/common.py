@@ -209,7 +209,7 @@ def write_report(
         md_path.write_text(text)
 
 
-# ---- the synthetic sparse-FFN workload (DESIGN.md section 5), of every FFN benchmark ------------
+# ---- the synthetic sparse-FFN workload (docs/design.md section 5), of every FFN benchmark ------------
 # x rows ~ N(0, s_t^2) with a per-token scale s_t ~ LogNormal(0, 0.3); input feature 0 is held at
 # 1.0 and gate column 0 holds minus a per-unit threshold, (base + 0.5 * N(0, 1)) standard
 # deviations of that unit's pre-activation; 30% of the units never fire. `base` is found by

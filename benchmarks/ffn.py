@@ -1,6 +1,6 @@
 """Benchmark one inference FFN layer: dense eager, dense torch.compile and the TwELL kernels.
 
-The workload is DESIGN.md section 5 (benchmarks/common.py). Each timed call reads one of
+The workload is docs/design.md section 5 (benchmarks/common.py). Each timed call reads one of
 several input sets in turn (x and all three weights), so no call finds its weights in L2 from
 the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
 

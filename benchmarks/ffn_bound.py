@@ -19,7 +19,7 @@ The defaults are optimistic for an H100 or H200: 800 TFLOP/s is above what cuBLA
 gate GEMM (~750), 7 TB/s above the measured L2 gather rate of the sparse up/down (~5), and 1.4 is
 the measured reuse within 64-row blocks. Time over the bound is what any kernel of this design
 can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
-sets the rates our kernels reach on an H100 instead (benchmarks/NOTES_kernels.md, session 15).
+sets the rates our kernels reach on an H100 instead (docs/notes/kernels_log.md, session 15).
 
     python benchmarks/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md

@@ -7,22 +7,23 @@ nvidia-ml-py). The sparsity the kernels see is measured on the same
 prompts. Writes inference_benchmark.json and .md (device, commit, date) into --out.
 
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
-    python scripts/benchmark_inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
+    python benchmarks/inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
     # an existing model (export, checkpoint or run directory)
-    python scripts/benchmark_inference.py --model runs/my_run/export --batch 64 --prompt-len 2048
+    python benchmarks/inference.py --model runs/my_run/export --batch 64 --prompt-len 2048
     # CPU, toy size (what the tests run); `cuda` is replaced by its reference there
-    python scripts/benchmark_inference.py --tiny --out /tmp/bench
+    python benchmarks/inference.py --tiny --out /tmp/bench
 
 --sparsify trains the preset for --sparsify-steps with a high L1 coefficient through the
-project's Trainer (run directory <out>/sparsify_run, checkpoint + config.yaml), then loads that
-checkpoint. Prompts are held-out text of the embedded corpus (or --random-tokens).
+project's Trainer (benchmarks.common.sparsify; run directory <out>/sparsify_run, checkpoint +
+config.yaml), then loads that checkpoint. Each FFN implementation runs as a model of its own
+plan sharing the loaded weights (`with_ffn_plan`). Prompts are held-out text of the embedded
+corpus (or --random-tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import platform
 import statistics
@@ -32,17 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from sparse_llm.inference.ffn_select import cuda_unavailable_reason  # noqa: E402
-
-from sparse_llm.benchmarking import kernel_table  # noqa: E402
-from sparse_llm.inference import compile_prefill, load_model, resolve_ffn_impls, set_ffn_impl  # noqa: E402
-from sparse_llm.model.kv_cache import KVCache  # noqa: E402
-from sparse_llm.training.run_info import git_commit  # noqa: E402
+from benchmarks.common import REPO, kernel_table, model_preset, sparsify, token_batch
+from sparse_llm.inference import FASTEST, choose_ffn_plan, compile_prefill, load_model
+from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
+from sparse_llm.ops.select import select_ffn
+from sparse_llm.training.run_info import git_commit
 
 TINY = dict(batch=2, prompt_len=32, decode_tokens=4, reps=1, warmup=0, sparsify_steps=4)
 
@@ -103,46 +101,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------
-def sparsify(args: argparse.Namespace) -> Path:
+def sparsify_run(args: argparse.Namespace) -> Path:
     """Train the preset briefly with a high L1 through the Trainer; returns the run directory."""
-    from sparse_llm.training.short_run import short_training_run
-
-    run_dir = args.out / "sparsify_run"
-    model = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "model" / f"{args.preset}.yaml"))
     gpu = torch.cuda.is_available() and args.device != "cpu"
-    train = dict(
-        seq_len=args.sparsify_seq_len,
-        global_batch_size=args.sparsify_batch,
-        micro_batch_size=min(8, args.sparsify_batch),
-        max_steps=args.sparsify_steps,
-        lr=args.sparsify_lr,
-        warmup_steps=max(1, args.sparsify_steps // 10),
-        log_every=max(1, args.sparsify_steps // 20),
-        compile=gpu,
-        device="cuda" if gpu else "cpu",
-        progress=not args.tiny,
-    )
-    sparsity = dict(l1_coeff=args.l1_coeff, l1_warmup_end=max(1, args.sparsify_steps // 5))
+    model = model_preset(args.preset)
+    size = dict(seq_len=args.sparsify_seq_len, batch=args.sparsify_batch, lr=args.sparsify_lr)
     data = None
     if args.tiny:
         model.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
-        train.update(seq_len=32, global_batch_size=4, micro_batch_size=4, lr=1e-2)
+        size = dict(seq_len=32, batch=4, lr=1e-2)
         data = {"max_documents": 200}
-    trainer = short_training_run(run_dir, model, train, sparsity, data, overrides=args.set)
-    trainer.accelerator.free_memory()  # the accelerator holds the model and optimizer otherwise
-    del trainer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return run_dir
+    return sparsify(
+        args.out / "sparsify_run",
+        model,
+        steps=args.sparsify_steps,
+        l1_coeff=args.l1_coeff,
+        l1_warmup_end=max(1, args.sparsify_steps // 5),
+        micro_batch=min(8, size["batch"]),
+        data=data,
+        train={"compile": gpu, "device": "cuda" if gpu else "cpu", "progress": not args.tiny},
+        overrides=args.set,
+        **size,
+    )
 
 
-def prompts(tokenizer, vocab: int, batch: int, length: int, random_tokens: bool) -> torch.Tensor:
-    if not random_tokens:
-        from sparse_llm.data import heldout_text_ids
-
-        return heldout_text_ids(tokenizer, batch, length)
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+def with_ffn(model: SparseLlamaForCausalLM, impl: str) -> SparseLlamaForCausalLM:
+    """`model` with `impl` as the FFN of every inference phase (training stays dense), sharing its
+    weights."""
+    weight = model.lm_head.weight
+    plan = FFNPlan.resolve(
+        dict.fromkeys(("eval", "prefill", "decode"), impl), model.config, weight.device, weight.dtype
+    )
+    return model.with_ffn_plan(plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,14 +201,14 @@ def greedy_decode(model, first: torch.Tensor, cache: KVCache, tokens: int) -> li
 
 @torch.no_grad()
 def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled) -> dict[str, Any]:
-    """Prefill (eager, and through `compiled` when given) then greedy decode (eager) with `impl`."""
+    """Prefill (eager, and through `compiled` when given) then greedy decode (eager) with `model`,
+    whose FFN plan runs `impl`."""
     device = ids.device
     batch, length = ids.shape
     dtype = model.lm_head.weight.dtype
     times: dict[str, list[float]] = {"prefill": [], "prefill_compiled": [], "decode": []}
     joules: dict[str, list[float]] = {key: [] for key in times}
     tokens = logits_last = compiled_logits = None
-    set_ffn_impl(model, impl)
     for rep in range(args.warmup + args.reps):
         measured: dict[str, tuple[float, float | None]] = {}
         if compiled is not None:  # first, so that only one KV cache is alive at a time
@@ -241,7 +231,6 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
                     joules[key].append(energy_j)
         tokens, logits_last = torch.stack(generated, 1).cpu(), out.logits[:, -1].float().cpu()
         del cache, out
-    set_ffn_impl(model, "dense")
     counts = {
         "prefill": batch * length,
         "prefill_compiled": batch * length,
@@ -264,14 +253,13 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
 
 
 @torch.no_grad()
-def profile_prefill(model, ids: torch.Tensor, impl: str, forward, path: Path) -> None:
-    """One prefill through `forward` with `impl` under torch.profiler: its kernels by GPU time."""
-    set_ffn_impl(model, impl)
+def profile_prefill(model, ids: torch.Tensor, forward, path: Path) -> None:
+    """One prefill through `forward` (`model` or its compiled form) under torch.profiler: its
+    kernels by GPU time."""
     cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, ids.device, model.lm_head.weight.dtype)
     forward(ids, cache=cache, last_logits_only=True)  # warm (and compiled) before the trace
     cache.length = 0
     path.write_text(kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
-    set_ffn_impl(model, "dense")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -304,7 +292,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {fmt(r['decode_j_per_token'], '.3e')} "
             f"| {r['tokens_match_dense']:.1%} | {r['max_logit_diff_vs_dense']:.2e} |"
         )
-    lines += ["", f"`auto` chooses: prefill {report['auto']['prefill']}, decode {report['auto']['decode']}."]
+    fastest = report["fastest"]
+    lines += ["", f"`{FASTEST}` chooses: prefill {fastest['prefill']}, decode {fastest['decode']}."]
     for note in report["notes"]:
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -316,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     source = args.model
     if args.sparsify:
-        source = sparsify(args)
+        source = sparsify_run(args)
         notes.append(
             f"Weights: {args.sparsify_steps} steps of the `{args.preset}` preset with L1 {args.l1_coeff} "
-            f"(sparse_llm.training.trainer.Trainer), run directory {source}."
+            f"(benchmarks.common.sparsify, through the Trainer), run directory {source}."
         )
     try:
         loaded = load_model(source, args.device, args.dtype)
@@ -329,8 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     model = loaded.model
     device = model.lm_head.weight.device
     impls = list(dict.fromkeys(args.impls))
-    reason = cuda_unavailable_reason(model)
-    if "cuda" in impls and reason is not None:
+    kernels = select_ffn(
+        "auto",
+        "prefill",
+        device=device,
+        dtype=model.lm_head.weight.dtype,
+        hidden_size=model.config.hidden_size,
+        intermediate_size=model.config.intermediate_size,
+    )
+    reason = kernels.reason
+    if "cuda" in impls and kernels.impl != "cuda":
         impls = [("reference" if i == "cuda" else i) for i in impls]
         impls = list(dict.fromkeys(impls))
         notes.append(f"`cuda` ran as `reference` (the PyTorch path of the sparse front): {reason}.")
@@ -339,22 +336,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len + args.decode_tokens > model.config.max_position_embeddings:
         print("error: --prompt-len + --decode-tokens exceed max_position_embeddings", file=sys.stderr)
         return 2
-    ids = prompts(loaded.tokenizer, model.config.vocab_size, args.batch, args.prompt_len, args.random_tokens)
+    ids, _ = token_batch(
+        loaded.tokenizer,
+        model.config.vocab_size,
+        args.batch,
+        args.prompt_len,
+        random_tokens=args.random_tokens,
+    )
     ids = ids.to(device)
     sparsity = measure_sparsity(model, ids)
     if sparsity["mean"] < args.min_sparsity:
         notes.append(
             f"Warning: measured sparsity {sparsity['mean']:.2%} is below --min-sparsity {args.min_sparsity:.0%}."
         )
-    auto, measurement = resolve_ffn_impls(
-        model, "auto", "auto", calibration_batch=min(args.batch, 8), calibration_len=min(args.prompt_len, 512)
+    fastest, measurement = choose_ffn_plan(
+        model,
+        FASTEST,
+        FASTEST,
+        calibration_batch=min(args.batch, 8),
+        calibration_len=min(args.prompt_len, 512),
     )
     energy = Energy(device)
     if energy.handle is None:
         notes.append("Energy: NVML not available here (pip install nvidia-ml-py on an NVIDIA GPU).")
-    compiled = None
     if args.compile:
-        compiled = compile_prefill(model, backend=args.compile_backend)
         notes.append(
             f"Compiled prefill: torch.compile(model, backend={args.compile_backend!r}), one compilation "
             "per FFN implementation in the warm-up; decode runs eager."
@@ -363,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     for impl in impls:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        results.append(run_impl(model, ids, impl, args, energy, compiled))
+        impl_model = with_ffn(model, impl)
+        compiled = compile_prefill(impl_model, backend=args.compile_backend) if args.compile else None
+        results.append(run_impl(impl_model, ids, impl, args, energy, compiled))
         r = results[-1]
         compiled_note = (
             f", compiled {r['prefill_compiled_tokens_per_s']:,.0f} tok/s" if "prefill_compiled_s" in r else ""
@@ -374,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         if args.profile:
-            forward = model if compiled is None else compiled
-            profile_prefill(model, ids, impl, forward, args.out / f"profile_prefill_{impl}.txt")
+            forward = impl_model if compiled is None else compiled
+            profile_prefill(impl_model, ids, forward, args.out / f"profile_prefill_{impl}.txt")
+        del impl_model, compiled
     dense = results[0]
     for r in results:
         for phase in ("prefill", "prefill_compiled", "decode"):
@@ -406,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": "random tokens" if args.random_tokens else "held-out embedded text",
         "sparsity": sparsity,
         "meets_min_sparsity": sparsity["mean"] >= args.min_sparsity,
-        "auto": auto,
-        "auto_measurement": measurement,
+        "fastest": {"prefill": fastest.prefill.impl, "decode": fastest.decode.impl},
+        "fastest_measurement": measurement,
         "results": results,
         "notes": notes,
     }

@@ -129,13 +129,13 @@ def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, o
             sparsify(
                 run_dir,
                 model,
+                data={"max_documents": 300} if args.tiny else None,
+                train={"device": device},
                 steps=args.sparsify_steps,
                 l1_coeff=args.sparsify_l1,
                 lr=args.sparsify_lr,
                 seq_len=args.seq_len,
                 batch=args.micro_batch[0],
-                data={"max_documents": 300} if args.tiny else None,
-                train={"device": device},
             )
             return load_weights(run_dir)
 

@@ -3,9 +3,10 @@
     python scripts/compare_losses.py REF OTHER [OTHER ...] [--labels ref,a,b] [--keys ce,loss]
         [--min-step N] [--json out.json]
 
-REF and OTHER are run directories (their metrics.jsonl) or metrics.jsonl files. Only steps that
-every run logged (and, with --min-step, steps >= N) are compared. Prints a per-step table and, for each OTHER, the largest absolute
-and relative difference of each key; `--json` writes the same numbers.
+REF and OTHER are run directories (their metrics.jsonl, read by sparse_llm.analysis.runs.read_metrics:
+the last record of a step wins, as after a resume) or metrics.jsonl files. Only steps that every
+run logged (and, with --min-step, steps >= N) are compared. Prints a per-step table and, for each
+OTHER, the largest absolute and relative difference of each key; `--json` writes the same numbers.
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ import math
 from pathlib import Path
 from typing import Any
 
+from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.run_files import METRICS_FILE
+
 DEFAULT_KEYS = ("loss", "ce", "l1", "val_loss")
 
 
-def read_metrics(path: Path) -> dict[int, dict[str, Any]]:
-    """step -> record of a run directory or metrics.jsonl file (a later record of a step wins)."""
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    records: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            records.setdefault(int(record["step"]), {}).update(record)
-    return records
+def metrics_by_step(path: Path) -> dict[int, dict[str, Any]]:
+    """step -> record of a run directory or of its metrics.jsonl file."""
+    if path.is_file() and path.name == METRICS_FILE:
+        path = path.parent
+    elif not path.is_dir():
+        raise SystemExit(f"error: {path} is neither a run directory nor a {METRICS_FILE} file")
+    try:
+        return {int(r["step"]): r for r in read_metrics(path)}
+    except FileNotFoundError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def _number(value: Any) -> float | None:
@@ -97,7 +102,7 @@ def main() -> None:
     if len(labels) != len(args.runs):
         parser.error(f"{len(labels)} labels for {len(args.runs)} runs")
     keys = [k for k in args.keys.split(",") if k]
-    metrics = [read_metrics(p) for p in args.runs]
+    metrics = [metrics_by_step(p) for p in args.runs]
     reference, others = metrics[0], dict(zip(labels[1:], metrics[1:], strict=True))
     result = compare(reference, others, keys, args.min_step)
     if not result["steps"]:

@@ -2,11 +2,13 @@
 
     python scripts/generate.py runs/my_run/export --prompt "def main():" --max-new-tokens 64
     python scripts/generate.py runs/my_run/checkpoints/step_00000300 --prompt-file prompts.txt \
-        --temperature 0.8 --top-p 0.95 --seed 0 --prefill-ffn auto --decode-ffn auto --json
+        --temperature 0.8 --top-p 0.95 --seed 0 --prefill-ffn cuda --decode-ffn dense --json
 
 Prompts of different lengths are batched together (left padding); each stops at its EOS or
-after --max-new-tokens. --prefill-ffn / --decode-ffn pick the FFN per phase (dense, reference,
-cuda, or auto: measured at load time on a CUDA GPU, dense where the kernels cannot run).
+after --max-new-tokens. --prefill-ffn / --decode-ffn pick the FFN per phase: fastest (the
+default: dense and the CUDA kernels timed at load on a GPU where the kernels can run, dense
+elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. The last line
+(stderr) gives the new tokens per second of the generation, prefill included.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from sparse_llm.inference import Generator, SamplingParams, load_model
-
-FFN_CHOICES = ["auto", "dense", "reference", "cuda"]
+from sparse_llm.inference import FASTEST, Generator, SamplingParams, load_model
+from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-stop-at-eos", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
-    p.add_argument("--prefill-ffn", default="auto", choices=FFN_CHOICES)
-    p.add_argument("--decode-ffn", default="auto", choices=FFN_CHOICES)
+    p.add_argument("--prefill-ffn", default=FASTEST, choices=FFN_CHOICES)
+    p.add_argument("--decode-ffn", default=FASTEST, choices=FFN_CHOICES)
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the prefill (pays off for long prompts)"
     )
@@ -70,6 +71,8 @@ def main() -> int:
     start = time.perf_counter()
     out = generator.generate_ids(generator.encode(prompts), params)
     seconds = time.perf_counter() - start
+    new_tokens = sum(len(t) for t in out.tokens)
+    tokens_per_s = new_tokens / max(seconds, 1e-9)
     texts = [generator.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
     if args.json:
         result = {
@@ -80,6 +83,8 @@ def main() -> int:
             "ffn": generator.ffn,
             "ffn_measurement": generator.ffn_measurement,
             "seconds": seconds,
+            "new_tokens": new_tokens,
+            "tokens_per_s": tokens_per_s,
             "outputs": [
                 {"prompt": p, "text": t, "tokens": toks, "finish_reason": r}
                 for p, t, toks, r in zip(prompts, texts, out.tokens, out.finish_reasons, strict=True)
@@ -90,10 +95,9 @@ def main() -> int:
     for prompt, text, reason in zip(prompts, texts, out.finish_reasons, strict=True):
         print(f"{prompt}{text}")
         print(f"--- [{reason}]")
-    new = sum(len(t) for t in out.tokens)
     print(
-        f"{new} new tokens in {seconds:.2f}s; ffn prefill={generator.ffn['prefill']} "
-        f"decode={generator.ffn['decode']}",
+        f"{new_tokens} new tokens in {seconds:.2f}s ({tokens_per_s:,.1f} tokens/s); "
+        f"ffn prefill={generator.ffn['prefill']} decode={generator.ffn['decode']}",
         file=sys.stderr,
     )
     return 0

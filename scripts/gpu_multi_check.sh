@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU checks for one call on a 2-GPU machine (issue 6); results under $OUT (the device
-# returns at most 8 files: everything lands in one tarball, rebuilt after every part, plus the log).
+# Multi-GPU checks for one run on a 2-GPU machine (issue 6); results under $OUT, kept to a few files:
+# everything lands in one tarball, rebuilt after every part, plus the log.
 #   ddp_match    100M model, same global batch (16 x 1024): 1 GPU (2 micro-batches of 8) against
 #                2-GPU DDP (one of 8 per GPU), and the 1-GPU run with 4 micro-batches of 4 as the
 #                noise floor of a changed summation order; per-step losses compared
@@ -13,7 +13,7 @@
 #                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
 #                SCALE_EXTRA: overrides of every scaling run (e.g. data.prefetch=2);
 #                SCALE_BASELINE_EXTRA: also a 1-GPU run with these overrides instead, on the
-#                second GPU at the same time as the first 1-GPU run (an A/B in one call).
+#                second GPU at the same time as the first 1-GPU run (an A/B in one run).
 #   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda (CUDA training kernels every step:
 #                model.ffn_dense_above=1 turns the per-layer dense fallback off) under DDP and
 #                FSDP2, each compared with the same run on the dense FFN. The kernels are built
@@ -29,7 +29,7 @@ DEADLINE=${DEADLINE:-100000}
 OUT=${OUT:-/tmp/gpu_multi_out}
 WORK=${WORK:-/tmp/multi}
 mkdir -p "$OUT" "$WORK/runs" "$WORK/logs" "$WORK/results"
-# NVLink multicast stays off (device README): it can take the host's shared GPUs down.
+# NVLink multicast stays off: it can take the host's shared GPUs down.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 source scripts/device_env.sh || exit 1
@@ -101,8 +101,7 @@ run_limited() {  # seconds, name, command...: the whole process tree is killed a
 }
 
 pack() {  # everything small that a part produced, as one tarball under $OUT
-  (cd "$WORK" && find runs -maxdepth 2 \( -name metrics.jsonl -o -name metrics_prekill.jsonl -o -name config.yaml \
-    -o -name run_info.json \) -print0 | tar -czf "$OUT/multi_results.tar.gz" --null -T - logs results)
+  (cd "$WORK" && find runs -maxdepth 2 \( -name metrics.jsonl -o -name config.yaml -o -name run_info.json \) -print0 | tar -czf "$OUT/multi_results.tar.gz" --null -T - logs results)
 }
 
 # ---- the runs ---------------------------------------------------------------------------------
@@ -146,10 +145,11 @@ fsdp_resume() {
   # shellcheck disable=SC2046
   $(launch fsdp2 $FSDP run_dir=$dir) >"$log" 2>&1 &
   local pid=$! waited=0
-  until python3 - "$dir/metrics.jsonl" "$FSDP_KILL_AFTER" <<'EOF' 2>/dev/null
-import json, sys
-steps = [json.loads(l)["step"] for l in open(sys.argv[1]) if l.strip()]
-sys.exit(0 if steps and max(steps) >= int(sys.argv[2]) else 1)
+  until python3 - "$dir" "$FSDP_KILL_AFTER" <<'EOF' 2>/dev/null
+import sys
+from sparse_llm.analysis.runs import read_metrics
+records = read_metrics(sys.argv[1])  # fails (not yet) while the first record is being written
+sys.exit(0 if records and records[-1]["step"] >= int(sys.argv[2]) else 1)
 EOF
   do
     if ! kill -0 "$pid" 2>/dev/null || [ $waited -ge 1500 ]; then
@@ -162,13 +162,14 @@ EOF
   kill_tree "$pid"  # the launcher and both workers, SIGKILL: a crash, no clean-up
   wait "$pid" 2>/dev/null
   echo "   killed at $(date -u +%H:%M:%S); checkpoints: $(ls -a "$dir/checkpoints" | tr '\n' ' ')" | tee -a "$log"
-  cp "$dir/metrics.jsonl" "$dir/metrics_prekill.jsonl"
+  # The losses logged before the kill, as a run directory of their own for compare_losses.py.
+  mkdir -p "$RUNS/fsdp_prekill" && cp "$dir/metrics.jsonl" "$RUNS/fsdp_prekill/metrics.jsonl"
   run_limited 300 fsdp_resumed $(launch fsdp2 $FSDP run_dir=$dir train.resume=auto) || return 1
   local resumed_at
   resumed_at=$(grep -ho "at step [0-9]*" "$WORK/logs/fsdp_resumed.log" | head -n 1 | awk '{print $3}')
   echo "   resumed at step ${resumed_at:-?}"
   # Steps after the checkpoint: logged before the kill, and again by the resumed run.
-  python3 scripts/compare_losses.py "$dir/metrics_prekill.jsonl" "$dir" --labels before_kill,resumed \
+  python3 scripts/compare_losses.py "$RUNS/fsdp_prekill" "$dir" --labels before_kill,resumed \
     --keys loss,ce,l1,grad_norm --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
     | tail -n 8
   if [ "${FSDP_REFERENCE:-0}" = 1 ] && fits 150 fsdp_straight; then

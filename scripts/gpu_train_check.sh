@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trainer checks for one device call; results under $OUT (the device returns at most 8 files).
+# Trainer checks for one run on a GPU machine; results under $OUT, a few files (one tarball a run).
 #   bench1b          dense 1B preset, 8 x 2048 tokens per step, compiled bf16: tokens/s, MFU, peak memory
 #   l1reinit L1 0    ~100M model on the machine's Python sources with the L1 coefficient $SPARSITY_L1:
 #   l1noreinit       with dead-unit reinit, without it, and the L1 = 0 twin. Each run's metrics,
@@ -32,7 +32,7 @@ sparsity_run() {  # name, extra overrides...
 for part in "$@"; do
   case "$part" in
     gputest)  # model-level GPU tests (compiled statistics, ffn_impl=cuda logits)
-      python3 -m pytest -q -m gpu tests/test_model_gpu.py 2>&1 | tee "$OUT/model_gpu_tests.log" | tail -n 5
+      python3 -m pytest -q -m gpu tests/model/test_model_gpu.py 2>&1 | tee "$OUT/model_gpu_tests.log" | tail -n 5
       ;;
     bench1b)
       $TRAIN experiment=bench_1b run_dir=$RUNS/bench_1b train.max_steps=40 2>&1 | tail -n 5

@@ -2,7 +2,8 @@
 
     python scripts/summarize_run.py RUN_DIR --name train_1b_dense --out benchmarks/results [--skip 2]
 
-Medians are over the logged windows after the first `--skip` (compilation and warm-up).
+Medians are over the logged windows after the first `--skip` (compilation and warm-up); a step
+logged twice (a resumed run) counts once, its last record (sparse_llm.analysis.runs.read_metrics).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from pathlib import Path
 
 import yaml
 
+from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.run_files import CONFIG_FILE
+
 
 def summarize(run_dir: Path, skip: int) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    windows = [r for r in records if "tokens_per_s" in r][skip:]
+    windows = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][skip:]
     if not windows:
         raise SystemExit(f"error: {run_dir} has no throughput records after skipping {skip}")
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     info_path = run_dir / "run_info.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     t = cfg["train"]

@@ -1,5 +1,5 @@
 """Shared by the GPU kernel tests: named sparsity patterns of g = x Wg^T on random bf16 inputs
-(DESIGN section 3), the relative error the exactness contract is stated in, and the Hopper skip."""
+(docs/design.md section 3), the relative error the exactness contract is stated in, and the Hopper skip."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The L1 activation penalty and its coefficient schedule (DESIGN.md section 2).
+"""The L1 activation penalty and its coefficient schedule (docs/design.md section 2).
 
 The trainer forms `loss = ce + l1_coefficient(cfg, step) * l1_penalty(stats)` per micro-batch
 and logs the three terms separately.

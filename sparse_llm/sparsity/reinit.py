@@ -1,4 +1,4 @@
-"""Targeted re-initialisation of dead FFN units (DESIGN.md section 2).
+"""Targeted re-initialisation of dead FFN units (docs/design.md section 2).
 
 A dead unit's gate row gets a fresh draw from the model's init distribution, and the AdamW
 moments of exactly the re-drawn rows/columns are zeroed, so stale moments do not push the new

@@ -6,7 +6,10 @@ A checkpoint is a directory `step_XXXXXXXX/` holding
   tensors.safetensors    other tensor state: RNG states, the sparsity tracker
   trainer_state.json     step, token count, scheduler and data-loader states, written last
 It is written into a hidden temporary directory and renamed into place, so a crash mid-write
-leaves only a `.tmp-*` directory that discovery never picks. Loading never unpickles code:
+leaves only a `.tmp-*` directory that discovery never picks. The manifest records the size and
+SHA-256 of every other file; `verify_checkpoint` checks them, so a checkpoint damaged after it was
+written (a truncated copy, a full disk, bit rot) is detected before it is loaded, and
+`resume=auto` falls back to the newest checkpoint that verifies. Loading never unpickles code:
 safetensors for weights, `torch.load(weights_only=True)` for the optimizer.
 
 A sharded model (FSDP2: DTensor parameters) is saved instead as `sharded/`, a
@@ -18,10 +21,12 @@ model state dict offline, in a single process (for a Hugging Face export).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,11 @@ from sparse_llm.run_files import CHECKPOINT_MANIFEST as MANIFEST
 from sparse_llm.run_files import checkpoint_dir_name, list_checkpoints
 
 SHARDED_DIR = "sharded"
+FILES_KEY = "files"  # in the manifest: {relative path: {"size": bytes, "sha256": hex}}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from: incomplete, damaged, or of another kind of run."""
 
 
 @dataclass
@@ -114,7 +124,9 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | No
         save_file(ckpt.model, tmp / "model.safetensors", metadata={"format": "pt"})
         torch.save(ckpt.optimizer, tmp / "optimizer.pt")
     save_file({k: v.contiguous().cpu() for k, v in ckpt.tensors.items()}, tmp / "tensors.safetensors")
-    (tmp / MANIFEST).write_text(json.dumps({"step": ckpt.step, **ckpt.state}, indent=1))
+    _match_umask_permissions(tmp)
+    manifest = {"step": ckpt.step, **ckpt.state, FILES_KEY: _file_digests(tmp)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for path in tmp.rglob("*"):
         _fsync(path)
     if final.exists():
@@ -125,10 +137,77 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | No
     return final
 
 
+def _file_digests(directory: Path) -> dict[str, dict[str, Any]]:
+    return {
+        str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _match_umask_permissions(directory: Path) -> None:
+    """safetensors writes its files 0600; give every file the mode the rest of the run gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with the checkpoint at `path` (one line), or None when every file it records
+    has its recorded size and SHA-256. Checkpoints written before files were recorded are only
+    checked for their manifest."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST} (an incomplete write)"
+    try:
+        recorded = json.loads(manifest.read_text()).get(FILES_KEY, {})
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"{MANIFEST} is unreadable ({err})"
+    for name, expected in recorded.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, {expected['size']} were written"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its recorded SHA-256"
+    return None
+
+
+def checkpoint_to_resume(root: Path, requested: str) -> Path | None:
+    """The checkpoint `train.resume` names: `auto` is the newest under `root` that verifies (each
+    newer one that does not is skipped with a warning naming it and why; None when there is none);
+    an explicit directory must verify, else CheckpointError."""
+    if requested != "auto":
+        path = Path(requested)
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CheckpointError(f"cannot resume from {path}: {problem}")
+        return path
+    for path in reversed(list_checkpoints(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        warnings.warn(f"resume=auto: skipping {path}: {problem}", stacklevel=2)
+    return None
+
+
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
     if not (path / MANIFEST).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST})")
     state = json.loads((path / MANIFEST).read_text())
+    state.pop(FILES_KEY, None)
     sharded = (path / SHARDED_DIR).is_dir()  # model and optimizer: load_sharded_state
     return Checkpoint(
         step=int(state.pop("step")),
@@ -238,7 +317,7 @@ def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
     """Load the checkpoint at `path` into `parts` (collective under FSDP2); returns it for the
     trainer's own counters (step, tokens_seen, the world size it was written by)."""
     if (path / SHARDED_DIR).is_dir() != parts.sharded:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is {'' if not parts.sharded else 'not '}sharded and this run is "
             f"{'' if parts.sharded else 'not '}(FSDP2 checkpoints resume under FSDP2 only)"
         )

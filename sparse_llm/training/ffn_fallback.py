@@ -8,7 +8,7 @@ density (l0 / H) a layer trains faster dense. The rule, per layer, on the measur
 
 Both paths compute the same function (exactly), so a switch changes speed, never the result;
 each switch is logged and reported as a metric. `max_density` is a speed knob measured with
-scripts/benchmark_ffn.py --train (D=2048, H=5632, 16384 tokens): the CUDA training FFN beats
+benchmarks/ffn.py --train (D=2048, H=5632, 16384 tokens): the CUDA training FFN beats
 compiled dense up to ~56 active units per token on an H100 and ~84 on an H200 (interpolated
 between the measured 30, 60 and 120; its gathers lean on L2, 50 MB on the H100 against 60), hence
 the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md).

@@ -254,6 +254,12 @@ class Trainer:
         grad_norm = math.nan
         if t.grad_clip > 0:
             grad_norm = self.accelerator.clip_grad_norm_(self.prepared_model.parameters(), t.grad_clip).item()
+            if not math.isfinite(grad_norm):
+                raise TrainingDiverged(
+                    f"the gradient norm became {grad_norm} at step {self.step + 1} (loss {ce}); stopping "
+                    f"without a checkpoint. Last good checkpoint: "
+                    f"{latest_checkpoint(self.checkpoint_root) or 'none'}."
+                )
         lr = self.scheduler.get_last_lr()[0]
         self.prepared_optimizer.step()
         self.scheduler.step()
@@ -322,15 +328,12 @@ class Trainer:
             ckpt_io.remove_stale_temporaries(self.checkpoint_root)
         if resume == "none":
             return
-        path = latest_checkpoint(self.checkpoint_root) if resume == "auto" else Path(resume)
+        path = ckpt_io.checkpoint_to_resume(self.checkpoint_root, resume)
         if path is None:
             if self.accelerator.is_main_process:
-                print(f"resume=auto: no checkpoint in {self.checkpoint_root}, starting from scratch")
+                print(f"resume=auto: no usable checkpoint in {self.checkpoint_root}, starting from scratch")
             return
-        try:
-            ckpt = ckpt_io.restore_training_state(path, self.state)
-        except ValueError as err:
-            raise ConfigError(f"config key 'train.resume': {err}") from None
+        ckpt = ckpt_io.restore_training_state(path, self.state)
         saved_world = ckpt.state["world_size"]
         if saved_world != self.world_size and self.accelerator.is_main_process:
             # Weights, optimizer, tracker and data position are global: only the split of each

@@ -1,5 +1,5 @@
-"""The benchmark scripts' shared helpers: the median time, the GPU idle table, the CPU kernel table,
-the memory peak table."""
+"""The benchmark scripts' shared helpers (benchmarks/common.py): the median time, the GPU idle
+table, the CPU kernel table, the memory peak table."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import DeviceType
 
-from sparse_llm.benchmarking import (
+from benchmarks.common import (
     device_kernel_table,
     gpu_idle_table,
     kernel_table,

@@ -1,8 +1,7 @@
-"""scripts/ffn_bound.py: the threshold search of the lower bound, and the script end to end."""
+"""benchmarks/ffn_bound.py: the threshold search of the lower bound, and the script end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,19 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ffn_bound.py"
+from benchmarks import ffn_bound as fb
+from benchmarks.common import make_workload
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("ffn_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ffn_bound"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = Path(fb.__file__)
 
 
 def test_bound_picks_the_cheapest_threshold_and_only_the_units_heavy_rows_use():
-    fb = _load_script()
     d = 4
     # Two heavy-ish rows using units 0-2 only; four light rows of one unit each; unit 3 fires in a
     # light row only, unit 4 never.
@@ -49,7 +42,6 @@ def test_bound_picks_the_cheapest_threshold_and_only_the_units_heavy_rows_use():
 
 
 def test_activation_rate_prices_only_the_backward_activation_rows():
-    fb = _load_script()
     d = 4
     row_counts = torch.tensor([1, 1, 1])  # at threshold 1: three light non-zeros
     unit_max_row = torch.tensor([1, 1])
@@ -67,10 +59,7 @@ def test_activation_rate_prices_only_the_backward_activation_rows():
 
 
 def test_activity_profile_matches_the_workload_counts():
-    fb = _load_script()
     row_counts, unit_max_row = fb.activity_profile(300, 32, 96, 6.0, seed=1, chunk=128)
-    from sparse_llm.ops.workload import make_workload
-
     w = make_workload(300, 32, 96, 6.0, seed=1, dtype=torch.float32)
     active = (w.x @ w.wg.T) > 0
     assert torch.equal(row_counts, active.sum(1))

@@ -328,7 +328,7 @@ def test_benchmark_script_tiny(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            "scripts/benchmark_inference.py",
+            "benchmarks/inference.py",
             "--tiny",
             "--sparsify-steps",
             "3",

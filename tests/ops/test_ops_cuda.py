@@ -1,4 +1,4 @@
-"""GPU tests of the TwELL kernels: the exactness contract of DESIGN.md section 3 on any pattern.
+"""GPU tests of the TwELL kernels: the exactness contract of docs/design.md section 3 on any pattern.
 
 Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's error (+ a tiny
 floor), every output element written, on fresh random inputs and on adversarial patterns.
@@ -8,10 +8,10 @@ import pytest
 import torch
 from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
 
+from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.cuda_ops import extension
+from sparse_llm.ops.select import extension
 from sparse_llm.ops.twell import TILE, n_tiles
-from sparse_llm.ops.workload import make_workload
 
 pytestmark = pytest.mark.gpu
 

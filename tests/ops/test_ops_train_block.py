@@ -208,7 +208,7 @@ def test_bad_inputs_are_clear_errors():
         ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="cuda")
 
 
-# --- the CUDA kernels, against float64 (DESIGN section 3) ----------------------------------------
+# --- the CUDA kernels, against float64 (docs/design.md section 3) ----------------------------------------
 
 
 def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):

@@ -1,6 +1,6 @@
 """GPU tests of the CUDA training kernels (ffn_forward_train(impl="cuda")): the outputs, the
 statistics and all four gradients against the float64 dense computation on every pattern of the
-exactness contract (DESIGN section 3), and the op under torch.compile, checkpointing and autocast.
+exactness contract (docs/design.md section 3), and the op under torch.compile, checkpointing and autocast.
 
 Contract: relative Frobenius error vs float64 <= 2x the dense bf16 torch path's (+ a floor) for
 y, l1, dx, dWg, dWu, dWd; the integer statistics equal the dense bf16 path's (same bf16 gate).
@@ -26,8 +26,8 @@ from ffn_patterns import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.common import make_workload
 from sparse_llm.ops.train import ffn_forward_train
-from sparse_llm.ops.workload import make_workload
 
 pytestmark = pytest.mark.gpu
 

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from sparse_llm import run_files
@@ -77,3 +78,44 @@ def test_load_model_state_restores_tied_weights():
 def test_optimizer_file_loads_without_unpickling_code(tmp_path: Path):
     path = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(1), keep_last=1)
     torch.load(path / "optimizer.pt", weights_only=True)
+
+
+def _damage(path: Path, how: str) -> None:
+    target = path / "model.safetensors"
+    data = target.read_bytes()
+    if how == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif how == "flip":
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        target.unlink()
+
+
+def test_every_file_is_recorded_and_written_with_the_run_s_permissions(tmp_path: Path):
+    path = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(3), keep_last=2)
+    assert ckpt_io.verify_checkpoint(path) is None
+    import json
+    import os
+    import stat
+
+    recorded = json.loads((path / run_files.CHECKPOINT_MANIFEST).read_text())[ckpt_io.FILES_KEY]
+    assert set(recorded) == {"model.safetensors", "optimizer.pt", "tensors.safetensors"}
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in path.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file.name
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path: Path, how: str):
+    older = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(2), keep_last=3)
+    newer = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(4), keep_last=3)
+    _damage(newer, how)
+    assert "model.safetensors" in ckpt_io.verify_checkpoint(newer)
+    with pytest.warns(UserWarning, match=f"skipping {newer}: model.safetensors"):
+        assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") == older
+    with pytest.raises(ckpt_io.CheckpointError, match=f"cannot resume from {newer}: model.safetensors"):
+        ckpt_io.checkpoint_to_resume(tmp_path, str(newer))
+    _damage(older, how)
+    with pytest.warns(UserWarning):
+        assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") is None
