@@ -7,7 +7,8 @@ checks the cross-field rules. Everything here runs before any model or data is b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,66 +21,121 @@ ATTN_IMPLS = ("sdpa", "flash")
 DATA_SOURCES = ("embedded", "files", "hub")
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any compute."""
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a field accepts: a number in a range (finite, the field's type, bounds inclusive or
+    not), or one of `choices`. `optional`: None is accepted too."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[str, ...] | None = None
+    optional: bool = False
+
+    def problem(self, value: Any, annotation: str) -> str | None:
+        """Why `value` (of a field annotated `annotation`) breaks the rule, or None."""
+        if value is None:
+            return None if self.optional else "must be set"
+        if self.choices is not None:
+            return None if value in self.choices else f"{value!r} is not one of {', '.join(self.choices)}"
+        wants_int = annotation.startswith("int")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (wants_int and not isinstance(value, int))
+        ):
+            return f"must be {'an integer' if wants_int else 'a number'}, got {value!r}"
+        if not math.isfinite(value):
+            return f"must be finite, got {value}"
+        in_range = (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+        if not in_range:
+            return f"must be {self.describe()}, got {value}"
+        return None
+
+    def describe(self) -> str:
+        parts = [
+            f"{word} {bound:g}"
+            for bound, word in ((self.ge, ">="), (self.gt, ">"), (self.le, "<="), (self.lt, "<"))
+            if bound is not None
+        ]
+        return " and ".join(parts) or "any number"
+
+
+def checked(default: Any, **rule: Any) -> Any:
+    """A dataclass field with its Rule in the metadata: every numeric and choice field of the schema
+    has one (tests/test_config.py enumerates the schema and fails on a numeric field without)."""
+    return field(default=default, metadata={"rule": Rule(**rule)})
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 0  # 0: same as num_attention_heads (multi-head attention)
-    max_position_embeddings: int = 2048
-    rope_theta: float = 100000.0
-    rms_norm_eps: float = 1e-5
+    vocab_size: int = checked(0, ge=0)  # 0: take the tokenizer's vocabulary size
+    hidden_size: int = checked(256, gt=0)
+    intermediate_size: int = checked(704, gt=0)
+    num_hidden_layers: int = checked(4, gt=0)
+    num_attention_heads: int = checked(4, gt=0)
+    num_key_value_heads: int = checked(0, ge=0)  # 0: same as num_attention_heads (multi-head attention)
+    max_position_embeddings: int = checked(2048, gt=0)
+    rope_theta: float = checked(100000.0, gt=0)
+    rms_norm_eps: float = checked(1e-5, gt=0)
     tie_word_embeddings: bool = True
-    initializer_range: float = 0.02
-    ffn_impl: str = "dense"
+    initializer_range: float = checked(0.02, gt=0)
+    ffn_impl: str = checked("dense", choices=FFN_IMPLS)
     # ffn_impl=cuda: a layer whose measured density (L0 / H) exceeds this trains with the dense FFN
-    # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmark_ffn.py --train.
-    ffn_dense_above: float = 0.01
-    attn_impl: str = "sdpa"
+    # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmarks/ffn.py --train.
+    ffn_dense_above: float = checked(0.01, gt=0, le=1)
+    attn_impl: str = checked("sdpa", choices=ATTN_IMPLS)
 
 
 @dataclass
 class DataConfig:
     name: str = "embedded"
-    source: str = "embedded"  # embedded (Python stdlib sources), files, hub
+    source: str = checked("embedded", choices=DATA_SOURCES)  # embedded (Python stdlib sources), files, hub
     paths: list[str] = field(default_factory=list)  # files: jsonl / parquet / txt paths or globs
     hub_id: str | None = None  # hub: dataset id, e.g. HuggingFaceFW/fineweb-edu
     hub_config: str | None = None  # hub: dataset config name, e.g. sample-10BT
     hub_split: str = "train"
     text_field: str = "text"
     tokenizer: str = "embedded"  # "embedded", a local directory, or a hub id
-    val_fraction: float = 0.02  # share of documents held out for validation (by content hash)
-    max_documents: int = 0  # > 0: read only the first N documents (rows) of the source
+    val_fraction: float = checked(
+        0.02, ge=0, lt=1
+    )  # share of documents held out for validation (by content hash)
+    max_documents: int = checked(0, ge=0)  # > 0: read only the first N documents (rows) of the source
     # Training batches read ahead by a background thread (0: read in the loop); None: 2 on a GPU
     # (measured +3.7% tokens/s on the 1b preset, H200), 0 on CPU (there the thread takes cores
     # from the model's compute: ~5% slower on 2 cores).
-    prefetch: int | None = None
+    prefetch: int | None = checked(None, ge=0, optional=True)
 
 
 @dataclass
 class TrainConfig:
-    seq_len: int = 256
-    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 8  # sequences per forward pass on one rank
-    max_steps: int = 300
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    seq_len: int = checked(256, gt=0)
+    global_batch_size: int = checked(16, gt=0)  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = checked(8, gt=0)  # sequences per forward pass on one rank
+    max_steps: int = checked(300, gt=0)
+    lr: float = checked(2e-3, gt=0)
+    min_lr_ratio: float = checked(0.1, ge=0, le=1)
+    warmup_steps: int = checked(30, ge=0)
+    weight_decay: float = checked(0.1, ge=0)
+    beta1: float = checked(0.9, ge=0, lt=1)
+    beta2: float = checked(0.95, ge=0, lt=1)
+    eps: float = checked(1e-8, gt=0)
+    grad_clip: float = checked(1.0, ge=0)
+    precision: str = checked("auto", choices=PRECISIONS)  # auto: bf16 on GPU, fp32 on CPU
     compile: bool = False
     activation_checkpointing: bool = False
     # RMSNorm outputs recomputed in the backward instead of saved: a [tokens, D] activation per norm
@@ -87,13 +143,13 @@ class TrainConfig:
     # block never saves its norm's output) for 0.6-0.8% of the step time
     # (H100, benchmarks/results/train_1b_recompute_h100.md).
     recompute_norms: bool = False
-    seed: int = 0
-    device: str = "auto"  # auto, cpu, cuda
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
-    checkpoint_every: int = 0  # 0: only the final checkpoint
-    keep_last: int = 2
+    seed: int = checked(0, ge=0)
+    device: str = checked("auto", choices=DEVICES)
+    log_every: int = checked(10, gt=0)
+    eval_every: int = checked(100, ge=0)
+    eval_batches: int = checked(4, gt=0)
+    checkpoint_every: int = checked(0, ge=0)  # 0: only the final checkpoint
+    keep_last: int = checked(2, ge=1)
     resume: str = "none"  # none, auto, or a checkpoint directory
     export: bool = True
     progress: bool = True
@@ -102,23 +158,27 @@ class TrainConfig:
 @dataclass
 class ReinitConfig:
     enabled: bool = False
-    every: int = 100  # steps between reinitialisations of dead units
+    every: int = checked(100, gt=0)  # steps between reinitialisations of dead units
     reset_up_down: bool = False  # also re-draw the up_proj rows and down_proj columns of dead units
 
 
 @dataclass
 class SparsityConfig:
-    l1_coeff: float = 0.0
-    l1_warmup_start: int = 0  # coefficient ramps linearly from 0 at this step ...
-    l1_warmup_end: int = 0  # ... to l1_coeff at this step, constant after
-    dead_window_tokens: int = 0  # a unit is dead after this many tokens without firing; 0: one global batch
+    l1_coeff: float = checked(0.0, ge=0)
+    l1_warmup_start: int = checked(0, ge=0)  # coefficient ramps linearly from 0 at this step ...
+    l1_warmup_end: int = checked(0, ge=0)  # ... to l1_coeff at this step, constant after
+    dead_window_tokens: int = checked(
+        0, ge=0
+    )  # a unit is dead after this many tokens without firing; 0: one global batch
     reinit: ReinitConfig = field(default_factory=ReinitConfig)
     plots: bool = True  # PNG plots of the sparsity curves in the run directory at the end
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"  # auto: online if an API key is configured, offline otherwise
+    mode: str = checked(
+        "auto", choices=WANDB_MODES
+    )  # auto: online if an API key is configured, offline otherwise
     project: str = "sparse-llm"
     entity: str | None = None
     name: str | None = None
@@ -173,31 +233,27 @@ def resolve_config(cfg: RunConfig, tokenizer_vocab: int, world_size: int = 1) ->
     return resolved
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"config key '{key}': must be > 0, got {value}")
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Every field's own Rule (type, finiteness, range, choices), walking nested configs; the
+    first failure is a ConfigError naming the key."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            check_fields(value, f"{key}.")
+            continue
+        rule = f.metadata.get("rule")
+        if rule is None:
+            continue
+        problem = rule.problem(value, str(f.type))
+        if problem is not None:
+            raise ConfigError(f"config key '{key}': {problem}")
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
-    """Cross-field checks; each failure names the offending key."""
+    """Each field's rule, then the cross-field checks; each failure names the offending key."""
+    check_fields(cfg)
     m, d, t, s = cfg.model, cfg.data, cfg.train, cfg.sparsity
-    _choice("model.ffn_impl", m.ffn_impl, FFN_IMPLS)
-    _choice("model.attn_impl", m.attn_impl, ATTN_IMPLS)
-    _choice("data.source", d.source, DATA_SOURCES)
-    _choice("train.precision", t.precision, PRECISIONS)
-    _choice("train.device", t.device, ("auto", "cpu", "cuda"))
-    _choice("logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _positive(f"model.{key}", getattr(m, key))
-    if d.prefetch is not None and d.prefetch < 0:
-        raise ConfigError(f"config key 'data.prefetch': must be >= 0, got {d.prefetch}")
-    if not 0 < m.ffn_dense_above <= 1:
-        raise ConfigError(f"config key 'model.ffn_dense_above': must be in (0, 1], got {m.ffn_dense_above}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"config key 'model.num_attention_heads': {m.num_attention_heads} heads do not divide "
@@ -211,8 +267,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"config key 'model.num_key_value_heads': {kv_heads} does not divide "
             f"model.num_attention_heads={m.num_attention_heads}"
         )
-    for key in ("seq_len", "global_batch_size", "micro_batch_size", "max_steps", "lr", "log_every"):
-        _positive(f"train.{key}", getattr(t, key))
     if t.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"config key 'train.seq_len': {t.seq_len} exceeds "
@@ -224,10 +278,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size x world size = {t.micro_batch_size} x {world_size}"
         )
-    if t.keep_last < 1:
-        raise ConfigError("config key 'train.keep_last': must keep at least 1 checkpoint")
-    if not 0.0 <= d.val_fraction < 1.0:
-        raise ConfigError(f"config key 'data.val_fraction': must be in [0, 1), got {d.val_fraction}")
     if d.source == "files":
         if not d.paths:
             raise ConfigError("config key 'data.paths': data.source=files needs at least one path")
@@ -240,12 +290,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError("config key 'data.tokenizer': a tokenizer is required")
     if _looks_like_path(d.tokenizer) and not Path(d.tokenizer).expanduser().exists():
         raise ConfigError(f"config key 'data.tokenizer': no tokenizer at {d.tokenizer!r}")
-    if s.l1_coeff < 0:
-        raise ConfigError(f"config key 'sparsity.l1_coeff': must be >= 0, got {s.l1_coeff}")
-    if s.dead_window_tokens < 0:
-        raise ConfigError("config key 'sparsity.dead_window_tokens': must be >= 0")
-    if s.reinit.enabled and s.reinit.every <= 0:
-        raise ConfigError("config key 'sparsity.reinit.every': must be > 0 when reinit is enabled")
     if s.l1_warmup_end < s.l1_warmup_start:
         raise ConfigError("config key 'sparsity.l1_warmup_end': must be >= sparsity.l1_warmup_start")
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():

@@ -89,3 +89,80 @@ def test_local_file_paths_are_accepted(tmp_path: Path):
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
     cfg = load_config(composed("data=files", f"data.paths=[{tmp_path}/*.jsonl]"))
     assert cfg.data.paths == [f"{tmp_path}/*.jsonl"]
+
+
+# --- every field of the schema, enumerated: a new field is covered without editing this test ------
+
+
+def _schema_fields(cls=None, prefix=""):
+    """(key, field) for every leaf field of RunConfig, nested configs walked."""
+    import dataclasses
+    import typing
+
+    from sparse_llm.config import RunConfig
+
+    cls = cls or RunConfig
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _schema_fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, kind
+
+
+def _is_numeric(kind) -> bool:
+    import typing
+
+    args = set(typing.get_args(kind)) - {type(None)}
+    return kind in (int, float) or (bool(args) and args <= {int, float})
+
+
+def _bad_values(f, kind):
+    """Values the field must refuse: wrong type, non-finite, out of range, unknown choice."""
+    rule = f.metadata["rule"]
+    if rule.choices is not None:
+        return ["no-such-choice"]
+    values: list = ["abc", float("nan"), float("inf"), float("-inf")]
+    wants_int = int in ((kind,) if kind in (int, float) else __import__("typing").get_args(kind))
+    if wants_int:
+        values.append(1.5)
+    for bound, step in ((rule.ge, -1), (rule.gt, 0), (rule.le, 1), (rule.lt, 0)):
+        if bound is not None:
+            values.append(int(bound) + step if wants_int else bound + step * 0.5)
+    if rule.gt is not None:
+        values.append(int(rule.gt) if wants_int else rule.gt)
+    if rule.lt is not None:
+        values.append(int(rule.lt) if wants_int else rule.lt)
+    return values
+
+
+def test_every_numeric_and_choice_field_has_a_rule():
+    missing = [key for key, f, kind in _schema_fields() if _is_numeric(kind) and "rule" not in f.metadata]
+    assert not missing, f"give these fields a rule (config.checked): {missing}"
+
+
+def _one_bad_config(key: str, value):
+    raw: dict = {}
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        (key, value)
+        for key, f, kind in _schema_fields()
+        if "rule" in f.metadata
+        for value in _bad_values(f, kind)
+    ],
+)
+def test_every_bad_value_is_one_clear_line_naming_its_key(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config(_one_bad_config(key, value))
+    message = str(err.value)
+    assert f"'{key}'" in message and "\n" not in message, message
