@@ -28,25 +28,26 @@ train: setup
 	$(PYTHON) -m sparse_llm.train $(ARGS)
 
 test: setup
-	$(PYTHON) -m ruff check sparse_llm scripts tests
+	$(PYTHON) -m ruff check sparse_llm scripts benchmarks tests
 	$(PYTHON) -m pytest -q -m "not gpu" $(ARGS)
 
 test-gpu: setup
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
 
 lint: setup
-	$(PYTHON) -m ruff check sparse_llm scripts tests
-	$(PYTHON) -m ruff format --check sparse_llm scripts tests
+	$(PYTHON) -m ruff check sparse_llm scripts benchmarks tests
+	$(PYTHON) -m ruff format --check sparse_llm scripts benchmarks tests
 
 bench: setup
-	$(PYTHON) scripts/benchmark_ffn.py $(ARGS)
+	$(PYTHON) benchmarks/ffn.py $(ARGS)
 
 # Summarise an L1 sweep (hydra multirun): make sweep-summary SWEEP=runs/sweeps/<date>
 sweep-summary: setup
 	$(PYTHON) scripts/summarize_sweep.py $(SWEEP)
 
-kernels:
-	bash scripts/compile_kernels.sh
+# Compile every kernel source (.cu and the .cpp bindings) with the JIT build's flags, no GPU needed.
+kernels: setup
+	PYTHON=$(PYTHON) bash scripts/compile_kernels.sh
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -29,8 +29,8 @@ TwellPack empty_pack(const at::Tensor& like, int64_t rows, int hidden) {
 
 void check_pack_args(const at::Tensor& g, int64_t heavy_threshold) {
   check_matrix(g, "g");
-  TORCH_CHECK(g.size(1) % 8 == 0, "g: H must be a multiple of 8, got ", g.size(1));
-  TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  SL_CHECK_ARG(g.size(1) % 8 == 0, "g: H must be a multiple of 8, got ", g.size(1));
+  SL_CHECK_ARG(heavy_threshold >= 0, "heavy_threshold must be >= 0");
 }
 
 TwellPack twell_pack(const at::Tensor& g, int64_t heavy_threshold) {
@@ -54,9 +54,9 @@ TwellPack twell_pack_masked(const at::Tensor& a, const at::Tensor& mask, int64_t
   check_pack_args(a, heavy_threshold);
   const int64_t rows = a.size(0);
   const int hidden = static_cast<int>(a.size(1));
-  TORCH_CHECK(mask.is_cuda() && mask.scalar_type() == at::kInt && mask.is_contiguous() &&
-                  mask.sizes() == at::IntArrayRef({rows, 4 * sparse_llm::twell_n_tiles(hidden)}),
-              "mask must be a contiguous int32 CUDA tensor of [M, 4 * ceil(H / 128)]");
+  SL_CHECK_ARG(mask.is_cuda() && mask.scalar_type() == at::kInt && mask.is_contiguous() &&
+                   mask.sizes() == at::IntArrayRef({rows, 4 * sparse_llm::twell_n_tiles(hidden)}),
+               "mask must be a contiguous int32 CUDA tensor of [M, 4 * ceil(H / 128)]");
   const c10::cuda::CUDAGuard guard(a.device());
   auto pack = empty_pack(a, rows, hidden);
   auto& [values, cols, counts, row_nnz, heavy] = pack;
@@ -74,7 +74,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gate_relu_mask(const at::Tenso
                                                                  int64_t algo_index) {
   check_matrix(x, "x");
   check_matrix(wg, "wg");
-  TORCH_CHECK(wg.size(1) == x.size(1), "wg must be [H, D] with D = x.size(1)");
+  SL_CHECK_ARG(wg.size(1) == x.size(1), "wg must be [H, D] with D = x.size(1)");
   auto gate = sparse_llm_glue::gate_relu_mask(x, wg, static_cast<int>(algo_index));
   if (!gate) return std::nullopt;
   return std::make_tuple(gate->a, gate->mask);
@@ -90,22 +90,22 @@ void twell_updown_into(const at::Tensor& x, const at::Tensor& wu, const at::Tens
   check_matrix(y, "y");
   const int64_t rows = x.size(0);
   const int64_t dim = x.size(1);
-  TORCH_CHECK(wu.size(1) == dim && wd_t.size(1) == dim && wu.size(0) == wd_t.size(0),
-              "wu and wd_t must both be [H, D] with D = x.size(1)");
-  TORCH_CHECK(y.size(0) == rows && y.size(1) == dim, "y must be [M, D]");
+  SL_CHECK_ARG(wu.size(1) == dim && wd_t.size(1) == dim && wu.size(0) == wd_t.size(0),
+               "wu and wd_t must both be [H, D] with D = x.size(1)");
+  SL_CHECK_ARG(y.size(0) == rows && y.size(1) == dim, "y must be [M, D]");
   const int n_tiles = sparse_llm::twell_n_tiles(static_cast<int>(wu.size(0)));
-  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == at::kBFloat16 &&
-                  values.sizes() == at::IntArrayRef({rows, n_tiles, kTwellSlots}),
-              "values must be contiguous bf16 [M, n_tiles, slots]");
-  TORCH_CHECK(cols.is_contiguous() && cols.scalar_type() == at::kByte && cols.sizes() == values.sizes(),
-              "cols must be contiguous uint8 shaped like values");
-  TORCH_CHECK(counts.is_contiguous() && counts.scalar_type() == at::kInt &&
-                  counts.sizes() == at::IntArrayRef({rows, n_tiles}),
-              "counts must be contiguous int32 [M, n_tiles]");
-  TORCH_CHECK(row_nnz.is_contiguous() && row_nnz.scalar_type() == at::kInt && row_nnz.numel() == rows,
-              "row_nnz must be a contiguous int32 [M]");
-  TORCH_CHECK(heavy.is_contiguous() && heavy.scalar_type() == at::kBool && heavy.numel() == rows,
-              "heavy must be a contiguous bool [M]");
+  SL_CHECK_ARG(values.is_contiguous() && values.scalar_type() == at::kBFloat16 &&
+                   values.sizes() == at::IntArrayRef({rows, n_tiles, kTwellSlots}),
+               "values must be contiguous bf16 [M, n_tiles, slots]");
+  SL_CHECK_ARG(cols.is_contiguous() && cols.scalar_type() == at::kByte && cols.sizes() == values.sizes(),
+               "cols must be contiguous uint8 shaped like values");
+  SL_CHECK_ARG(counts.is_contiguous() && counts.scalar_type() == at::kInt &&
+                   counts.sizes() == at::IntArrayRef({rows, n_tiles}),
+               "counts must be contiguous int32 [M, n_tiles]");
+  SL_CHECK_ARG(row_nnz.is_contiguous() && row_nnz.scalar_type() == at::kInt && row_nnz.numel() == rows,
+               "row_nnz must be a contiguous int32 [M]");
+  SL_CHECK_ARG(heavy.is_contiguous() && heavy.scalar_type() == at::kBool && heavy.numel() == rows,
+               "heavy must be a contiguous bool [M]");
   const c10::cuda::CUDAGuard guard(x.device());
   sparse_llm::TwellView view{bf16_ptr(values), cols.data_ptr<uint8_t>(), counts.data_ptr<int32_t>(),
                              row_nnz.data_ptr<int32_t>(), n_tiles};
@@ -143,10 +143,10 @@ void ffn_forward_into(const at::Tensor& x, const at::Tensor& wg, const at::Tenso
   check_matrix(wg, "wg");
   check_matrix(wd, "wd");
   check_matrix(y, "y");
-  TORCH_CHECK(y.sizes() == x.sizes(), "y must be shaped like x");
-  TORCH_CHECK(wg.sizes() == wu.sizes(), "wg and wu must have the same shape [H, D]");
-  TORCH_CHECK(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
-              "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
+  SL_CHECK_ARG(y.sizes() == x.sizes(), "y must be shaped like x");
+  SL_CHECK_ARG(wg.sizes() == wu.sizes(), "wg and wu must have the same shape [H, D]");
+  SL_CHECK_ARG(heavy_threshold >= 0 && heavy_threshold <= sparse_llm::kMaxLightRowNnz,
+               "heavy_threshold must be in [0, ", sparse_llm::kMaxLightRowNnz, "]");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t rows = x.size(0);
@@ -200,7 +200,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tens
 // contiguous, x: [M, D] with M = out's rows.
 void ffn_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
               const c10::optional<at::Tensor>& cached_wd_t, int64_t heavy_threshold) {
-  TORCH_CHECK(out.dim() >= 1 && out.is_contiguous(), "out must be contiguous");
+  SL_CHECK_ARG(out.dim() >= 1 && out.is_contiguous(), "out must be contiguous");
   at::Tensor out_rows = out.view({-1, out.size(-1)});
   ffn_forward_into(x, wg, wu, wd, cached_wd_t, heavy_threshold, /*accumulate=*/true, out_rows);
 }
@@ -213,29 +213,29 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
                          const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                                 {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16, name, " must be a bf16 CUDA tensor");
+    SL_CHECK_ARG(t->is_cuda() && t->scalar_type() == at::kBFloat16, name, " must be a bf16 CUDA tensor");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &cos, &sin})
-    TORCH_CHECK(t->is_contiguous(), "the caches, cos and sin must be contiguous");
-  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must both be [layers, B, max_len, heads, head_dim]");
+    SL_CHECK_ARG(t->is_contiguous(), "the caches, cos and sin must be contiguous");
+  SL_CHECK_ARG(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
+               "k_cache and v_cache must both be [layers, B, max_len, heads, head_dim]");
   const int64_t batch = k_cache.size(1), max_len = k_cache.size(2), heads = k_cache.size(3), head_dim = k_cache.size(4);
-  TORCH_CHECK(k.dim() == 4 && k.size(0) == batch && k.size(2) == heads && k.size(3) == head_dim && v.sizes() == k.sizes(),
-              "k and v must be [B, T, heads, head_dim] matching the cache, got ", k.sizes(), " and ", v.sizes());
+  SL_CHECK_ARG(k.dim() == 4 && k.size(0) == batch && k.size(2) == heads && k.size(3) == head_dim && v.sizes() == k.sizes(),
+               "k and v must be [B, T, heads, head_dim] matching the cache, got ", k.sizes(), " and ", v.sizes());
   const int64_t token_stride = k.stride(1);
-  TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == head_dim &&
-                  k.stride(0) == k.size(1) * token_stride && token_stride >= heads * head_dim && token_stride % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
-              "k and v must share 16-byte aligned strides, contiguous but for the token stride, got ", k.strides(),
-              " and ", v.strides());
+  SL_CHECK_ARG(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == head_dim &&
+                   k.stride(0) == k.size(1) * token_stride && token_stride >= heads * head_dim && token_stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+               "k and v must share 16-byte aligned strides, contiguous but for the token stride, got ", k.strides(),
+               " and ", v.strides());
   const int64_t tokens = k.size(1);
-  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " out of range");
-  TORCH_CHECK(start >= 0 && start + tokens <= max_len, "columns [", start, ", ", start + tokens,
-              ") exceed the cache's ", max_len);
-  TORCH_CHECK(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
+  SL_CHECK_ARG(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " out of range");
+  SL_CHECK_ARG(start >= 0 && start + tokens <= max_len, "columns [", start, ", ", start + tokens,
+               ") exceed the cache's ", max_len);
+  SL_CHECK_ARG(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
   const bool shared = cos.numel() == tokens * head_dim;
-  TORCH_CHECK((shared || cos.numel() == batch * tokens * head_dim) && sin.sizes() == cos.sizes(),
-              "cos and sin must hold T x head_dim or B x T x head_dim values");
+  SL_CHECK_ARG((shared || cos.numel() == batch * tokens * head_dim) && sin.sizes() == cos.sizes(),
+               "cos and sin must hold T x head_dim or B x T x head_dim values");
   const c10::cuda::CUDAGuard guard(k.device());
   const int64_t layer_offset = layer * batch * max_len * heads * head_dim + start * heads * head_dim;
   check_cuda(sparse_llm::launch_kv_cache_write_rope(
@@ -254,18 +254,23 @@ void register_train_ops(pybind11::module_& m);
 void register_loss_ops(pybind11::module_& m);
 void register_count_ops(pybind11::module_& m);
 
+// Every function goes through guarded (errors.h): a failed check raises a Python exception.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using sparse_llm_glue::guarded;
   m.doc() = "sparse-llm TwELL inference and training kernels (Hopper)";
-  m.def("twell_pack", &twell_pack, "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
-  m.def("twell_pack_masked", &twell_pack_masked, "twell_pack of a = relu(g) from a and its ReLU bit mask");
-  m.def("gate_relu_mask", &gate_relu_mask, "(relu(x @ wg^T), ReLU bit mask) by cuBLASLt, or None",
+  m.def("twell_pack", guarded<&twell_pack>,
+        "pack relu(g) into TwELL; returns (values, cols, counts, row_nnz, heavy)");
+  m.def("twell_pack_masked", guarded<&twell_pack_masked>, "twell_pack of a = relu(g) from a and its ReLU bit mask");
+  m.def("gate_relu_mask", guarded<&gate_relu_mask>, "(relu(x @ wg^T), ReLU bit mask) by cuBLASLt, or None",
         pybind11::arg("x"), pybind11::arg("wg"), pybind11::arg("algo_index") = 0);
-  m.def("twell_updown", &twell_updown, "sparse gated up/down projection of the light rows");
-  m.def("ffn_forward", &ffn_forward, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
-  m.def("ffn_add_", &ffn_add_, "out += the exact TwELL inference FFN of x, in place; wd_t (Wd^T) may be None");
-  m.def("transpose", &transpose, "bf16 matrix transpose");
+  m.def("twell_updown", guarded<&twell_updown>, "sparse gated up/down projection of the light rows");
+  m.def("ffn_forward", guarded<&ffn_forward>, "exact TwELL inference FFN; wd_t (Wd^T) may be None");
+  m.def("ffn_add_", guarded<&ffn_add_>,
+        "out += the exact TwELL inference FFN of x, in place; wd_t (Wd^T) may be None");
+  m.def("transpose", guarded<&transpose>, "bf16 matrix transpose");
   m.attr("masked_gate_min_rows") = kMaskedGateMinRows;
-  m.def("kv_cache_write_rope", &kv_cache_write_rope, "rope(k) and v into the KV cache's columns [start, start + T)");
+  m.def("kv_cache_write_rope", guarded<&kv_cache_write_rope>,
+        "rope(k) and v into the KV cache's columns [start, start + T)");
   register_train_ops(m);
   register_loss_ops(m);
   register_count_ops(m);

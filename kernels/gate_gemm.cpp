@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "errors.h"
 #include "twell.cuh"
 
 #if __has_include(<cublasLt.h>)
@@ -24,7 +25,8 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation
 constexpr int kMaxAlgos = 8;
 
 void check_lt(cublasStatus_t status, const char* what) {
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLASLt ", what, " failed with status ", static_cast<int>(status));
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw KernelError(c10::str("cuBLASLt ", what, " failed with status ", static_cast<int>(status)));
 }
 
 // Owns the cuBLASLt descriptors of one call.
@@ -51,7 +53,7 @@ void set_op(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attribute, c
 }  // namespace
 
 std::optional<GateWithMask> gate_relu_mask(const at::Tensor& x, const at::Tensor& wg, int algo_index) {
-  TORCH_CHECK(algo_index >= 0 && algo_index < kMaxAlgos, "algo_index must be in [0, ", kMaxAlgos, ")");
+  SL_CHECK_ARG(algo_index >= 0 && algo_index < kMaxAlgos, "algo_index must be in [0, ", kMaxAlgos, ")");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), dim = x.size(1), hidden = wg.size(0);
   const int64_t mask_words = 4 * sparse_llm::twell_n_tiles(static_cast<int>(hidden));

@@ -13,22 +13,22 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> cross_entropy_rows(const at::Tensor& logits, const at::Tensor& labels,
                                                       int64_t ignore_index, const std::optional<at::Tensor>& grad_scale,
                                                       bool in_place) {
-  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
-              "logits must be a contiguous 2-D bfloat16 CUDA tensor, got ", logits.scalar_type(), " of shape ",
-              logits.sizes());
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0) &&
-                  labels.device() == logits.device() && labels.is_contiguous(),
-              "labels must be contiguous int64 [rows] on the logits' device, got ", labels.scalar_type(), " of shape ",
-              labels.sizes());
+  SL_CHECK_ARG(logits.is_cuda() && logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
+               "logits must be a contiguous 2-D bfloat16 CUDA tensor, got ", logits.scalar_type(), " of shape ",
+               logits.sizes());
+  SL_CHECK_ARG(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0) &&
+                   labels.device() == logits.device() && labels.is_contiguous(),
+               "labels must be contiguous int64 [rows] on the logits' device, got ", labels.scalar_type(), " of shape ",
+               labels.sizes());
   if (grad_scale.has_value()) {
-    TORCH_CHECK(grad_scale->scalar_type() == at::kFloat && grad_scale->numel() == 1 &&
-                    grad_scale->device() == logits.device(),
-                "grad_scale must be one float32 value on the logits' device");
+    SL_CHECK_ARG(grad_scale->scalar_type() == at::kFloat && grad_scale->numel() == 1 &&
+                     grad_scale->device() == logits.device(),
+                 "grad_scale must be one float32 value on the logits' device");
   }
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   at::Tensor loss_rows = at::empty({rows}, logits.options().dtype(at::kFloat));
-  TORCH_CHECK(!in_place || grad_scale.has_value(), "in_place needs grad_scale");
+  SL_CHECK_ARG(!in_place || grad_scale.has_value(), "in_place needs grad_scale");
   at::Tensor grad = !grad_scale.has_value() ? at::empty({0, vocab}, logits.options())
                     : in_place              ? logits
                                             : at::empty_like(logits);
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_rows(const at::Tensor& logits, 
 }  // namespace
 
 void register_loss_ops(pybind11::module_& m) {
-  m.def("cross_entropy_rows", &cross_entropy_rows,
+  m.def("cross_entropy_rows", sparse_llm_glue::guarded<&cross_entropy_rows>,
         "(per-row cross-entropy of bf16 logits, its gradient w.r.t. the logits times grad_scale or an empty "
         "tensor when grad_scale is None); in_place writes the gradient over the logits");
 }

@@ -1,11 +1,13 @@
 // Helpers shared by the torch bindings (bindings.cpp, train_bindings.cpp): pointer casts, input
-// checks with clear messages, the transposes as torch ops, and an early host read.
+// checks with clear messages (raised in Python as ValueError, see errors.h), the transposes as
+// torch ops, and an early host read.
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include "errors.h"
 #include "twell.cuh"
 
 namespace sparse_llm_glue {
@@ -16,15 +18,15 @@ inline const __nv_bfloat16* bf16_ptr(const at::Tensor& t) {
 inline __nv_bfloat16* bf16_mut_ptr(at::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>()); }
 
 inline void check_matrix(const at::Tensor& t, const char* name, at::ScalarType dtype = at::kBFloat16) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  SL_CHECK_ARG(t.is_cuda(), name, " must be a CUDA tensor");
+  SL_CHECK_ARG(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  SL_CHECK_ARG(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  SL_CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+  SL_CHECK_ARG(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
 inline void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+  if (err != cudaSuccess) throw KernelError(c10::str(what, " failed: ", cudaGetErrorString(err)));
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
@@ -41,11 +43,11 @@ constexpr int64_t kHeavyRowsGranule = 64;
 // bytes; list: int64 on the device, at least n long.
 inline at::Tensor gather_rows(const at::Tensor& rows, const at::Tensor& list, int64_t n, int64_t padded,
                               const int64_t* count = nullptr) {
-  TORCH_CHECK(rows.is_cuda() && rows.dim() == 2 && rows.is_contiguous(),
-              "gather_rows takes a contiguous 2-D CUDA tensor");
+  SL_CHECK_ARG(rows.is_cuda() && rows.dim() == 2 && rows.is_contiguous(),
+               "gather_rows takes a contiguous 2-D CUDA tensor");
   const int64_t row_bytes = rows.size(1) * rows.element_size();
-  TORCH_CHECK(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
-              "gather_rows needs 16-byte aligned rows of a multiple of 16 bytes");
+  SL_CHECK_ARG(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
+               "gather_rows needs 16-byte aligned rows of a multiple of 16 bytes");
   at::Tensor out = at::empty({padded, rows.size(1)}, rows.options());
   check_cuda(sparse_llm::launch_gather_rows_padded(rows.data_ptr(), list.data_ptr<int64_t>(), count, n, padded,
                                                    row_bytes, out.data_ptr(), current_stream()),
@@ -111,9 +113,9 @@ inline at::Tensor transpose_bf16(const at::Tensor& t) {
 // t transposed into `dtype`, in one pass: a bf16 t to bf16, a float t to bf16 or float.
 inline at::Tensor transpose_as(const at::Tensor& t, at::ScalarType dtype) {
   if (t.scalar_type() == at::kBFloat16 && dtype == at::kBFloat16) return transpose_bf16(t);
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat,
-              "transpose_as takes a contiguous 2-D bf16 or float CUDA tensor, got ", t.scalar_type());
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "transpose_as writes bf16 or float");
+  SL_CHECK_ARG(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kFloat,
+               "transpose_as takes a contiguous 2-D bf16 or float CUDA tensor, got ", t.scalar_type());
+  SL_CHECK_ARG(dtype == at::kBFloat16 || dtype == at::kFloat, "transpose_as writes bf16 or float");
   const c10::cuda::CUDAGuard guard(t.device());
   at::Tensor out = at::empty({t.size(1), t.size(0)}, t.options().dtype(dtype));
   const float* src = t.data_ptr<float>();

@@ -24,25 +24,25 @@ void check_weights(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& 
   check_matrix(wu, "wu", weight_dtype);
   check_matrix(wd, "wd", weight_dtype);
   const int64_t dim = x.size(1), hidden = wg.size(0);
-  TORCH_CHECK(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == hidden,
-              "weights must be wg, wu: [H, D] and wd: [D, H] with D = x.size(1)");
-  TORCH_CHECK(dim % 8 == 0 && dim <= sparse_llm::kMaxTrainDim, "D must be a multiple of 8 and at most ",
-              sparse_llm::kMaxTrainDim, ", got ", dim);
-  TORCH_CHECK(hidden % 8 == 0, "H must be a multiple of 8, got ", hidden);
-  TORCH_CHECK(hidden <= sparse_llm::kMaxColumnSortHidden, "H must be at most ", sparse_llm::kMaxColumnSortHidden,
-              ", got ", hidden);
+  SL_CHECK_ARG(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == hidden,
+               "weights must be wg, wu: [H, D] and wd: [D, H] with D = x.size(1)");
+  SL_CHECK_ARG(dim % 8 == 0 && dim <= sparse_llm::kMaxTrainDim, "D must be a multiple of 8 and at most ",
+               sparse_llm::kMaxTrainDim, ", got ", dim);
+  SL_CHECK_ARG(hidden % 8 == 0, "H must be a multiple of 8, got ", hidden);
+  SL_CHECK_ARG(hidden <= sparse_llm::kMaxColumnSortHidden, "H must be at most ", sparse_llm::kMaxColumnSortHidden,
+               ", got ", hidden);
 }
 
 void check_record(const at::Tensor& x, const at::Tensor& nnz, const at::Tensor& cols, const at::Tensor& a_vals,
                   const at::Tensor& u_vals) {
-  TORCH_CHECK(nnz.is_cuda() && nnz.scalar_type() == at::kLong && nnz.dim() == 1 && nnz.size(0) == x.size(0) &&
-                  nnz.is_contiguous(),
-              "nnz_per_token must be a contiguous int64 CUDA tensor of M elements");
-  TORCH_CHECK(cols.is_cuda() && cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
-              "cols must be a contiguous int32 CUDA vector");
+  SL_CHECK_ARG(nnz.is_cuda() && nnz.scalar_type() == at::kLong && nnz.dim() == 1 && nnz.size(0) == x.size(0) &&
+                   nnz.is_contiguous(),
+               "nnz_per_token must be a contiguous int64 CUDA tensor of M elements");
+  SL_CHECK_ARG(cols.is_cuda() && cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
+               "cols must be a contiguous int32 CUDA vector");
   for (const at::Tensor* t : {&a_vals, &u_vals})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->sizes() == cols.sizes() && t->is_contiguous(),
-                "a_vals and u_vals must be contiguous bf16 CUDA vectors shaped like cols");
+    SL_CHECK_ARG(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->sizes() == cols.sizes() && t->is_contiguous(),
+                 "a_vals and u_vals must be contiguous bf16 CUDA vectors shaped like cols");
 }
 
 // Rows with more than heavy_threshold active units are heavy (the dense path owns them), the
@@ -143,9 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                   const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
   check_weights(x, wg, wu, wd);
-  TORCH_CHECK(heavy_threshold >= 0, "heavy_threshold must be >= 0");
-  TORCH_CHECK(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
-              "keep must be a 2-D tensor with x's rows, on x's device");
+  SL_CHECK_ARG(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  SL_CHECK_ARG(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
+               "keep must be a 2-D tensor with x's rows, on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
@@ -258,17 +258,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows, const at::Tensor& heavy_cols,
     const at::Tensor& heavy_a, const at::Tensor& heavy_u) {
   const at::ScalarType grad_dtype = wg.scalar_type();
-  TORCH_CHECK(grad_dtype == at::kBFloat16 || grad_dtype == at::kFloat, "weights must be bfloat16 or float32, got ",
-              grad_dtype);
+  SL_CHECK_ARG(grad_dtype == at::kBFloat16 || grad_dtype == at::kFloat, "weights must be bfloat16 or float32, got ",
+               grad_dtype);
   check_weights(x, wg, wu, wd, grad_dtype);
   check_matrix(grad_y, "grad_y");
-  TORCH_CHECK(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
-  TORCH_CHECK(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
+  SL_CHECK_ARG(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
+  SL_CHECK_ARG(grad_l1.is_cuda() && grad_l1.numel() == 1, "grad_l1 must be a one-element CUDA tensor");
   check_record(x, nnz, cols, a_vals, u_vals);
   check_record(x, nnz, heavy_cols, heavy_a, heavy_u);
-  TORCH_CHECK(heavy_rows.is_cuda() && heavy_rows.scalar_type() == at::kLong && heavy_rows.dim() == 1 &&
-                  heavy_rows.is_contiguous(),
-              "heavy_rows must be a contiguous int64 CUDA vector");
+  SL_CHECK_ARG(heavy_rows.is_cuda() && heavy_rows.scalar_type() == at::kLong && heavy_rows.dim() == 1 &&
+                   heavy_rows.is_contiguous(),
+               "heavy_rows must be a contiguous int64 CUDA vector");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
@@ -358,11 +358,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
 }  // namespace
 
 void register_train_ops(pybind11::module_& m) {
-  m.def("ffn_train_forward", &ffn_train_forward,
+  m.def("ffn_train_forward", sparse_llm_glue::guarded<&ffn_train_forward>,
         "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, "
         "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take "
         "the dense path");
-  m.def("ffn_train_backward", &ffn_train_backward,
+  m.def("ffn_train_backward", sparse_llm_glue::guarded<&ffn_train_backward>,
         "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd), the weight gradients "
         "in the weights' dtype (bf16 or float32)");
 }

@@ -7,6 +7,7 @@ schema before anything is built. The last line printed is `run_dir: <path>`.
 from __future__ import annotations
 
 import sys
+from importlib import resources
 from pathlib import Path
 
 import hydra
@@ -16,7 +17,23 @@ from omegaconf import DictConfig, OmegaConf
 from sparse_llm.config import ConfigError, load_config, to_yaml
 from sparse_llm.run_files import CONFIG_FILE
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+def config_dirs() -> tuple[Path, Path]:
+    """Where the Hydra configs may be, in order: the installed package's `configs/` (pyproject.toml
+    maps the repository's top-level configs/ there), the checkout's (an editable install)."""
+    return (
+        Path(str(resources.files("sparse_llm") / "configs")),
+        Path(__file__).resolve().parents[1] / "configs",
+    )
+
+
+def config_dir() -> Path:
+    """The first of `config_dirs()` that holds config.yaml (the first one if none does)."""
+    candidates = config_dirs()
+    return next((d for d in candidates if (d / "config.yaml").is_file()), candidates[0])
+
+
+CONFIG_DIR = config_dir()
 
 
 def run(raw: DictConfig, run_dir: Path) -> Path:
@@ -51,11 +68,9 @@ def _hydra_main(raw: DictConfig) -> None:
 
 
 def main() -> None:
-    if not CONFIG_DIR.is_dir():
-        sys.exit(
-            f"error: config directory {CONFIG_DIR} not found; "
-            "install the repo in editable mode (pip install -e .)"
-        )
+    if not (CONFIG_DIR / "config.yaml").is_file():
+        looked = " or ".join(str(d) for d in config_dirs())
+        sys.exit(f"error: no Hydra configs (config.yaml) found in {looked}; the install is incomplete")
     _hydra_main()
 
 

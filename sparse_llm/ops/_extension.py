@@ -14,15 +14,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
+import sysconfig
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
 
 # The one place the kernels' compiler flags are written: the JIT build below and CI's compile
 # check (`python -m sparse_llm.ops.build --print-flags`, scripts/compile_kernels.sh) read them.
+# The C++ standard is pinned here rather than left to torch's default, so both compile the same.
 CUDA_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
-NVCC_FLAGS = ("-O3", CUDA_ARCH, "-lineinfo")
-CXX_FLAGS = ("-O3",)
+CXX_STD = "-std=c++20"
+NVCC_FLAGS = ("-O3", CXX_STD, CUDA_ARCH, "-lineinfo")
+CXX_FLAGS = ("-O3", CXX_STD)
 
 
 def kernel_dir() -> Path:
@@ -39,6 +43,19 @@ def kernel_sources() -> list[Path]:
     return [*sorted(directory.glob("*.cu")), *sorted(directory.glob("*.cpp"))]
 
 
+def _abi_defines() -> list[str]:
+    """torch's C++ ABI, passed explicitly (older torch versions' JIT passed it, newer ones rely
+    on the compiler's default agreeing with torch's)."""
+    import torch
+
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+
+
+def jit_flags() -> tuple[list[str], list[str]]:
+    """(nvcc flags, host compiler flags) the build adds to torch's own (its defines, includes)."""
+    return [*NVCC_FLAGS, *_abi_defines()], [*CXX_FLAGS, *_abi_defines()]
+
+
 def _source_hash() -> str:
     directory = kernel_dir()
     digest = hashlib.sha256()
@@ -46,8 +63,13 @@ def _source_hash() -> str:
     for path in sorted([*kernel_sources(), *headers]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join((*NVCC_FLAGS, *CXX_FLAGS)).encode())
+    nvcc_flags, cxx_flags = jit_flags()
+    digest.update(" ".join((*nvcc_flags, *cxx_flags)).encode())
     return digest.hexdigest()[:12]
+
+
+def extension_name() -> str:
+    return f"sparse_llm_twell_{_source_hash()}"
 
 
 def build_dir() -> Path:
@@ -73,17 +95,64 @@ def missing_toolchain() -> str | None:
     return None
 
 
+def cuda_home() -> Path | None:
+    """The CUDA toolkit's root (the directory of include/cuda_runtime.h): $CUDA_HOME or
+    $CUDA_PATH, torch's guess, nvcc's parent on PATH, /usr/local/cuda; the first that holds the
+    headers (torch's own guess is None in a CPU build, and nvcc on PATH may be a wrapper)."""
+    from torch.utils import cpp_extension
+
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME]
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        candidates.append(str(Path(nvcc).resolve().parents[1]))
+    candidates.append("/usr/local/cuda")
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "include" / "cuda_runtime.h").is_file():
+            return Path(candidate)
+    return None
+
+
+def compile_args(kind: str) -> list[str]:
+    """What the JIT build passes to nvcc for a .cu file (kind 'nvcc') or to the host compiler for a
+    .cpp file (kind 'cxx'), but -c, the input and the output: the defines torch adds, the include
+    paths (the kernel directory, torch's headers, CUDA's, Python's) and the flags above. CI
+    compiles every source with these (scripts/compile_kernels.sh)."""
+    from torch.utils import cpp_extension
+
+    if kind not in ("nvcc", "cxx"):
+        raise ValueError(f"kind must be 'nvcc' or 'cxx', got {kind!r}")
+    system_includes = list(cpp_extension.include_paths())
+    home = cuda_home()
+    if home is not None and str(home / "include") != "/usr/include":
+        system_includes.append(str(home / "include"))
+    python_include = sysconfig.get_path("include", scheme="posix_prefix")
+    if python_include is not None:
+        system_includes.append(python_include)
+    common = [
+        f"-DTORCH_EXTENSION_NAME={extension_name()}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-I{kernel_dir()}",
+    ]
+    for include in system_includes:
+        common += ["-isystem", include]
+    nvcc_flags, cxx_flags = jit_flags()
+    if kind == "cxx":
+        return [*common, "-fPIC", *cxx_flags]
+    return [*common, *cpp_extension.COMMON_NVCC_FLAGS, "--compiler-options", "-fPIC", *nvcc_flags]
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (or load from the cache) the extension; raises on any failure."""
     from torch.utils import cpp_extension
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    nvcc_flags, cxx_flags = jit_flags()
     return cpp_extension.load(
-        name=f"sparse_llm_twell_{_source_hash()}",
+        name=extension_name(),
         sources=[str(p) for p in kernel_sources()],
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=list(NVCC_FLAGS),
+        extra_cflags=cxx_flags,
+        extra_cuda_cflags=nvcc_flags,
         extra_include_paths=[str(kernel_dir())],
         build_directory=str(directory),
         verbose=verbose,
