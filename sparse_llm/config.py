@@ -183,6 +183,7 @@ class WandbConfig:
     entity: str | None = None
     name: str | None = None
     tags: list[str] = field(default_factory=list)
+    quiet: bool = True  # wandb's own console output (banner, sync hints) off
 
 
 @dataclass

@@ -57,6 +57,11 @@ def _read_text_files(paths: list[str]) -> Iterator[dict[str, str | None]]:
         yield {EMBEDDED_TEXT_FIELD: text}
 
 
+class DataError(ValueError):
+    """Data the run cannot use (no usable documents, unreadable or unsupported files, an unopenable
+    hub dataset), found before or while reading; the message names the setting to check."""
+
+
 def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
     """Generator that re-exposes a dataset as a single shard."""
     yield from dataset
@@ -65,14 +70,14 @@ def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
 def resolve_paths(patterns: list[str]) -> list[str]:
     """Expand `data.paths` (files or globs, `**` allowed) into a de-duplicated ordered file list."""
     if not patterns:
-        raise ValueError("data.paths is empty: data.source=files needs at least one file or glob")
+        raise DataError("data.paths is empty: data.source=files needs at least one file or glob")
     files: list[str] = []
     for pattern in patterns:
         expanded = str(Path(pattern).expanduser())
         matches = sorted(p for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
         if not matches:
             hint = " (a directory: use a glob such as dir/*.jsonl)" if Path(expanded).is_dir() else ""
-            raise FileNotFoundError(f"data.paths: no file matches {pattern!r}{hint}")
+            raise DataError(f"data.paths: no file matches {pattern!r}{hint}")
         files.extend(str(Path(p).resolve()) for p in matches)
     return list(dict.fromkeys(files))
 
@@ -84,7 +89,7 @@ def file_format(path: str) -> str:
         name = name.removesuffix(suffix)
     fmt = _FORMATS.get(Path(name).suffix)
     if fmt is None:
-        raise ValueError(f"data.paths: unsupported file type {path!r} (use .jsonl, .json, .parquet or .txt)")
+        raise DataError(f"data.paths: unsupported file type {path!r} (use .jsonl, .json, .parquet or .txt)")
     return fmt
 
 
@@ -92,7 +97,7 @@ def _files_dataset(cfg: DataConfig) -> datasets.IterableDataset:
     files = resolve_paths(cfg.paths)
     formats = {file_format(f) for f in files}
     if len(formats) > 1:
-        raise ValueError(f"data.paths mixes file types ({', '.join(sorted(formats))}); use one type per run")
+        raise DataError(f"data.paths mixes file types ({', '.join(sorted(formats))}); use one type per run")
     fmt = formats.pop()
     # A .txt file is one document (a book, a source file), not one document per line.
     extra = {"sample_by": "document"} if fmt == "text" else {}
@@ -105,7 +110,7 @@ def _hub_dataset(cfg: DataConfig) -> datasets.IterableDataset:
     try:
         return datasets.load_dataset(cfg.hub_id, name=cfg.hub_config, split=cfg.hub_split, streaming=True)
     except Exception as err:  # offline, unknown id or config: say which setting to check
-        raise RuntimeError(
+        raise DataError(
             f"cannot open hub dataset data.hub_id={cfg.hub_id!r} (data.hub_config={cfg.hub_config!r}, "
             f"data.hub_split={cfg.hub_split!r}): {err}"
         ) from err

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import DataConfig
 from sparse_llm.data.documents import EMPTY, MALFORMED, SPLITS, classify, split_of
-from sparse_llm.data.sources import open_source
+from sparse_llm.data.sources import DataError, open_source
 
 STATE_VERSION = 1
 _CHUNK_DOCS = 16  # documents per tokenizer call: one Rust call spreads them over threads
@@ -111,7 +111,7 @@ class TokenStream:
     def _end_epoch(self) -> None:
         c = self._cursor
         if c["epoch_documents"] == 0:
-            raise ValueError(self._no_documents_message())
+            raise DataError(self._no_documents_message())
         c.update(epoch=c["epoch"] + 1, dataset=None, epoch_rows=0, epoch_usable=0, epoch_documents=0)
         self._rows = None
 
@@ -152,7 +152,7 @@ class TokenStream:
                     pending.append((before, text))
                     chars += len(text)
             if c["epoch_usable"] == 0 and c["epoch_rows"] >= _GIVE_UP_ROWS:
-                raise ValueError(self._no_documents_message() + "; is data.text_field right?")
+                raise DataError(self._no_documents_message() + "; is data.text_field right?")
         encodings = self._encoder.encode_batch_fast([text for _, text in pending], add_special_tokens=False)
         for (cursor, _), encoding in zip(pending, encodings, strict=True):
             ids = np.empty(len(encoding.ids) + 1, dtype=np.int64)

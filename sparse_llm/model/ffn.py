@@ -83,12 +83,15 @@ class FFNPlan:
         return getattr(self, phase).impl
 
     def describe(self) -> str:
-        """One line: each phase's implementation, and why not the kernels where they do not run."""
-        parts = []
+        """One line: each phase's implementation, and why not the kernels where they do not run
+        (phases with the same choice and reason are named together)."""
+        groups: dict[FFNSelection, list[str]] = {}
         for phase in PHASES:
-            selection: FFNSelection = getattr(self, phase)
+            groups.setdefault(getattr(self, phase), []).append(phase)
+        parts = []
+        for selection, phases in groups.items():
             why = f" ({selection.reason})" if selection.impl != "cuda" and selection.reason else ""
-            parts.append(f"{phase}={selection.impl}{why}")
+            parts.append(f"{'+'.join(phases)}={selection.impl}{why}")
         return "; ".join(parts)
 
 

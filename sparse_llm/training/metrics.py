@@ -70,6 +70,8 @@ class MetricsLogger:
                 config=run_config,
                 id=_stable_run_id(run_dir),
                 resume="allow",
+                # wandb's own banner and sync hints (~50 lines) off unless asked for.
+                settings=wandb.Settings(silent=wandb_cfg.quiet, quiet=wandb_cfg.quiet),
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

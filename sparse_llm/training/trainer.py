@@ -77,7 +77,6 @@ class Trainer:
         cfg = resolve_config(cfg, tokenizer_vocab=len(self.tokenizer), world_size=self.world_size)
         self.cfg = cfg
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.device = self.accelerator.device
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.world_size)
         self.tokens_per_step = t.global_batch_size * t.seq_len
@@ -115,8 +114,6 @@ class Trainer:
             )
         except KernelsUnavailable as err:
             raise ConfigError(f"config key 'model.ffn_impl': {err}") from None
-        if self.accelerator.is_main_process:
-            logger.info("FFN: %s", model.ffn_plan.describe())
         optimizer = build_optimizer(model, t, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(optimizer, t)
         # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
@@ -159,6 +156,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._last_ce = math.nan
+        # Everything the run needs has been checked (config, tokenizer, data, the FFN): only now
+        # does the run directory appear.
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(
             run_dir, cfg.logger.wandb, asdict(cfg), enabled=self.accelerator.is_main_process
         )
@@ -173,6 +173,8 @@ class Trainer:
     def fit(self) -> None:
         t = self.cfg.train
         self._maybe_resume()
+        if self.accelerator.is_main_process:
+            logger.info("FFN: %s", self.model.ffn_plan.describe())
         self.callbacks.on_train_start(self)
         main = self.accelerator.is_main_process
         bar = tqdm(

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from sparse_llm.config import DataConfig
-from sparse_llm.data import TokenStream, load_tokenizer, validation_batches
+from sparse_llm.data import DataError, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.data.documents import split_of
 from sparse_llm.data.sources import stdlib_files
 from sparse_llm.data.tokenizer import EMBEDDED_TOKENIZER_DIR, EOS_TOKEN
@@ -275,7 +275,7 @@ def test_embedded_source_is_stdlib_in_a_fixed_mixed_order(tok):
 
 
 def test_clear_errors(tok, tmp_path):
-    with pytest.raises(FileNotFoundError, match="no file matches"):
+    with pytest.raises(DataError, match="no file matches"):
         TokenStream(files_cfg([tmp_path / "missing*.jsonl"]), tok, SEQ)
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": " "}, {"text": None}, {"other": "x"}])
     with pytest.raises(ValueError, match="no usable train documents"):
