@@ -36,8 +36,9 @@ CUDA_ALIGN = 8
 CUDA_TRAIN_MAX_HIDDEN = 49152
 
 
-class KernelsUnavailable(RuntimeError):
-    """The CUDA kernels were asked for (impl='cuda') where they cannot run."""
+class KernelsUnavailable(ValueError):
+    """The CUDA kernels were asked for (impl='cuda') where they cannot run: inputs they do not take,
+    or a device or toolchain they cannot run on."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,15 @@ def kernels_unavailable(device: torch.device | str) -> str | None:
         return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    loaded = _load(_index(device))
-    return loaded if isinstance(loaded, str) else None
+    return _problem_on(_index(device)) or None
+
+
+@torch.compiler.assume_constant_result
+def _problem_on(device_index: int) -> str:
+    """'' when the extension runs on this CUDA device, else why not. A constant to torch.compile,
+    which must not trace the build (its toolchain probes are not traceable)."""
+    loaded = _load(device_index)
+    return loaded if isinstance(loaded, str) else ""
 
 
 def _index(device: torch.device) -> int:

@@ -20,7 +20,7 @@ def test_compiled_stats_match_eager(grad):
     cfg = ModelConfig(
         vocab_size=4096, hidden_size=768, intermediate_size=2112, num_hidden_layers=12, num_attention_heads=12
     )
-    model = build_model(cfg).cuda()
+    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, cfg.vocab_size, (64, 1024), device="cuda")
     with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16):
         eager = model(ids, labels=ids, with_stats=True).ffn_stats
@@ -40,8 +40,8 @@ def test_cuda_ffn_impl_matches_dense_logits():
     dense_cfg = ModelConfig(
         vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
     )
-    dense = build_model(dense_cfg).cuda().eval()
-    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"})).cuda().eval()
+    dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().eval()
+    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}), device="cuda", compute_dtype=torch.bfloat16).cuda().eval()
     sparse.load_state_dict(dense.state_dict())
     ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -65,8 +65,8 @@ def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
     dense_cfg = ModelConfig(
         vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
     )
-    dense = build_model(dense_cfg).cuda().bfloat16().eval()
-    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"})).cuda().bfloat16().eval()
+    dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().bfloat16().eval()
+    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}), device="cuda", compute_dtype=torch.bfloat16).cuda().bfloat16().eval()
     sparse.load_state_dict(dense.state_dict())
     ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
 
@@ -99,7 +99,7 @@ def test_cuda_ffn_impl_trains_like_dense():
     runs = {}
     for impl in ("dense", "cuda"):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(**{**cfg.__dict__, "ffn_impl": impl})).cuda().train()
+        model = build_model(ModelConfig(**{**cfg.__dict__, "ffn_impl": impl}), device="cuda", compute_dtype=torch.bfloat16).cuda().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         forward = torch.compile(model)
         losses, stats = [], []
@@ -139,7 +139,7 @@ def test_compile_model_runs_the_cuda_training_step_in_one_graph():
         num_attention_heads=4,
         ffn_impl="cuda",
     )
-    model = build_model(cfg).cuda()
+    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, cfg.vocab_size, (4, 257), device="cuda")
 
     def step(forward):
