@@ -27,12 +27,22 @@ CUDA_ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 CXX_STD = "-std=c++20"
 NVCC_FLAGS = ("-O3", CXX_STD, CUDA_ARCH, "-lineinfo")
 CXX_FLAGS = ("-O3", CXX_STD)
-# The extension must use the process's C++ runtime, the libstdc++ torch loaded. A host compiler
-# that links its own libstdc++ into the module (seen on the GPU machines: their CXX links it
-# statically) leaves two runtimes in the process, and the second one's iostreams are not set up:
-# formatting a number into an error message (c10::str in a failed check) crashed the process.
-# Naming the shared libstdc++ first makes the link take every C++ runtime symbol from it.
-LINK_FLAGS = ("-Wl,--no-as-needed", "-lstdc++")
+
+
+def link_flags() -> list[str]:
+    """The extension must use the process's C++ runtime, the libstdc++ torch loaded. A host
+    compiler that links its own libstdc++ into the module (seen on the GPU machines: their CXX
+    finds only a static libstdc++) leaves two runtimes in the process, and the second one's
+    iostreams are never set up: formatting a number into an error message (c10::str in a failed
+    check) crashed the process. Naming the loaded shared libstdc++ on the link line makes the link
+    take every C++ runtime symbol from it (Linux; elsewhere the compiler's default stands)."""
+    import torch  # noqa: F401  (loads the libstdc++ torch runs with)
+
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        return []
+    loaded = {line.split()[-1] for line in maps.read_text().splitlines() if "/libstdc++.so" in line}
+    return ["-Wl,--no-as-needed", *sorted(loaded)[:1]] if loaded else []
 
 
 def kernel_dir() -> Path:
@@ -70,7 +80,7 @@ def _source_hash() -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     nvcc_flags, cxx_flags = jit_flags()
-    digest.update(" ".join((*nvcc_flags, *cxx_flags, *LINK_FLAGS)).encode())
+    digest.update(" ".join((*nvcc_flags, *cxx_flags, *link_flags())).encode())
     return digest.hexdigest()[:12]
 
 
@@ -159,7 +169,7 @@ def build(verbose: bool = False) -> ModuleType:
         sources=[str(p) for p in kernel_sources()],
         extra_cflags=cxx_flags,
         extra_cuda_cflags=nvcc_flags,
-        extra_ldflags=list(LINK_FLAGS),
+        extra_ldflags=link_flags(),
         extra_include_paths=[str(kernel_dir())],
         build_directory=str(directory),
         verbose=verbose,
