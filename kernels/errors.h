@@ -3,22 +3,10 @@
 // bound through `guarded<&fn>`, and the bindings check their inputs with SL_CHECK_ARG, not
 // TORCH_CHECK.
 //
-// Why: on the device machines, where the extension is compiled by another g++ (/opt/gcc) than
-// the one torch was built with, a failing TORCH_CHECK in the extension ended the process (a
-// segmentation fault) instead of raising, while torch's own errors raised as usual
-// (benchmarks/NOTES_kernels.md). The bindings themselves are plain pybind11 (no noexcept, no
-// -fno-exceptions, no throwing destructor), and the same pattern raises RuntimeError when built
-// with a g++ other than torch's on a CPU machine, so what breaks is the exception's trip through
-// code of the other build. A failed TORCH_CHECK makes that trip at every step: libc10 constructs
-// and throws it (c10::detail::torchCheckFail; c10::Error's constructor walks the whole stack, this
-// module's frames included, for its backtrace), and pybind11's dispatcher in this module hands it
-// as a std::exception_ptr to the exception translators torch._C registered in pybind11's
-// internals, which this module shares with torch._C (same PYBIND11_INTERNALS_ID): they rethrow
-// and catch it inside libtorch_python. Here the exception is thrown, caught and turned into a
-// Python error by this module's own code: no c10::Error, no backtrace walk, no exception_ptr, no
-// translator of another module; pybind11 then sees error_already_set, which it restores as is.
-// (ATen's own errors raised inside an op, e.g. an allocation failure, still start in libc10; they
-// are caught here too.)
+// Why our own wrapper rather than TORCH_CHECK and pybind11's translators: a bad argument is a
+// ValueError in Python (TORCH_CHECK gives RuntimeError), and the error never travels through
+// another module's exception translators. (The old crash on failed checks was not this: it was a
+// second, static libstdc++ in the module; see docs/kernels.md, "Errors from the extension".)
 #pragma once
 
 #include <Python.h>
