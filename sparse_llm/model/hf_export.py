@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.llama import SparseLlamaForCausalLM
-from sparse_llm.model.state import model_state_to_save
+from sparse_llm.model.state import model_state_to_save, write_safetensors
 
 
 def to_hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaConfig:
@@ -53,7 +52,7 @@ def export_hf(
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
     state = {name: tensor.to(dtype) for name, tensor in model_state_to_save(model).items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(state, out_dir / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

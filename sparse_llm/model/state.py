@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 
@@ -17,6 +21,15 @@ def model_state_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
         seen[key] = name
         state[name] = tensor.detach().contiguous().cpu()
     return state
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the file given the mode the process's umask gives any other
+    file (save_file creates it 0600, unreadable to the rest of a team that shares the run)."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    Path(path).chmod(0o666 & ~umask)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from sparse_llm.model.state import load_model_state, model_state_to_save
+from sparse_llm.model.state import load_model_state, model_state_to_save, write_safetensors
 from sparse_llm.run_files import CHECKPOINT_MANIFEST as MANIFEST
 from sparse_llm.run_files import checkpoint_dir_name, list_checkpoints
 
@@ -121,10 +121,9 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | No
     if tmp is None:
         tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        save_file(ckpt.model, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_safetensors(ckpt.model, tmp / "model.safetensors")
         torch.save(ckpt.optimizer, tmp / "optimizer.pt")
-    save_file({k: v.contiguous().cpu() for k, v in ckpt.tensors.items()}, tmp / "tensors.safetensors")
-    _match_umask_permissions(tmp)
+    write_safetensors({k: v.contiguous().cpu() for k, v in ckpt.tensors.items()}, tmp / "tensors.safetensors")
     manifest = {"step": ckpt.step, **ckpt.state, FILES_KEY: _file_digests(tmp)}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for path in tmp.rglob("*"):
@@ -151,15 +150,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _match_umask_permissions(directory: Path) -> None:
-    """safetensors writes its files 0600; give every file the mode the rest of the run gets."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in directory.rglob("*"):
-        if path.is_file():
-            path.chmod(0o666 & ~umask)
 
 
 def verify_checkpoint(path: Path) -> str | None:

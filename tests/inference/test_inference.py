@@ -303,10 +303,11 @@ def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
         load_model(run_dir / "export", device="cpu", dtype="int8")
 
 
-def test_generate_script(run_dir):
+def test_generate_command(run_dir):
     cmd = [
         sys.executable,
-        "scripts/generate.py",
+        "-m",
+        "sparse_llm.generate",
         str(run_dir / "export"),
         "--prompt",
         "def f():",

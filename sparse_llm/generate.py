@@ -1,0 +1,107 @@
+"""Generate text from a trained model: an HF export directory, a checkpoint or a run directory.
+
+    python -m sparse_llm.generate runs/my_run/export --prompt "def main():" --max-new-tokens 64
+    sparse-llm-generate runs/my_run/checkpoints/step_00000300 --prompt-file prompts.txt \
+        --temperature 0.8 --top-p 0.95 --seed 0 --prefill-ffn cuda --decode-ffn dense --json
+
+Prompts of different lengths are batched together (left padding); each stops at its EOS or
+after --max-new-tokens. --prefill-ffn / --decode-ffn pick the FFN per phase: fastest (the
+default: dense and the CUDA kernels timed at load on a GPU where the kernels can run, dense
+elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. The last line
+(stderr) gives the new tokens per second of the generation, prefill included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sparse_llm.inference import FASTEST, Generator, SamplingParams, load_model
+from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=Path, help="export directory, checkpoints/step_* directory or run directory")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", type=Path, help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-stop-at-eos", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+    p.add_argument("--prefill-ffn", default=FASTEST, choices=FFN_CHOICES)
+    p.add_argument("--decode-ffn", default=FASTEST, choices=FFN_CHOICES)
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the prefill (pays off for long prompts)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    prompts = list(args.prompt)
+    try:
+        if args.prompt_file is not None:
+            if not args.prompt_file.is_file():
+                raise FileNotFoundError(f"--prompt-file: no such file {args.prompt_file}")
+            prompts += [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError("give at least one --prompt or a --prompt-file")
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop_at_eos=not args.no_stop_at_eos,
+        )
+        loaded = load_model(args.model, args.device, args.dtype)
+        generator = Generator(loaded, args.prefill_ffn, args.decode_ffn, compile=args.compile)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    out = generator.generate_ids(generator.encode(prompts), params)
+    seconds = time.perf_counter() - start
+    new_tokens = sum(len(t) for t in out.tokens)
+    tokens_per_s = new_tokens / max(seconds, 1e-9)
+    texts = [generator.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+    if args.json:
+        result = {
+            "model": str(loaded.path),
+            "source": loaded.source,
+            "device": str(loaded.model.lm_head.weight.device),
+            "dtype": str(loaded.model.lm_head.weight.dtype),
+            "ffn": generator.ffn,
+            "ffn_measurement": generator.ffn_measurement,
+            "seconds": seconds,
+            "new_tokens": new_tokens,
+            "tokens_per_s": tokens_per_s,
+            "outputs": [
+                {"prompt": p, "text": t, "tokens": toks, "finish_reason": r}
+                for p, t, toks, r in zip(prompts, texts, out.tokens, out.finish_reasons, strict=True)
+            ],
+        }
+        print(json.dumps(result, indent=1))
+        return 0
+    for prompt, text, reason in zip(prompts, texts, out.finish_reasons, strict=True):
+        print(f"{prompt}{text}")
+        print(f"--- [{reason}]")
+    print(
+        f"{new_tokens} new tokens in {seconds:.2f}s ({tokens_per_s:,.1f} tokens/s); "
+        f"ffn prefill={generator.ffn['prefill']} decode={generator.ffn['decode']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
