@@ -1,0 +1,115 @@
+"""Repeatable sparse weights for the benchmarks: train a preset to a target L0 and save it.
+
+    python benchmarks/sparse_weights.py --preset 1b --target-l0 30 --out runs/sparse_1b_l0_30
+    python benchmarks/sparse_weights.py --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
+
+Trains through the trainer itself (`benchmarks.common.sparsify`, i.e. `sparse_llm.train.run`) with
+the L1 coefficient driven to the target by the sparsity controller (`sparsity.target_l0`), then
+measures L0 (mean active FFN units per token, over layers) on held-out text of the embedded corpus
+with the saved weights, and writes `<out>/sparse_weights.json` and `.md`: the target, the L0 on
+held-out text, the L0 of the last logged training step, the steps, the seconds, device, commit,
+date. The run directory holds the final checkpoint, which `sparse_llm.inference.load_model(out)`
+and the other benchmarks (`--model <out>`) read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import model_preset, sparsify, token_batch, write_report
+from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.inference import load_model
+from sparse_llm.training.run_info import collect_run_info
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on CPU (a smoke test)")
+    p.add_argument("--target-l0", type=float, required=True, help="mean active FFN units per token")
+    p.add_argument("--out", type=Path, required=True, help="the run directory to write")
+    p.add_argument("--steps", type=int, default=None, help="default: 600 (1b), 150 (--tiny)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: 2048 (1b), 64 (--tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step; default 8 (1b), 8 (--tiny)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--l1-start", type=float, default=1e-3, help="the controller's starting coefficient")
+    p.add_argument("--eval-rows", type=int, default=8, help="held-out rows L0 is measured on")
+    return p.parse_args()
+
+
+@torch.no_grad()
+def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
+    """Mean active FFN units per token over layers, on held-out text, with the saved weights."""
+    loaded = load_model(run_dir)
+    model = loaded.model
+    ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, rows, seq_len)
+    ids = ids.to(model.lm_head.weight.device)
+    total = 0.0
+    for row in ids.split(1):
+        total += model(row, with_stats=True).ffn_stats.nnz_per_token.float().mean().item()
+    return total / ids.shape[0]
+
+
+def main() -> int:
+    args = parse_args()
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    if args.tiny:
+        model = {
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        }
+        steps, seq_len, batch = args.steps or 150, args.seq_len or 64, args.batch or 8
+    else:
+        model = model_preset(args.preset)
+        steps, seq_len, batch = args.steps or 600, args.seq_len or 2048, args.batch or 8
+    start = time.perf_counter()
+    sparsify(
+        args.out,
+        model,
+        steps=steps,
+        l1_coeff=args.l1_start,
+        lr=args.lr,
+        seq_len=seq_len,
+        batch=batch,
+        data={"max_documents": 300} if args.tiny else None,
+        train={"device": "cuda" if on_gpu else "cpu", "compile": on_gpu},
+        overrides=[f"sparsity.target_l0={args.target_l0}"],
+    )
+    seconds = time.perf_counter() - start
+    last = [r for r in read_metrics(args.out) if "l0/mean" in r][-1]
+    l0 = heldout_l0(args.out, args.eval_rows, seq_len)
+    row = {
+        "preset": "tiny" if args.tiny else args.preset,
+        "target_l0": args.target_l0,
+        "heldout_l0": l0,
+        "train_l0_last": last["l0/mean"],
+        "l1_coeff_last": last.get("l1_coeff"),
+        "steps": steps,
+        "tokens_per_step": batch * seq_len,
+        "seconds": seconds,
+        "run_dir": str(args.out),
+    }
+    meta = collect_run_info(torch.device("cuda" if on_gpu else "cpu"), world_size=1)
+    text = (
+        f"# Sparse weights: {row['preset']} trained to a target L0 of {args.target_l0:g}\n\n"
+        f"{meta.get('device')}, commit `{meta.get('commit')}`, {meta.get('date')}\n\n"
+        "| target L0 | L0 on held-out text | L0 last training step | L1 coeff last | steps | tokens/step | s |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"| {args.target_l0:g} | {l0:.2f} | {row['train_l0_last']:.2f} | {row['l1_coeff_last']} | {steps} "
+        f"| {row['tokens_per_step']} | {seconds:.0f} |\n"
+    )
+    write_report(text, meta, [row], args.out / "sparse_weights.json", args.out / "sparse_weights.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
