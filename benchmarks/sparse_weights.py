@@ -39,7 +39,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="default: 2048 (1b), 64 (--tiny)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step; default 8 (1b), 8 (--tiny)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--l1-start", type=float, default=1e-3, help="the controller's starting coefficient")
+    p.add_argument("--l1-start", type=float, default=2e-3, help="L1 at the end of the warm-up ramp")
+    p.add_argument(
+        "--l1-warmup-end",
+        type=int,
+        default=None,
+        help="steps of the linear L1 ramp before the controller adapts; default 200 (1b), 30 (--tiny)",
+    )
     p.add_argument("--eval-rows", type=int, default=8, help="held-out rows L0 is measured on")
     return p.parse_args()
 
@@ -68,9 +74,11 @@ def main() -> int:
             "num_attention_heads": 2,
         }
         steps, seq_len, batch = args.steps or 150, args.seq_len or 64, args.batch or 8
+        warmup = 30 if args.l1_warmup_end is None else args.l1_warmup_end
     else:
         model = model_preset(args.preset)
         steps, seq_len, batch = args.steps or 600, args.seq_len or 2048, args.batch or 8
+        warmup = 200 if args.l1_warmup_end is None else args.l1_warmup_end
     start = time.perf_counter()
     sparsify(
         args.out,
@@ -80,8 +88,9 @@ def main() -> int:
         lr=args.lr,
         seq_len=seq_len,
         batch=batch,
+        l1_warmup_end=warmup,
         data={"max_documents": 300} if args.tiny else None,
-        train={"device": "cuda" if on_gpu else "cpu", "compile": on_gpu},
+        train={"device": "cuda" if on_gpu else "cpu", "compile": on_gpu, "log_every": max(1, steps // 60)},
         overrides=[f"sparsity.target_l0={args.target_l0}"],
     )
     seconds = time.perf_counter() - start

@@ -163,7 +163,22 @@ class ReinitConfig:
 
 
 @dataclass
+class L1ControllerConfig:
+    """How the L1 coefficient follows `sparsity.target_l0` / `target_sparsity` (sparse_llm/sparsity/
+    controller.py; the defaults are justified there)."""
+
+    # Per step, with e = log((L0 + eps) / target_l0), eps = 1% of the target: the integral part
+    # log(I) += gain x e, and lambda = I x exp(p_gain x e) (PI; p_gain 0: lambda = I).
+    gain: float = checked(0.05, gt=0, le=1)
+    p_gain: float = checked(1.0, ge=0, le=10)
+    coeff_min: float = checked(1e-8, gt=0)  # the coefficient is clamped to [coeff_min, coeff_max]
+    coeff_max: float = checked(1.0, gt=0)
+    per_layer: bool = False  # one coefficient per layer, each driven by its own layer's L0
+
+
+@dataclass
 class SparsityConfig:
+    # With a target (target_l0 or target_sparsity), the controller's starting value; else lambda.
     l1_coeff: float = checked(0.0, ge=0)
     l1_warmup_start: int = checked(0, ge=0)  # coefficient ramps linearly from 0 at this step ...
     l1_warmup_end: int = checked(0, ge=0)  # ... to l1_coeff at this step, constant after
@@ -172,6 +187,18 @@ class SparsityConfig:
     )  # a unit is dead after this many tokens without firing; 0: one global batch
     reinit: ReinitConfig = field(default_factory=ReinitConfig)
     plots: bool = True  # PNG plots of the sparsity curves in the run directory at the end
+    # A target instead of a fixed lambda: mean active units per token (the logs' `l0/mean`), or as
+    # a sparsity, target_l0 = (1 - target_sparsity) x H. At most one; none: the fixed l1_coeff
+    # schedule. The coefficient then adapts every step after l1_warmup_end (`controller`).
+    target_l0: float | None = checked(None, gt=0, optional=True)
+    target_sparsity: float | None = checked(None, gt=0, lt=1, optional=True)
+    controller: L1ControllerConfig = field(default_factory=L1ControllerConfig)
+
+    def resolved_target_l0(self, num_units: int) -> float | None:
+        """The target in active units per token for FFNs of `num_units` (H), or None (no target)."""
+        if self.target_sparsity is not None:
+            return (1.0 - self.target_sparsity) * num_units
+        return self.target_l0
 
 
 @dataclass
@@ -293,8 +320,37 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"config key 'data.tokenizer': no tokenizer at {d.tokenizer!r}")
     if s.l1_warmup_end < s.l1_warmup_start:
         raise ConfigError("config key 'sparsity.l1_warmup_end': must be >= sparsity.l1_warmup_start")
+    _validate_sparsity_target(s, m.intermediate_size)
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(f"config key 'train.resume': no checkpoint directory at {t.resume!r}")
+
+
+def _validate_sparsity_target(s: SparsityConfig, num_units: int) -> None:
+    c = s.controller
+    if c.coeff_min > c.coeff_max:
+        raise ConfigError(
+            f"config key 'sparsity.controller.coeff_min': {c.coeff_min:g} is above "
+            f"sparsity.controller.coeff_max={c.coeff_max:g}"
+        )
+    if s.target_l0 is not None and s.target_sparsity is not None:
+        raise ConfigError(
+            "config key 'sparsity.target_sparsity': set sparsity.target_l0 or sparsity.target_sparsity, not both"
+        )
+    target = s.resolved_target_l0(num_units)
+    if target is None:
+        return
+    key = "sparsity.target_l0" if s.target_l0 is not None else "sparsity.target_sparsity"
+    if not 0 < target < num_units:
+        raise ConfigError(
+            f"config key '{key}': a target of {target:g} active units per token is outside "
+            f"(0, model.intermediate_size={num_units})"
+        )
+    if not c.coeff_min <= s.l1_coeff <= c.coeff_max:
+        raise ConfigError(
+            f"config key 'sparsity.l1_coeff': with {key} set it is the controller's starting value and "
+            f"must be in [sparsity.controller.coeff_min, coeff_max] = [{c.coeff_min:g}, {c.coeff_max:g}], "
+            f"got {s.l1_coeff:g}"
+        )
 
 
 def _looks_like_path(name: str) -> bool:

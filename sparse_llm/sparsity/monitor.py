@@ -48,6 +48,7 @@ class SparsityMonitor:
         self._window_hist = self._zeros(num_layers, num_units + 1)
         self._step_has_data = False
         self._window_steps = 0
+        self._last_step_hist: torch.Tensor | None = None  # the last completed step's, global
         # Histogram of the last summarised window: what `save_histograms` falls back to when
         # the run ends right after a log step.
         self._last_window_hist: torch.Tensor | None = None
@@ -101,10 +102,22 @@ class SparsityMonitor:
         self._window_l1.add_(l1_sum)
         self._window_hist.add_(nnz_hist)
         self._window_steps += 1
+        self._last_step_hist = nnz_hist  # a fresh tensor every step (the reduction's output)
         # Zeroed only now: with an identity reduction, l1_sum is _step_l1 itself.
         for t in (self._step_l1, self._step_hist, self._step_fire):
             t.zero_()
         self._step_has_data = False
+
+    def last_step_l0(self) -> list[float]:
+        """Per-layer L0 (active units per token) of the last completed step, global over ranks:
+        what the L1 controller follows. Exact integer totals, so the same on every rank; syncs with
+        the host."""
+        if self._last_step_hist is None:
+            raise RuntimeError("SparsityMonitor.last_step_l0() called before any end_step()")
+        hist = self._last_step_hist
+        bins = torch.arange(self.num_units + 1, device=hist.device)
+        *active, tokens = torch.cat(((hist * bins).sum(-1), hist[0].sum().reshape(1))).tolist()
+        return [a / tokens for a in active]
 
     # --- dead units -------------------------------------------------------------------------
 

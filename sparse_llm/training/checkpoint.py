@@ -247,6 +247,8 @@ class TrainingState:
     reinit_generator: torch.Generator
     device: torch.device
     sharded: bool  # FSDP2: model and optimizer go to `sharded/` (DCP), written by every rank
+    # The L1Controller of a run with a sparsity target (None without): JSON state_dict().
+    l1_controller: Any = None
 
 
 def save_training_state(
@@ -292,6 +294,8 @@ def save_training_state(
             "data": data_state,  # the global stream's position: the same on every rank
             "ffn_dense_fallback": parts.model.ffn_dense_fallback(),
         }
+        if parts.l1_controller is not None:
+            state["l1_controller"] = parts.l1_controller.state_dict()
         if parts.sharded:
             checkpoint = Checkpoint(step, {}, {}, tensors, state)
         else:
@@ -327,6 +331,11 @@ def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
     parts.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
     if parts.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:
         torch.cuda.set_rng_state(ckpt.tensors["rng/torch_cuda"], parts.device)
+    # A checkpoint without controller state (written with the fixed schedule): lambda starts
+    # again from l1_coeff. Controller state with no target in this run: the fixed schedule.
+    controller = ckpt.state.get("l1_controller")
+    if parts.l1_controller is not None and controller is not None:
+        parts.l1_controller.load_state_dict(controller)
     prefix = "sparsity/"
     parts.sparsity.load_state_dict(
         {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}

@@ -26,7 +26,7 @@ from sparse_llm.model.compiling import compile_model
 from sparse_llm.model.state import load_model_state
 from sparse_llm.ops.select import KernelsUnavailable
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
-from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty
+from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
 from sparse_llm.training.ffn_fallback import DensityFallback
@@ -136,6 +136,12 @@ class Trainer:
             num_units=cfg.model.intermediate_size,
             dead_window_tokens=cfg.sparsity.dead_window_tokens or self.tokens_per_step,
         )
+        # With a sparsity target, lambda follows the measured L0 (the same on every rank).
+        self.l1_controller = (
+            L1Controller(cfg.sparsity, cfg.model.num_hidden_layers, cfg.model.intermediate_size)
+            if cfg.sparsity.resolved_target_l0(cfg.model.intermediate_size) is not None
+            else None
+        )
         # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal.
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
@@ -152,6 +158,7 @@ class Trainer:
             reinit_generator=self.reinit_generator,
             device=self.device,
             sharded=self.sharded,
+            l1_controller=self.l1_controller,
         )
         self.step = 0
         self.tokens_seen = 0
@@ -226,9 +233,18 @@ class Trainer:
 
     def _train_step(self) -> dict[str, Any]:
         t = self.cfg.train
-        coeff = l1_coefficient(self.cfg.sparsity, self.step)
+        control = self.l1_controller
+        if control is None:
+            coeff = l1_coefficient(self.cfg.sparsity, self.step)
+        else:
+            coeff = control.coefficient(self.step)
+        # Per-layer coefficients: the penalty term is the mean over layers of lambda_i x L1_i.
+        layer_coeffs = None
+        if control is not None and control.per_layer and coeff > 0:
+            layer_coeffs = torch.tensor(control.coefficients(self.step), dtype=torch.float32).to(self.device)
         ce_sum = torch.zeros((), device=self.device)
         l1_sum = torch.zeros((), device=self.device)
+        penalty_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum_steps):
             batch = self.train_stream.next_batch(t.micro_batch_size).to(self.device, non_blocking=True)
             inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -238,14 +254,19 @@ class Trainer:
             with sync, self.accelerator.autocast():
                 out = self.forward(inputs, labels=labels, with_stats=True)
                 l1 = l1_penalty(out.ffn_stats)
-                loss = out.loss + coeff * l1 if coeff > 0 else out.loss
+                if layer_coeffs is not None:
+                    penalty = l1_penalty(out.ffn_stats, layer_coeffs)
+                    penalty_sum += penalty.detach()
+                    loss = out.loss + penalty
+                else:
+                    loss = out.loss + coeff * l1 if coeff > 0 else out.loss
                 self.accelerator.backward(loss / self.accum_steps)
             self.sparsity.update(FFNStats(*(s.detach() for s in out.ffn_stats)))
             ce_sum += out.loss.detach()
             l1_sum += l1.detach()
-        # One all-reduce and one host sync per step for both scalars.
-        ce, l1_mean = self.accelerator.reduce(
-            torch.stack((ce_sum, l1_sum)) / self.accum_steps, reduction="mean"
+        # One all-reduce and one host sync per step for the scalars (penalty_sum: per-layer lambdas only).
+        ce, l1_mean, penalty_mean = self.accelerator.reduce(
+            torch.stack((ce_sum, l1_sum, penalty_sum)) / self.accum_steps, reduction="mean"
         ).tolist()
         if not math.isfinite(ce) or not math.isfinite(l1_mean):
             raise TrainingDiverged(
@@ -268,15 +289,20 @@ class Trainer:
         self.prepared_optimizer.zero_grad(set_to_none=True)
         self.sparsity.end_step(self._all_reduce_sum)
         self._last_ce = ce
-        return {
-            "loss": ce + coeff * l1_mean,
+        record = {
+            "loss": ce + (penalty_mean if layer_coeffs is not None else coeff * l1_mean),
             "ce": ce,
             "l1": l1_mean,
-            "l1_coeff": coeff,
+            "l1_coeff": coeff,  # the one this step used; per layer: their mean
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_seen": self.tokens_seen + self.tokens_per_step,
         }
+        if control is not None:
+            record.update(control.metrics(self.step))
+            # The next step's lambda, from this step's L0 (all-reduced: the same on every rank).
+            control.update(self.sparsity.last_step_l0(), self.step)
+        return record
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

@@ -46,6 +46,14 @@ def run_config(run_dir: Path, **train_overrides) -> RunConfig:
     )
 
 
+def target_run_config(run_dir: Path) -> RunConfig:
+    """run_config with per-layer L1 coefficients following a target L0 (sparsity.target_l0)."""
+    cfg = run_config(run_dir, eval_every=0, checkpoint_every=0)
+    cfg.sparsity.target_l0 = 20.0
+    cfg.sparsity.controller.per_layer = True
+    return cfg
+
+
 class SimulatedKill(Exception):
     pass
 
@@ -77,7 +85,8 @@ class Recorder(Callback):
 
     def on_step_end(self, trainer, step, metrics) -> None:
         keep = ("ce", "l1", "loss", "grad_norm", "lr", "reinit/revived", "sparsity/mean", "dead/mean")
-        self.steps.append({"step": step, **{k: metrics[k] for k in keep if k in metrics}})
+        kept = {k: v for k, v in metrics.items() if k in keep or k.startswith("l1_coeff")}
+        self.steps.append({"step": step, **kept})
         self.trackers.append(trainer.sparsity.tracker.tokens_since_fired.clone())
 
     def on_eval(self, trainer, step, metrics) -> None:
@@ -116,6 +125,7 @@ def _worker(out: Path) -> None:
     results = {
         "straight": record_run(run_config(out / "straight")),
         "resumed": record_killed_and_resumed(out / "resumed"),
+        "target": record_run(target_run_config(out / "target")),
     }
     torch.save(results, out / f"rank{rank}.pt")
 
@@ -237,7 +247,9 @@ def _launch(script_args: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(Path(__file__).resolve()), *script_args]
     # The script imports the tests' shared helpers (tiny.py) from tests/.
-    pythonpath = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    # And this checkout's package first, whatever an installed copy points at.
+    paths = (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+    pythonpath = os.pathsep.join(p for p in paths if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -307,6 +319,23 @@ def test_two_processes_match_one_process(two_procs, one_proc):
                     assert _close(r2[key], r1[key]), (r1["step"], key, r2[key], r1[key])
         for name, tensor in one_proc["model"].items():
             torch.testing.assert_close(straight["model"][name], tensor, **TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_l1_controller_gives_every_rank_the_single_process_coefficients(two_procs, tmp_path):
+    """Every rank computes the coefficients from the all-reduced L0: bit-identical on both ranks
+    every step, and those of a single-process run (up to the summation order of the gradients)."""
+    _, (rank0, rank1) = two_procs
+    single = record_run(target_run_config(tmp_path))["steps"]
+    a, b = rank0["target"]["steps"], rank1["target"]["steps"]
+    assert a == b
+    keys = ("l1_coeff", "l1_coeff/layer_00", "l1_coeff/layer_01")
+    assert [r["step"] for r in a] == [r["step"] for r in single] == list(range(1, MAX_STEPS + 1))
+    assert len({r["l1_coeff"] for r in a}) == MAX_STEPS  # it adapted every step
+    assert a[0]["l1_coeff"] == single[0]["l1_coeff"]
+    for r2, r1 in zip(a, single, strict=True):
+        for key in (*keys, "loss", "ce"):
+            assert _close(r2[key], r1[key]), (r1["step"], key, r2[key], r1[key])
 
 
 @pytest.mark.slow

@@ -137,6 +137,62 @@ def test_resume_restores_the_per_layer_dense_fallback(tmp_path: Path):
         assert torch.equal(pa, pb), name
 
 
+# A run where the tiny model's L0 settles within ~100 steps: constant lr 1e-2, 512 tokens a step;
+# the last record's l0/mean is the mean over its last 200 steps.
+TARGET_RUN = dict(max_steps=400, lr=1e-2, min_lr_ratio=1.0, log_every=200)
+TARGET_RUN.update(seq_len=64, global_batch_size=8, micro_batch_size=8)
+
+
+@pytest.mark.slow
+def test_target_l0_controller_reaches_the_target_a_fixed_coefficient_misses(tmp_path: Path):
+    """From lambda 3e-3, with which the tiny model holds L0 ~12-19, the controller settles at the
+    target L0 8. gain 0.1: the tiny model's L0 drifts during training, and the default 0.05 trails
+    it by up to 19% in a run this short (sparse_llm/sparsity/controller.py). Over 8 seeds x 1 or 2
+    threads this run ended within 9% of the target. (From above, from a lambda 10x too large, the
+    spread is wider: units silenced by the large lambda come back slowly.)"""
+    target = 8.0
+    start = dict(l1_coeff=3e-3, l1_warmup_end=60)
+    controlled = dict(start, target_l0=target, controller=dict(gain=0.1))
+    train(tiny_run_config(tmp_path / "target", sparsity=controlled, **TARGET_RUN))
+    train(tiny_run_config(tmp_path / "fixed", sparsity=start, **TARGET_RUN))
+    records, fixed = read_metrics(tmp_path / "target"), read_metrics(tmp_path / "fixed")
+    assert [r["step"] for r in records] == [200, 400]
+    assert abs(records[-1]["l0/mean"] / target - 1) < 0.15, records[-1]["l0/mean"]
+    assert fixed[-1]["l0/mean"] > 1.3 * target, fixed[-1]["l0/mean"]
+    assert fixed[-1]["l1_coeff"] == 3e-3
+    assert records[-1]["l1_coeff"] > 3e-3 * 1.5  # the controller raised lambda
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per_layer"])
+def test_resume_restores_the_l1_controller_bitwise(tmp_path: Path, per_layer: bool):
+    """The coefficients adapt every step and live in the checkpoint: the resumed run logs the
+    uninterrupted run's losses and coefficients bit for bit."""
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    sparsity = dict(l1_coeff=1e-2, target_l0=20.0, controller=dict(per_layer=per_layer))
+    run = dict(max_steps=8, checkpoint_every=4, sparsity=sparsity)
+    straight = train(tiny_run_config(straight_dir, **run))
+    with pytest.raises(SimulatedKill):
+        train(tiny_run_config(resumed_dir, **run), [KillAfterCheckpoint(4)])
+    resumed = train(tiny_run_config(resumed_dir, resume="auto", **run))
+
+    a, b = read_metrics(straight_dir), read_metrics(resumed_dir)
+    keys = ["loss", "ce", "l1", "l1_coeff", "l0/mean", "grad_norm"]
+    if per_layer:
+        keys += ["l1_coeff/layer_00", "l1_coeff/layer_01"]
+        assert a[-1]["l1_coeff/layer_00"] != a[-1]["l1_coeff/layer_01"]
+    else:
+        assert "l1_coeff/layer_00" not in a[-1]
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b, strict=True):
+        for key in keys:
+            assert ra[key] == rb[key], (ra["step"], key)
+    # The resumed steps ran on adapted coefficients that only the checkpoint could give back.
+    assert a[4]["l1_coeff"] != 1e-2 and len({r["l1_coeff"] for r in a}) == 8
+    assert resumed.l1_controller.state_dict() == straight.l1_controller.state_dict()
+    saved = ckpt_io.load_checkpoint(resumed_dir / "checkpoints" / "step_00000004").state["l1_controller"]
+    assert saved["per_layer"] is per_layer and len(saved["integral"]) == (2 if per_layer else 1)
+
+
 def test_resume_ignores_an_interrupted_checkpoint_write(tmp_path: Path):
     train(tiny_run_config(tmp_path, max_steps=4, checkpoint_every=2))
     root = tmp_path / "checkpoints"
