@@ -9,23 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import TINY_CLI_OVERRIDES
 
 from sparse_llm.train import single_run
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "train.seq_len=16",
-    "train.global_batch_size=2",
-    "train.micro_batch_size=2",
-    "train.eval_batches=1",
-    "train.progress=false",
-    "data.max_documents=100",
-    "logger=none",
-]
+# The tiny run of tests/tiny.py without its step count (each test sets its own).
+TINY = [o for o in TINY_CLI_OVERRIDES if not o.startswith("train.max_steps=")]
 
 
 def _run(tmp_path: Path, capsys, *overrides: str) -> tuple[int, str, Path]:

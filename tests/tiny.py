@@ -45,3 +45,20 @@ def tiny_run_config(
             "logger": {"wandb": {"mode": "disabled"}},
         }
     )
+
+
+# The same tiny run as command-line overrides, for tests of the `sparse_llm.train` command (2 steps).
+TINY_CLI_OVERRIDES = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "train.seq_len=16",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=2",
+    "train.max_steps=2",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "data.max_documents=100",
+    "logger=none",
+]

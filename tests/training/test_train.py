@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_run_config
+from tiny import TINY_CLI_OVERRIDES, tiny_run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sparse_llm import run_files
@@ -236,20 +236,6 @@ def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
     assert tokenizer.eos_token_id == trainer.tokenizer.eos_token_id
 
 
-TINY_CLI_OVERRIDES = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=1",
-    "model.num_attention_heads=2",
-    "train.seq_len=16",
-    "train.global_batch_size=2",
-    "train.micro_batch_size=2",
-    "train.max_steps=2",
-    "train.eval_batches=1",
-    "train.progress=false",
-    "data.max_documents=100",
-    "logger=none",
-]
 
 
 def test_command_line_run_and_config_error(tmp_path: Path):
