@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=model.lm_head.weight.dtype,
         hidden_size=model.config.hidden_size,
         intermediate_size=model.config.intermediate_size,
+        activation=model.config.hidden_act,
     )
     reason = kernels.reason
     if "cuda" in impls and kernels.impl != "cuda":

@@ -160,6 +160,7 @@ def train_ffn(impl: str, mcfg: ModelConfig, device: str, dtype: torch.dtype) -> 
         hidden_size=mcfg.hidden_size,
         intermediate_size=mcfg.intermediate_size,
         where="--impls",
+        activation=mcfg.hidden_act,
     )
     if impl == "cuda" and selection.impl != "cuda":
         return "reference", selection.reason

@@ -18,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 # The FFN implementations (sparse_llm.ops.select says what each means and picks what runs).
 FFN_IMPLS = ("auto", "dense", "reference", "cuda")
 ATTN_IMPLS = ("sdpa", "flash")
+# The FFN's gate activation: relu (the sparse recipe and kernels) or silu (SwiGLU, the dense baseline).
+HIDDEN_ACTS = ("relu", "silu")
 DATA_SOURCES = ("embedded", "files", "hub")
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -94,6 +96,7 @@ class ModelConfig:
     rms_norm_eps: float = checked(1e-5, gt=0)
     tie_word_embeddings: bool = True
     initializer_range: float = checked(0.02, gt=0)
+    hidden_act: str = checked("relu", choices=HIDDEN_ACTS)
     ffn_impl: str = checked("dense", choices=FFN_IMPLS)
     # ffn_impl=cuda: a layer whose measured density (L0 / H) exceeds this trains with the dense FFN
     # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmarks/ffn.py --train.

@@ -41,6 +41,7 @@ def _select(model: SparseLlamaForCausalLM, phase: str, requested: str) -> FFNSel
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
             where=f"{phase}_ffn",
+            activation=cfg.hidden_act,
         )
     except KernelsUnavailable as err:
         raise ValueError(str(err)) from None

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from sparse_llm.config import ModelConfig
+from sparse_llm.config import HIDDEN_ACTS, ModelConfig
 from sparse_llm.data import load_tokenizer
 from sparse_llm.model import FFNPlan, SparseLlamaForCausalLM
 from sparse_llm.model.state import load_model_state
@@ -90,11 +90,13 @@ def detect_source(path: Path) -> tuple[str, Path]:
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """Our ModelConfig from an exported config.json (LlamaForCausalLM, hidden_act relu)."""
+    """Our ModelConfig from an exported config.json (LlamaForCausalLM, hidden_act relu or silu)."""
     if config.get("model_type") != "llama":
         raise ValueError(f"config.json: model_type {config.get('model_type')!r} is not llama")
-    if config.get("hidden_act") != "relu":
-        raise ValueError(f"config.json: hidden_act {config.get('hidden_act')!r}; sparse-llm models use relu")
+    if config.get("hidden_act") not in HIDDEN_ACTS:
+        raise ValueError(
+            f"config.json: hidden_act {config.get('hidden_act')!r}; sparse-llm models use {' or '.join(HIDDEN_ACTS)}"
+        )
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("config.json: attention or MLP biases are not supported")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -117,6 +119,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         rope_theta=float(theta),
         rms_norm_eps=config.get("rms_norm_eps", ModelConfig.rms_norm_eps),
         tie_word_embeddings=config.get("tie_word_embeddings", True),
+        hidden_act=config["hidden_act"],
     )
 
 

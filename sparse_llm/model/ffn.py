@@ -1,6 +1,7 @@
 """The ReLU-gated feed-forward block and the plan that says which implementation each phase runs.
 
-y = down(relu(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act="relu". The implementation
+y = down(act(gate(x)) * up(x)): transformers' LlamaMLP, with act = relu (the sparse recipe) or silu
+(SwiGLU, the dense baseline; its FFN is always dense). The implementation
 is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`), one per phase:
 
   train    a forward with autograd: the dense FFN, or the sparse training block op
@@ -74,6 +75,7 @@ class FFNPlan:
                 hidden_size=cfg.hidden_size,
                 intermediate_size=cfg.intermediate_size,
                 where=where if isinstance(requested, str) else f"{phase}_ffn",
+                activation=cfg.hidden_act,
             )
             for phase in PHASES
         }
@@ -95,8 +97,8 @@ class FFNPlan:
         return "; ".join(parts)
 
 
-class ReluGatedMLP(nn.Module):
-    """y = down(relu(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act="relu"."""
+class GatedMLP(nn.Module):
+    """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu."""
 
     def __init__(self, cfg: ModelConfig, plan: FFNPlan) -> None:
         super().__init__()
@@ -105,6 +107,7 @@ class ReluGatedMLP(nn.Module):
         self.up_proj = nn.Linear(d, h, bias=False)
         self.down_proj = nn.Linear(h, d, bias=False)
         self.plan = plan
+        self.act = F.relu if cfg.hidden_act == "relu" else F.silu
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints. Read only when the train phase is not dense.
         self.dense_fallback = False
@@ -131,7 +134,7 @@ class ReluGatedMLP(nn.Module):
         return ffn_forward(*self._inference_operands(x), impl=impl)
 
     def dense_forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple]:
-        a = F.relu(self.gate_proj(x))
+        a = self.act(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
         if not with_stats:

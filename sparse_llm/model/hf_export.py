@@ -1,4 +1,4 @@
-"""Export to a plain Hugging Face checkpoint: LlamaForCausalLM with hidden_act="relu".
+"""Export to a plain Hugging Face checkpoint: LlamaForCausalLM with hidden_act relu (or silu).
 
 The export loads with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
 and no custom code, and gives the same logits as our model.
@@ -28,7 +28,7 @@ def to_hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = N
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        hidden_act="relu",
+        hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_word_embeddings,

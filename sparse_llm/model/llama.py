@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.attention import Attention
-from sparse_llm.model.ffn import FFNPlan, ReluGatedMLP
+from sparse_llm.model.ffn import FFNPlan, GatedMLP
 from sparse_llm.model.kv_cache import KVCache
 from sparse_llm.model.loss import linear_cross_entropy
 from sparse_llm.model.norm import RMSNorm
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
-        self.mlp = ReluGatedMLP(cfg, plan)
+        self.mlp = GatedMLP(cfg, plan)
 
     def forward(
         self,

@@ -99,14 +99,24 @@ def select_ffn(
     intermediate_size: int,
     contiguous: bool = True,
     where: str = "impl",
+    activation: str = "relu",
 ) -> FFNSelection:
     """The FFN implementation that runs for `requested` in `phase` on these inputs, and why not the
-    kernels. `where` names the setting in errors (e.g. 'model.ffn_impl')."""
+    kernels. `where` names the setting in errors (e.g. 'model.ffn_impl'). The sparse paths are
+    for a ReLU gate only: with another `activation` (SwiGLU's silu) every request but dense is
+    refused and auto is dense."""
     if requested not in FFN_IMPLS:
         raise ValueError(f"{where} must be one of {', '.join(FFN_IMPLS)}, got {requested!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
-    if requested in ("dense", "reference"):
+    if requested == "dense":
+        return FFNSelection(requested, f"{where}={requested} was asked for")
+    if activation != "relu":
+        reason = f"the sparse FFN needs a ReLU gate, the model's is {activation}"
+        if requested == "auto":
+            return FFNSelection("dense", reason)
+        raise KernelsUnavailable(f"{where}={requested} cannot run: {reason}")
+    if requested == "reference":
         return FFNSelection(requested, f"{where}={requested} was asked for")
     device = torch.device(device)
     reason = None

@@ -18,9 +18,9 @@ def small_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("kv_heads,tied", [(0, True), (2, False)])
-def test_logits_match_transformers(kv_heads, tied):
-    cfg = small_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+@pytest.mark.parametrize("kv_heads,tied,act", [(0, True, "relu"), (2, False, "relu"), (0, True, "silu")])
+def test_logits_match_transformers(kv_heads, tied, act):
+    cfg = small_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied, hidden_act=act)
     torch.manual_seed(0)
     ours = build_model(cfg).eval()
     theirs = LlamaForCausalLM(to_hf_config(cfg)).eval()
@@ -265,3 +265,21 @@ def test_compiled_sparse_training_step_keeps_one_token_sized_residual_per_layer(
     assert 0 < out.ffn_stats.nnz_per_token.sum() < ids.numel() * layers
     # Per layer its fp32 input and its attention norm's bf16 output; then the final norm's pair.
     assert sorted(token_sized, key=str) == sorted([torch.float32, torch.bfloat16] * (layers + 1), key=str)
+
+
+def test_swiglu_runs_dense_and_refuses_the_sparse_paths():
+    """hidden_act=silu (SwiGLU, the dense baseline): auto is dense and says why; the sparse paths,
+    which need a ReLU gate, are refused before anything runs."""
+    from sparse_llm.ops.select import KernelsUnavailable
+
+    model = build_model(small_config(hidden_act="silu", ffn_impl="auto"))
+    assert model.ffn_plan.impl("train") == "dense"
+    assert "needs a ReLU gate" in model.ffn_plan.train.reason
+    for impl in ("reference", "cuda"):
+        with pytest.raises(KernelsUnavailable, match="needs a ReLU gate"):
+            build_model(small_config(hidden_act="silu", ffn_impl=impl))
+    ids = torch.randint(0, 97, (2, 9))
+    out = model(ids, labels=ids, with_stats=True)
+    out.loss.backward()
+    assert out.ffn_stats.l1.shape == (2,)
+

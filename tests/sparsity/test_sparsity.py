@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from sparse_llm.analysis.plots import plot_run, plot_runs_overlay
 from sparse_llm.analysis.sweep import SweepError, summarize_sweep
 from sparse_llm.config import ModelConfig, SparsityConfig
-from sparse_llm.model import FFNPlan, FFNStats, ReluGatedMLP, build_model
+from sparse_llm.model import FFNPlan, FFNStats, GatedMLP, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty, reinit_dead_units
 
 
@@ -80,7 +80,7 @@ def test_l1_coefficient_without_warmup():
 
 def test_l1_value_and_gradient_match_hand_computation():
     torch.manual_seed(0)
-    mlp = ReluGatedMLP(tiny_cfg(), FFNPlan.dense())
+    mlp = GatedMLP(tiny_cfg(), FFNPlan.dense())
     x = torch.randn(3, 5, 32)
     _, (l1, _, _) = mlp(x, "train", with_stats=True)
     wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
