@@ -21,15 +21,6 @@ import sys
 from sparse_llm.ops import _extension
 
 
-def _why_not_here() -> str | None:
-    """Why the extension cannot be built here, or None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    return _extension.missing_toolchain()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sparse_llm.ops.build", description=__doc__.splitlines()[0]
@@ -43,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_flags is not None:
         print("\n".join(_extension.compile_args(args.print_flags)))
         return 0
-    reason = _why_not_here()
+    import torch
+
+    # Only what the build itself needs (ops.select's check would build the extension quietly).
+    reason = "no CUDA GPU" if not torch.cuda.is_available() else _extension.missing_toolchain()
     if reason is not None:
         print(f"sparse_llm.ops.build: cannot build the CUDA extension here: {reason}", file=sys.stderr)
         return 1

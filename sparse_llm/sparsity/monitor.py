@@ -114,10 +114,7 @@ class SparsityMonitor:
         the host."""
         if self._last_step_hist is None:
             raise RuntimeError("SparsityMonitor.last_step_l0() called before any end_step()")
-        hist = self._last_step_hist
-        bins = torch.arange(self.num_units + 1, device=hist.device)
-        *active, tokens = torch.cat(((hist * bins).sum(-1), hist[0].sum().reshape(1))).tolist()
-        return [a / tokens for a in active]
+        return _mean_active_units(self._last_step_hist).tolist()
 
     # --- dead units -------------------------------------------------------------------------
 
@@ -136,9 +133,8 @@ class SparsityMonitor:
             raise RuntimeError("SparsityMonitor.summary() called with no completed step since the last one")
         hist = self._window_hist.to("cpu", copy=True)  # the window is zeroed below
         tokens = hist[0].sum().item()
-        counts = torch.arange(self.num_units + 1, dtype=torch.float64)
         per_layer = {
-            "l0": (hist.double() * counts).sum(-1) / tokens,
+            "l0": _mean_active_units(hist),
             "l1": self._window_l1.cpu() / tokens,
             "dead": self.tracker.dead_fraction().cpu().double(),
             "nnz_p50": _percentile(hist, 50).double(),
@@ -212,3 +208,11 @@ def _max_nonzero_bin(hist: torch.Tensor) -> torch.Tensor:
     """Per row, the largest k with a non-zero count (0 for an empty row)."""
     bins = torch.arange(hist.shape[-1], device=hist.device)
     return torch.where(hist > 0, bins, 0).amax(-1)
+
+
+def _mean_active_units(hist: torch.Tensor) -> torch.Tensor:
+    """Per layer, the mean number of active units per token of a [L, H + 1] count histogram (L0),
+    float64 on the CPU: the sums are exact integers, so every rank and every caller agrees."""
+    bins = torch.arange(hist.shape[-1], device=hist.device)
+    active = (hist * bins).sum(-1).cpu().double()
+    return active / hist[0].sum().cpu().double()
