@@ -3,6 +3,9 @@
 A dead unit's gate row gets a fresh draw from the model's init distribution, and the AdamW
 moments of exactly the re-drawn rows/columns are zeroed, so stale moments do not push the new
 weights straight back. Everything else, parameters and optimizer state, stays bit-for-bit.
+
+Under FSDP2 the weights and their moments are DTensors sharded along dim 0: every process draws
+the full rows, as a single process would, and writes the part of them its shard holds.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def reinit_dead_units(
     """Re-draw the gate rows (and optionally up rows / down columns) of `dead` [L, H] units.
 
     Draws come from `generator` in a fixed order (layer by layer: gate, up, down), so ranks
-    holding identically seeded generators and the same mask stay identical replicas.
+    holding identically seeded generators and the same mask stay identical replicas (or, with
+    FSDP2, shards of the weights a single process would have).
     Returns the number of units revived.
     """
     layers = model.model.layers
@@ -59,13 +63,41 @@ def _redraw(
     weight = linear.weight
     shape = list(weight.shape)
     shape[dim] = units.numel()
-    # Drawn in float32 on the generator's device, then cast: the same values whatever the
-    # parameter's dtype or device, which keeps the draw identical across ranks and precisions.
+    # Drawn whole in float32 on the generator's device, then cast: the same values whatever the
+    # parameter's dtype, device or sharding, which keeps the draws identical across ranks and
+    # precisions (and the generators of all ranks in step).
     values = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32) * std
-    index = units.to(weight.device)
-    weight.index_copy_(dim, index, values.to(weight.device, weight.dtype))
+    local, index, part = _local_units(weight, dim, units)
+    local.index_copy_(dim, index, values[part].to(local.device, local.dtype))
     # Per-element state (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad) has the parameter's
-    # shape; scalars like `step` do not and stay. No state yet (before the first step): nothing to do.
+    # shape (and sharding); scalars like `step` do not and stay. No state yet (before the first
+    # step): nothing to do.
     for value in optimizer.state.get(weight, {}).values():
         if torch.is_tensor(value) and value.shape == weight.shape:
-            value.index_fill_(dim, index.to(value.device), 0)
+            local, index, _ = _local_units(value, dim, units)
+            local.index_fill_(dim, index, 0)
+
+
+def _local_units(
+    tensor: torch.Tensor, dim: int, units: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[slice | torch.Tensor, ...]]:
+    """Where this process writes the slices `units` along `dim` of `tensor`.
+
+    Returns the part of `tensor` it holds (all of it, unless `tensor` is a sharded DTensor), the
+    local indices along `dim` of the units in that part, and the index that picks the matching
+    values out of a tensor shaped like `tensor` but with one slice per unit along `dim`.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(tensor, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        local = tensor.to_local()  # a view of this process's shard: writes land in the parameter
+    else:
+        shape, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
+    held = (units >= offset[dim]) & (units < offset[dim] + shape[dim])
+    part: list[slice | torch.Tensor] = [slice(o, o + n) for o, n in zip(offset, shape, strict=True)]
+    part[dim] = held.nonzero().squeeze(1)
+    return local, (units[held] - offset[dim]).to(local.device), tuple(part)

@@ -73,7 +73,8 @@ class DeadUnitReinitCallback(Callback):
     """Every `every` steps, re-initialise the units the sparsity monitor reports dead.
 
     Runs on all ranks: the dead mask is global (reduced over ranks) and the draws come from
-    the trainer's identically seeded generator, so replicas stay identical.
+    the trainer's identically seeded generator, so replicas stay identical (FSDP2 shards: the
+    shards of what a single process would hold).
     """
 
     def __init__(self, every: int, reset_up_down: bool = False) -> None:

@@ -125,11 +125,6 @@ class Trainer:
         self.forward = compile_model(self.prepared_model) if t.compile else self.prepared_model
         # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
         self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
-        if self.sharded and cfg.sparsity.reinit.enabled:
-            raise ConfigError(
-                "config key 'sparsity.reinit.enabled': dead-unit reinit on FSDP2-sharded weights is "
-                "not supported yet; use DDP (configs/accelerate/ddp.yaml) or disable it"
-            )
 
         self.sparsity = SparsityMonitor(
             num_layers=cfg.model.num_hidden_layers,
@@ -142,7 +137,8 @@ class Trainer:
             if cfg.sparsity.resolved_target_l0(cfg.model.intermediate_size) is not None
             else None
         )
-        # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal.
+        # Identically seeded on every rank, so dead-unit reinit keeps data-parallel replicas equal
+        # (under FSDP2: every rank draws the rows a single process would, and keeps its shard).
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
         # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain.

@@ -2,8 +2,8 @@
 
 The 2-process runs are launched once per session with `torch.distributed.run`, which runs this
 file as a script (the `__main__` block at the bottom); each rank records its losses, batches,
-dead-unit counters and final weights, and the tests compare them with a single-process run made
-in the pytest process.
+dead-unit counters and final weights and AdamW moments (gathered from FSDP2 shards), and the
+tests compare them with a single-process run made in the pytest process.
 """
 
 from __future__ import annotations
@@ -13,14 +13,19 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_run_config
+from tiny import TINY_MODEL, tiny_run_config
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from sparse_llm.config import RunConfig
+from sparse_llm.config import ModelConfig, RunConfig
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer
+from sparse_llm.model import SparseLlamaForCausalLM, build_model
+from sparse_llm.sparsity import reinit_dead_units
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer
 
@@ -28,6 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 KILL_AT = 4
 DEAD_ROWS = 8  # gate rows zeroed at the start: dead units that reinit must revive identically
+MOMENTS = ("exp_avg", "exp_avg_sq")
+TINY_LAYERS, TINY_UNITS = TINY_MODEL["num_hidden_layers"], TINY_MODEL["intermediate_size"]
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the gradient all-reduce changes the summation order
 
 
@@ -58,21 +65,49 @@ class SimulatedKill(Exception):
     pass
 
 
-class Recorder(Callback):
-    """What each rank saw: step metrics, its batches, the dead-unit counters after every step."""
+@torch.no_grad()
+def zero_gate_rows(model: SparseLlamaForCausalLM) -> None:
+    """Zero DEAD_ROWS gate rows per layer, spread over the units and so over both FSDP2 shards:
+    with ReLU their units never fire and get no gradient, so they stay dead until reinit."""
+    for layer in model.model.layers:
+        weight = layer.mlp.gate_proj.weight
+        rows = torch.zeros(weight.shape, dtype=torch.bool)
+        rows[:: weight.shape[0] // DEAD_ROWS] = True
+        if isinstance(weight, DTensor):
+            rows = distribute_tensor(rows, weight.device_mesh, weight.placements)
+        weight.masked_fill_(rows, 0)
 
-    def __init__(self, kill_at: int = 0, zero_gate_rows: bool = True) -> None:
+
+def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Full copies of the model's weights and AdamW moments (by parameter name), gathered from the
+    shards of an FSDP2 model: a collective there, called by every rank."""
+
+    def full(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+    moments = {
+        f"{name}.{key}": full(optimizer.state[param][key])
+        for name, param in model.named_parameters()
+        for key in MOMENTS
+        if param in optimizer.state
+    }
+    return {"model": {k: full(v) for k, v in model.state_dict().items()}, "optimizer": moments}
+
+
+class Recorder(Callback):
+    """What each rank saw: step metrics, its batches, the dead-unit counters after every step.
+
+    Zeroes gate rows at the start (zero_gate_rows) for reinit to revive."""
+
+    def __init__(self, kill_at: int = 0) -> None:
         self.kill_at = kill_at
-        self.zero_gate_rows = zero_gate_rows
         self.steps: list[dict[str, float]] = []
         self.batches: list[torch.Tensor] = []
         self.trackers: list[torch.Tensor] = []
 
     def on_train_start(self, trainer) -> None:
-        if trainer.step == 0 and self.zero_gate_rows:
-            with torch.no_grad():
-                for layer in trainer.model.model.layers:
-                    layer.mlp.gate_proj.weight[:DEAD_ROWS].zero_()
+        if trainer.step == 0:
+            zero_gate_rows(trainer.model)
         stream = trainer.train_stream
         next_batch = stream.next_batch
 
@@ -101,23 +136,23 @@ class Recorder(Callback):
             "steps": self.steps,
             "batches": self.batches,
             "trackers": self.trackers,
-            "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            **gathered_state(trainer.model, trainer.optimizer),
             "data_state": json.dumps(trainer.train_stream.state_dict(), sort_keys=True),
         }
 
 
-def record_run(cfg: RunConfig, kill_at: int = 0, zero_gate_rows: bool = True) -> dict:
-    recorder = Recorder(kill_at, zero_gate_rows)
+def record_run(cfg: RunConfig, kill_at: int = 0) -> dict:
+    recorder = Recorder(kill_at)
     trainer = Trainer(cfg, Path(cfg.run_dir), [recorder])
     trainer.fit()
     return recorder.result(trainer)
 
 
-def record_killed_and_resumed(run_dir: Path) -> dict:
+def record_killed_and_resumed(run_dir: Path, config: Callable[..., RunConfig] = run_config) -> dict:
     """Train until the checkpoint at KILL_AT, 'crash', then resume=auto in a fresh trainer."""
     with pytest.raises(SimulatedKill):
-        record_run(run_config(run_dir), kill_at=KILL_AT)
-    return record_run(run_config(run_dir, resume="auto"))
+        record_run(config(run_dir), kill_at=KILL_AT)
+    return record_run(config(run_dir, resume="auto"))
 
 
 def _worker(out: Path) -> None:
@@ -130,6 +165,35 @@ def _worker(out: Path) -> None:
     torch.save(results, out / f"rank{rank}.pt")
 
 
+def byte_model_config(run_dir: Path) -> ModelConfig:
+    """The tiny model over 256 token ids, for the runs below that feed it random ids."""
+    cfg = run_config(run_dir).model
+    cfg.vocab_size = 256
+    return cfg
+
+
+def new_model(cfg: ModelConfig, shard: bool) -> tuple[SparseLlamaForCausalLM, torch.optim.AdamW]:
+    """The same initial weights on every call; with `shard`, FSDP2 (torch fully_shard) per layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if shard:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> float:
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _fsdp2_worker(out: Path) -> None:
     """FSDP2 (torch fully_shard, gloo): sharded checkpoint save, load into fresh shards, continue.
 
@@ -137,50 +201,69 @@ def _fsdp2_worker(out: Path) -> None:
     uses on a model sharded by torch directly.
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    from sparse_llm.model import build_model
     from sparse_llm.training import checkpoint as ckpt_io
 
     dist.init_process_group("gloo")
-    cfg = run_config(out).model
-    cfg.vocab_size = 256
-
-    def sharded_model():
-        torch.manual_seed(0)
-        model = build_model(cfg)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(model, optimizer, seed):
-        ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(seed))
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
-
-    model, optimizer = sharded_model()
+    cfg = byte_model_config(out)
+    model, optimizer = new_model(cfg, shard=True)
     assert ckpt_io.is_sharded(model)
     for seed in range(2):
-        step(model, optimizer, seed + 10 * dist.get_rank())
+        train_step(model, optimizer, seed + 10 * dist.get_rank())
     ckpt_io.save_sharded_state(out / "sharded", model, optimizer)
     full = ckpt_io.full_model_state(model)
     if dist.get_rank() == 0:
         torch.save(full, out / "full.pt")
-    fresh, fresh_optimizer = sharded_model()
+    fresh, fresh_optimizer = new_model(cfg, shard=True)
     ckpt_io.load_sharded_state(out / "sharded", fresh, fresh_optimizer)
-    losses = [step(m, o, 100 + dist.get_rank()) for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
+    losses = [
+        train_step(m, o, 100 + dist.get_rank()) for m, o in ((model, optimizer), (fresh, fresh_optimizer))
+    ]
     torch.save(losses, out / f"losses{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
 
+def reinit_mask() -> torch.Tensor:
+    """A known [layers, H] dead mask with units on both FSDP2 shards of H = 64 and at their edges."""
+    dead = torch.zeros(TINY_LAYERS, TINY_UNITS, dtype=torch.bool)
+    dead[0, [3, 40, 63]] = True
+    dead[1, [0, 31, 32]] = True
+    return dead
+
+
+def reinit_from(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    return reinit_dead_units(
+        model,
+        optimizer,
+        reinit_mask(),
+        std=0.02,
+        reset_up_down=True,
+        generator=torch.Generator().manual_seed(7),
+    )
+
+
+def _fsdp2_reinit_worker(out: Path) -> None:
+    """Dead-unit reinit on FSDP2 shards (torch fully_shard, gloo) with a known mask, after two steps
+    made the AdamW moments non-zero: the full state before and after, for a 1-process replay."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model, optimizer = new_model(byte_model_config(out), shard=True)
+    for seed in range(2):
+        train_step(model, optimizer, seed + 10 * dist.get_rank())
+    before = gathered_state(model, optimizer)
+    revived = reinit_from(model, optimizer)
+    after = gathered_state(model, optimizer)
+    if dist.get_rank() == 0:
+        torch.save({"before": before, "after": after, "revived": revived}, out / "reinit.pt")
+    dist.destroy_process_group()
+
+
 def fsdp2_run_config(run_dir: Path, **train_overrides) -> RunConfig:
-    """run_config without dead-unit reinit (refused on sharded weights), with an export."""
+    """run_config with an export, its reinit re-drawing up rows and down columns too (the columns
+    cross the dim-0 shards of down_proj)."""
     cfg = run_config(run_dir, **{"export": True, **train_overrides})
-    cfg.sparsity.reinit.enabled = False
+    cfg.sparsity.reinit.reset_up_down = True
     return cfg
 
 
@@ -228,18 +311,12 @@ def _trainer_fsdp2_worker(out: Path) -> None:
     """The Trainer under FSDP2: an uninterrupted run, a killed and resumed one, and a bf16 run."""
     _force_accelerate_fsdp2()
     rank = int(os.environ["RANK"])
-    results = {"straight": record_run(fsdp2_run_config(out / "straight"), zero_gate_rows=False)}
-    with pytest.raises(SimulatedKill):
-        record_run(fsdp2_run_config(out / "resumed"), kill_at=KILL_AT, zero_gate_rows=False)
-    results["resumed"] = record_run(fsdp2_run_config(out / "resumed", resume="auto"), zero_gate_rows=False)
+    results = {"straight": record_run(fsdp2_run_config(out / "straight"))}
+    results["resumed"] = record_killed_and_resumed(out / "resumed", fsdp2_run_config)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()  # a new mixed precision needs a fresh accelerate state
-    results["bf16"] = record_run(
-        fsdp2_run_config(out / "bf16", precision="bf16", max_steps=2, export=False), zero_gate_rows=False
-    )
-    for result in results.values():
-        result.pop("model")  # DTensor shards; the exports hold the full weights
+    results["bf16"] = record_run(fsdp2_run_config(out / "bf16", precision="bf16", max_steps=2, export=False))
     torch.save(results, out / f"fsdp2_rank{rank}.pt")
 
 
@@ -403,7 +480,6 @@ def test_two_process_checkpoint_resumes_on_one_process(two_procs, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path):
-    from sparse_llm.model import build_model
     from sparse_llm.model import state as model_state
     from sparse_llm.training import checkpoint as ckpt_io
 
@@ -418,31 +494,80 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path):
     for name, tensor in full.items():
         assert torch.equal(tensor, consolidated[name]), name
     # The consolidated state loads into a plain (unsharded) model: what the HF export needs.
-    cfg = run_config(tmp_path).model
-    cfg.vocab_size = 256
-    model_state.load_model_state(build_model(cfg), consolidated)
+    model_state.load_model_state(build_model(byte_model_config(tmp_path)), consolidated)
+
+
+@pytest.mark.slow
+def test_reinit_on_fsdp2_shards_is_bitwise_the_single_process_reinit(tmp_path):
+    """Reinit with a known mask on FSDP2 shards, against the same reinit of the same (gathered)
+    state in one process: weights and AdamW moments bitwise equal, as every rank draws the full
+    rows from the same generator and only copies its part of them (no arithmetic differs)."""
+    _launch([str(tmp_path), "fsdp2_reinit"])
+    sharded = torch.load(tmp_path / "reinit.pt", weights_only=True)
+    before, after = sharded["before"], sharded["after"]
+    model, optimizer = new_model(byte_model_config(tmp_path), shard=False)
+    model.load_state_dict(before["model"])
+    for name, param in model.named_parameters():
+        optimizer.state[param] = {key: before["optimizer"][f"{name}.{key}"].clone() for key in MOMENTS}
+    assert reinit_from(model, optimizer) == sharded["revived"] == reinit_mask().sum()
+    single = gathered_state(model, optimizer)
+    for part in ("model", "optimizer"):
+        assert single[part].keys() == after[part].keys()
+        for name, tensor in single[part].items():
+            assert torch.equal(after[part][name], tensor), (part, name)
+    # The reinit did write on both shards: the re-drawn gate rows of layer 1 straddle them, and
+    # the moments of the (live) units it re-drew were reset.
+    gate = "model.layers.1.mlp.gate_proj.weight"
+    changed = (after["model"][gate] != before["model"][gate]).all(-1).nonzero().squeeze(1)
+    assert changed.tolist() == [0, 31, 32]
+    for key in MOMENTS:
+        assert (before["optimizer"][f"{gate}.{key}"][changed] != 0).any()
+        assert (after["optimizer"][f"{gate}.{key}"][changed] == 0).all()
 
 
 @pytest.mark.slow
 def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
     """The trainer's FSDP2 path end to end on CPU (see _force_accelerate_fsdp2): sharded weights,
-    losses equal to a single-process run, sharded checkpoints that resume bitwise after a kill, an
-    export gathered from the shards, and an fp32 loss under the bf16 policy."""
+    losses, dead-unit reinit, weights and AdamW moments equal to a single-process run, sharded
+    checkpoints that resume bitwise after a kill, an export gathered from the shards, and an fp32
+    loss under the bf16 policy."""
     from safetensors.torch import load_file
 
     _launch([str(tmp_path), "trainer_fsdp2"])
-    single = record_run(fsdp2_run_config(tmp_path / "single"), zero_gate_rows=False)
+    single = record_run(fsdp2_run_config(tmp_path / "single"))
     ranks = [torch.load(tmp_path / f"fsdp2_rank{r}.pt", weights_only=True) for r in range(2)]
     for rank in ranks:
         straight, resumed = rank["straight"], rank["resumed"]
         assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
         for r2, r1 in zip(straight["steps"], single["steps"], strict=True):
-            for key in ("ce", "l1", "loss", "val_loss", "sparsity/mean"):
+            for key in ("ce", "l1", "loss", "val_loss"):
                 if key in r1:
                     assert _close(r2[key], r1[key]), (r1["step"], key, r2[key], r1[key])
+            # A pre-activation within round-off of 0 may fire in one run and not the other: one
+            # unit on one token moves the sparsity by 1 / (256 tokens x 64 units x 2 layers).
+            assert abs(r2["sparsity/mean"] - r1["sparsity/mean"]) <= 2 / (256 * 64 * 2), r1["step"]
             # The gradients agree to ~1e-7, but torch's fp32 norm of them is itself off by a few
             # 1e-5 (relative, against fp64) on CPU, differently for whole and sharded tensors.
             assert abs(r2["grad_norm"] - r1["grad_norm"]) <= 1e-4 * r1["grad_norm"], r1["step"]
+        # The same units revived at the same steps (the zeroed gate rows at step 2, on both shards).
+        revived = [r.get("reinit/revived") for r in straight["steps"]]
+        assert revived == [r.get("reinit/revived") for r in single["steps"]]
+        assert revived[1] >= 2 * DEAD_ROWS
+        # Weights and moments to fp32 round-off (the sharded gradient reduction sums in another
+        # order), amplified in the moments where a unit fired in one run only (see the sparsity):
+        # up to 2e-3 of a moment's largest value here. A row re-drawn wrongly would be off by
+        # about its own size.
+        for name, tensor in single["model"].items():
+            torch.testing.assert_close(straight["model"][name], tensor, **TOL, msg=name)
+        for name, tensor in single["optimizer"].items():
+            scale = tensor.abs().max().item()
+            torch.testing.assert_close(
+                straight["optimizer"][name], tensor, rtol=0, atol=1e-2 * scale, msg=name
+            )
+        for part in ("model", "optimizer"):
+            assert straight[part].keys() == single[part].keys() == resumed[part].keys()
+            for name, tensor in straight[part].items():
+                assert torch.equal(resumed[part][name], tensor), (part, name)
         assert resumed["steps"] == straight["steps"][KILL_AT:]
         assert resumed["data_state"] == straight["data_state"] == single["data_state"]
         # bf16 compute, but the loss stays fp32: accelerate's default policy casts the model's
@@ -468,5 +593,7 @@ if __name__ == "__main__":
         _fsdp2_worker(Path(sys.argv[1]))
     elif sys.argv[2:] == ["trainer_fsdp2"]:
         _trainer_fsdp2_worker(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["fsdp2_reinit"]:
+        _fsdp2_reinit_worker(Path(sys.argv[1]))
     else:
         _worker(Path(sys.argv[1]))
