@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 ARGS ?=
 STAMP := .make/setup.stamp
 
-.PHONY: setup train test test-gpu lint bench sweep-summary kernels gpu-check clean
+.PHONY: setup train test test-gpu lint bench bench-headline sweep-summary kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,15 @@ lint: setup
 
 bench: setup
 	$(PYTHON) benchmarks/ffn.py $(ARGS)
+
+# The headline figures in one GPU call (benchmarks/headline.py): dense vs sparse on 1b weights at
+# L0 ~30 (training step, peak memory, prefill, decode, the FFN op). MODEL=<run dir> times weights
+# made earlier; without it the weights are made first (~4.4 min on an H100), with --quick so that
+# all of it fits 10 minutes. Writes headline_<gpu>.json/.md into $OUT (the device tool's folder)
+# or benchmarks/results. Like gpu-check, no setup step: a GPU machine has its packages.
+bench-headline:
+	bash -c 'source scripts/device_env.sh && $(PYTHON) benchmarks/headline.py \
+		--out-dir "$(or $(OUT),benchmarks/results)" $(if $(MODEL),--model $(MODEL),--quick) $(ARGS)'
 
 # Summarise an L1 sweep (hydra multirun): make sweep-summary SWEEP=runs/sweeps/<date>
 sweep-summary: setup
