@@ -2,7 +2,8 @@
 
     python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] --out DIR --name NAME [--labels a,b,c]
 
-Writes NAME.md, NAME.json and NAME_<metric>.png (sparsity/mean, dead/mean, val_loss) into DIR.
+Writes NAME.md, NAME.json and NAME_<metric>.png (sparsity/mean, dead/mean, val_loss, and on log
+axes l0/mean and l1_coeff) into DIR.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from pathlib import Path
 from sparse_llm.analysis.plots import plot_runs_overlay
 from sparse_llm.analysis.sweep import summarize_run, to_markdown
 
-OVERLAY_KEYS = ("sparsity/mean", "dead/mean", "val_loss")
+# (metric, log y axis): L0 and the controller's coefficient span decades.
+OVERLAY_KEYS = (
+    ("sparsity/mean", False),
+    ("dead/mean", False),
+    ("val_loss", False),
+    ("l0/mean", True),
+    ("l1_coeff", True),
+)
 
 
 def main() -> None:
@@ -43,8 +51,9 @@ def main() -> None:
     (args.out / f"{args.name}.json").write_text(
         json.dumps({**info, "runs": [asdict(r) for r in rows]}, indent=1)
     )
-    for key in OVERLAY_KEYS:
-        plot_runs_overlay(args.run_dirs, args.out / f"{args.name}_{key.split('/')[0]}.png", labels, key)
+    for key, log_y in OVERLAY_KEYS:
+        png = args.out / f"{args.name}_{key.split('/')[0]}.png"
+        plot_runs_overlay(args.run_dirs, png, labels, key, log_y=log_y)
     print(markdown)
 
 

@@ -49,15 +49,22 @@ def plot_runs_overlay(
     out_path: Path,
     labels: Sequence[str] | None = None,
     key: str = "sparsity/mean",
+    log_y: bool = False,
 ) -> Path:
-    """One curve of `key` per run (e.g. L1 on vs L1 = 0 for the README); labels default to run names."""
+    """One curve of `key` per run (e.g. L1 on vs L1 = 0 for the README); labels default to run names.
+    `log_y` for quantities that span decades (L0, the L1 coefficient); runs without the key, or
+    with it at 0 throughout on a log axis, are left out."""
     labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs")
     fig, ax = _figure()
     for run_dir, label in zip(run_dirs, labels, strict=True):
         steps, values = series(read_metrics(Path(run_dir)), key)
+        if not values or (log_y and max(values) <= 0):
+            continue
         ax.plot(steps, values, label=label)
+    if log_y:
+        ax.set_yscale("log")
     ax.set(xlabel="step", ylabel=key, title=f"{key} by run")
     ax.legend()
     return _save(fig, out_path)

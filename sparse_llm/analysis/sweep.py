@@ -24,8 +24,12 @@ class RunSummary:
     l1_coeff: float | None
     val_ce: float | None  # val_loss of the last eval
     sparsity: float | None  # sparsity/mean of the last log
+    sparsity_tail: float | None  # mean sparsity/mean over the last 10% of the logged steps
+    l0: float | None  # l0/mean (active units per token) of the last log
     dead: float | None  # dead/mean of the last log
     tokens_per_s: float | None  # median over the logged steps
+
+TAIL_FRACTION = 0.1  # what a sparsity target is judged on: the end of the run, not one log line
 
 
 def summarize_sweep(sweep_dir: Path) -> list[RunSummary]:
@@ -49,6 +53,8 @@ def summarize_run(run_dir: Path, sweep_dir: Path) -> RunSummary:
         l1_coeff=None if coeff is None else float(coeff),
         val_ce=_last(records, "val_loss"),
         sparsity=_last(records, "sparsity/mean"),
+        sparsity_tail=_tail_mean(records, "sparsity/mean"),
+        l0=_last(records, "l0/mean"),
         dead=_last(records, "dead/mean"),
         tokens_per_s=statistics.median(throughput) if throughput else None,
     )
@@ -56,8 +62,8 @@ def summarize_run(run_dir: Path, sweep_dir: Path) -> RunSummary:
 
 def to_markdown(rows: list[RunSummary]) -> str:
     lines = [
-        "| run | l1_coeff | val CE | sparsity | dead | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | l1_coeff | val CE | sparsity | sparsity, last 10% | L0 | dead | tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = (
@@ -65,6 +71,8 @@ def to_markdown(rows: list[RunSummary]) -> str:
             _fmt(r.l1_coeff, "{:g}"),
             _fmt(r.val_ce, "{:.4f}"),
             _fmt(r.sparsity, "{:.4f}"),
+            _fmt(r.sparsity_tail, "{:.4f}"),
+            _fmt(r.l0, "{:.1f}"),
             _fmt(r.dead, "{:.4f}"),
             _fmt(r.tokens_per_s, "{:,.0f}"),
         )
@@ -94,6 +102,15 @@ def write_summary(rows: list[RunSummary], out_dir: Path) -> list[Path]:
 def _last(records: list[dict], key: str) -> float | None:
     values = series(records, key)[1]
     return values[-1] if values else None
+
+
+def _tail_mean(records: list[dict], key: str) -> float | None:
+    steps, values = series(records, key)
+    if not values:
+        return None
+    start = steps[-1] - TAIL_FRACTION * steps[-1]
+    tail = [v for s, v in zip(steps, values, strict=True) if s >= start]
+    return statistics.fmean(tail)
 
 
 def _fmt(value: float | None, spec: str) -> str:

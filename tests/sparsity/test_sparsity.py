@@ -496,7 +496,7 @@ def test_summarize_sweep_script(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("| run | l1_coeff | val CE | sparsity | dead | tokens/s |")
+    assert result.stdout.startswith("| run | l1_coeff | val CE | sparsity | sparsity, last 10% | L0 | dead | tokens/s |")
     rows = json.loads((out / "sweep_summary.json").read_text())
     assert [r["l1_coeff"] for r in rows] == [0.0, 2e-5, 3e-4]
     first = rows[0]
@@ -506,8 +506,23 @@ def test_summarize_sweep_script(tmp_path):
     assert first["dead"] == pytest.approx(0.0405)
     assert first["tokens_per_s"] == pytest.approx(1025.0)  # median of 1010, 1020, 1030, 1040
     assert rows[1]["val_ce"] is None
+    assert first["l0"] is None  # these runs log no l0/mean
     assert (out / "sweep_summary.md").read_text().count("\n") == 2 + 3
     assert (out / "sweep_val_ce_vs_sparsity.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_sweep_summary_judges_sparsity_on_the_last_tenth(tmp_path):
+    from sparse_llm.analysis.sweep import summarize_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("sparsity:\n  l1_coeff: 0.001\n")
+    with (run / "metrics.jsonl").open("w") as f:
+        for step in range(10, 101, 10):  # the last 10% of 100 steps: steps 90 and 100
+            f.write(json.dumps({"step": step, "sparsity/mean": step / 100, "l0/mean": 100.0 - step}) + "\n")
+    row = summarize_run(run, tmp_path)
+    assert row.sparsity_tail == pytest.approx((0.9 + 1.0) / 2)
+    assert row.sparsity == 1.0 and row.l0 == 0.0
 
 
 def test_summarize_sweep_without_runs(tmp_path):
