@@ -1,4 +1,5 @@
-"""Batched generation with a KV cache: left-padded prefill, then one token per row per step."""
+"""Batched generation with a KV cache: left-padded prefill, then one token per row per step
+(eager here, or the static-shape CUDA-graph decode of sparse_llm.inference.decode)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm.inference.calibrate import FASTEST, choose_ffn_plan
+from sparse_llm.inference.decode import StaticDecoder, resolve_decode_mode
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import CausalLMOutput, KVCache, SparseLlamaForCausalLM
@@ -38,6 +40,36 @@ def check_prompts(
             )
 
 
+@dataclass
+class PaddedPrompts:
+    """A batch of prompts left-padded to one width, as the prefill takes them."""
+
+    ids: torch.Tensor  # [B, W] token ids, padding (0) on the left
+    lengths: torch.Tensor  # [B] real tokens per row
+    mask: torch.Tensor | None  # [B, W] True on real tokens; None when no row is padded
+    positions: torch.Tensor  # [B, W] RoPE positions (0 on the padding)
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> PaddedPrompts:
+    """The prompts left-padded to the longest, with each row's positions and padding mask (the
+    lengths are read from the lists, not from a device tensor: no sync)."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+    columns = torch.arange(width, device=device)[None, :]
+    pad = (width - lengths)[:, None]
+    mask = None
+    if any(len(p) != width for p in prompts):
+        mask = columns >= pad
+    return PaddedPrompts(ids.to(device), lengths, mask, (columns - pad).clamp(min=0))
+
+
 @torch.no_grad()
 def generate_ids(
     model: SparseLlamaForCausalLM,
@@ -45,6 +77,7 @@ def generate_ids(
     params: SamplingParams,
     eos_token_ids: Sequence[int] = (),
     prefill_forward: Callable[..., CausalLMOutput] | None = None,
+    decoder: StaticDecoder | None = None,
 ) -> GenerationOutput:
     """Generate for a batch of token-id prompts of any lengths (left-padded internally).
 
@@ -52,37 +85,60 @@ def generate_ids(
     ends when every row has stopped. Rows are independent: a prompt gives the same tokens alone
     or in a batch (up to floating-point ties). The FFN of each phase is the model's plan
     (`model.ffn_plan`). `prefill_forward` runs the prefill instead of `model` itself, e.g.
-    `torch.compile(model)` (see `compile_prefill`); decode runs `model`.
+    `torch.compile(model)` (see `compile_prefill`). Decode runs `eager_decode`, or with a
+    `decoder` (a StaticDecoder of this model: sparse_llm.inference.decode) the static-shape step,
+    CUDA-graph-captured when the decoder captures; both give the same tokens up to
+    floating-point ties, the same seeded samples included.
     """
     cfg = model.config
     check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings, params.max_new_tokens)
+    if decoder is not None and decoder.model is not model:
+        raise ValueError("decoder was made for another model (StaticDecoder(model, ...))")
     device = model.lm_head.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    batch, width = len(prompts), int(lengths.max())
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
-    ids = ids.to(device)
-    padded = bool((lengths != width).any())
-    mask = None
-    if padded:
-        mask = torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
-    positions = (torch.arange(width, device=device)[None, :] - (width - lengths)[:, None]).clamp(min=0)
-    cache = KVCache(cfg, batch, width + params.max_new_tokens, device, model.lm_head.weight.dtype)
+    padded = left_pad(prompts, device)
+    eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
+    forward = model if prefill_forward is None else prefill_forward
+
+    def prefill(cache: KVCache) -> torch.Tensor:
+        out = forward(
+            padded.ids,
+            cache=cache,
+            position_ids=padded.positions,
+            attention_mask=padded.mask,
+            last_logits_only=True,
+        )
+        return out.logits[:, -1]
+
+    if decoder is None:
+        tokens = eager_decode(model, prefill, padded, params, eos)
+    else:
+        tokens = decoder.generate(prefill, padded.lengths, padded.width, params, eos)
+    return _outputs(tokens.tolist(), set(eos.tolist()))
+
+
+def eager_decode(
+    model: SparseLlamaForCausalLM,
+    prefill: Callable[[KVCache], torch.Tensor],
+    padded: PaddedPrompts,
+    params: SamplingParams,
+    eos: torch.Tensor,
+) -> torch.Tensor:
+    """New tokens [B, n] (0 after a row's EOS): one forward per step over the filled columns of a
+    cache sized for the call, the padding mask grown by a column per step, and a host sync per
+    step for the EOS check. The reference the static decode is checked against."""
+    batch, width = padded.ids.shape
+    device = padded.ids.device
+    cache = KVCache(model.config, batch, width + params.max_new_tokens, device, model.lm_head.weight.dtype)
     generator = None
     if params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-    eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
-
-    prefill = model if prefill_forward is None else prefill_forward
-    logits = prefill(
-        ids, cache=cache, position_ids=positions, attention_mask=mask, last_logits_only=True
-    ).logits
+    logits = prefill(cache)
+    mask = padded.mask
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    next_pos = lengths.clone()
+    next_pos = padded.lengths.clone()
     steps = []
     for step in range(params.max_new_tokens):
-        token = sample_next(logits[:, -1], params, generator)
+        token = sample_next(logits, params, generator)
         token = torch.where(finished, torch.zeros_like(token), token)
         steps.append(token)
         if eos.numel():
@@ -95,13 +151,16 @@ def generate_ids(
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
         logits = model(
             token[:, None], cache=cache, position_ids=next_pos[:, None], attention_mask=mask
-        ).logits
+        ).logits[:, -1]
         next_pos += 1
-    table = torch.stack(steps, dim=1).tolist()
-    eos_set = set(eos.tolist())
+    return torch.stack(steps, dim=1)
+
+
+def _outputs(table: list[list[int]], eos: set[int]) -> GenerationOutput:
+    """Each row's tokens up to and including its first EOS, and why it stopped."""
     tokens, reasons = [], []
     for row in table:
-        stop = next((j for j, t in enumerate(row) if t in eos_set), None)
+        stop = next((j for j, t in enumerate(row) if t in eos), None)
         tokens.append(row if stop is None else row[: stop + 1])
         reasons.append("length" if stop is None else "eos")
     return GenerationOutput(tokens, reasons)
@@ -110,8 +169,9 @@ def generate_ids(
 def compile_prefill(model: SparseLlamaForCausalLM, **compile_kwargs) -> Callable[..., CausalLMOutput]:
     """`model` under torch.compile, for prefills: thousands of tokens per layer call, where the
     eager RMSNorm, rotary and residual passes cost as much as the attention they surround.
-    Decode (one token per row) stays eager: its cache length changes every step. Each FFN
-    implementation compiles once, on its first prefill."""
+    Decode (one token per row) is launch-bound instead: CUDA graphs take it (the Generator's
+    `decode`, sparse_llm.inference.decode). Each FFN implementation compiles once, on its first
+    prefill."""
     return torch.compile(model, **compile_kwargs)
 
 
@@ -125,6 +185,13 @@ class Generator:
 
     `compile=True` runs prefills through torch.compile (`compile_prefill`): the first prefill of
     each shape family pays the compilation, later ones run faster.
+
+    `decode` (sparse_llm.inference.decode.resolve_decode_mode) is fixed here too: `auto` (the
+    default) replays the decode step in CUDA graphs on a CUDA device with a capturable decode FFN,
+    and decodes eagerly elsewhere (`decode_reason` says why); `graph` raises where graphs cannot
+    run; `eager` and `static` (the graphs' step, uncaptured) run anywhere. `gen.decode` holds the
+    mode. Graphs are captured per batch bucket on first use and kept with their KV cache
+    (`gen.decoder.clear()` frees them).
     """
 
     def __init__(
@@ -133,6 +200,7 @@ class Generator:
         prefill_ffn: str = FASTEST,
         decode_ffn: str = FASTEST,
         compile: bool = False,
+        decode: str = "auto",
     ) -> None:
         self.loaded = loaded
         plan, self.ffn_measurement = choose_ffn_plan(loaded.model, prefill_ffn, decode_ffn)
@@ -142,6 +210,10 @@ class Generator:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.prefill_forward = compile_prefill(self.model) if compile else None
+        self.decode, self.decode_reason = resolve_decode_mode(self.model, decode)
+        self.decoder = None
+        if self.decode != "eager":
+            self.decoder = StaticDecoder(self.model, capture=self.decode == "graph")
 
     @classmethod
     def from_pretrained(
@@ -152,8 +224,9 @@ class Generator:
         prefill_ffn: str = FASTEST,
         decode_ffn: str = FASTEST,
         compile: bool = False,
+        decode: str = "auto",
     ) -> Generator:
-        return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn, compile)
+        return cls(load_model(path, device, dtype), prefill_ffn, decode_ffn, compile, decode)
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -167,6 +240,7 @@ class Generator:
             params,
             self.eos_token_ids,
             self.prefill_forward,
+            self.decoder,
         )
 
     def generate(self, prompts: str | Sequence[str], **sampling) -> GenerationOutput:

@@ -1,4 +1,8 @@
-"""Sampling parameters (validated before any compute) and next-token selection."""
+"""Sampling parameters (validated before any compute) and next-token selection.
+
+Selection runs on the device with no host synchronisation (no `.item()`, no data-dependent
+shapes), so that a CUDA graph can capture it with the decode step (sparse_llm.inference.decode).
+"""
 
 from __future__ import annotations
 
@@ -42,11 +46,11 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set the logits outside the top-k and outside the top-p nucleus to -inf (rows: [B, V])."""
-    logits = logits.clone()
+    """Set the logits outside the top-k and outside the top-p nucleus to -inf (rows: [B, V]); by
+    masked_fill, not `logits[mask] = -inf`, whose boolean index may become a nonzero() (a sync)."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits[logits < kth] = float("-inf")
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
@@ -55,7 +59,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         mass_before = probs.cumsum(-1) - probs
         drop_sorted = mass_before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
+        logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
@@ -68,4 +72,8 @@ def sample_next(
         return logits.argmax(-1)
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # torch.multinomial(probs, 1, generator=generator) draws one sample as exactly this race
+    # (argmax of p / q with q ~ Exp(1), from the same generator: the same tokens, the same
+    # generator state after), but first checks the probabilities with two host syncs.
+    q = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return probs.div(q).argmax(-1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.model.kv_cache import KVCache
+from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.rope import apply_rotary
 from sparse_llm.ops.linear_add import linear_add_
 
@@ -30,7 +30,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: KVCache | ColumnWriteCache | None = None,
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
@@ -49,7 +49,8 @@ class Attention(nn.Module):
             # Inference: attend over the cache's filled columns, this step's included (the cache
             # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
             # padded or queries start after cached columns; None means plain causal attention
-            # (a prefill into an empty cache).
+            # (a prefill into an empty cache). A static decode step (ColumnWriteCache) attends
+            # over every column of the cache under its key mask.
             is_causal = cache.length == 0 and attn_mask is None
             k, v = cache.update(layer_idx, k, v, cos, sin)
         else:

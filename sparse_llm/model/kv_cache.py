@@ -35,6 +35,20 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over given [layers, B, max_len, kv_heads, head_dim] tensors (used, not copied),
+        nothing filled: how the decode slots of sparse_llm.inference.decode lay their caches over
+        one shared allocation."""
+        if k.dim() != 5 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                f"k and v must be alike [layers, B, max_len, kv_heads, head_dim], got {tuple(k.shape)} "
+                f"({k.dtype}, {k.device}) and {tuple(v.shape)} ({v.dtype}, {v.device})"
+            )
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.max_len, cache.length = k, v, k.shape[2], 0
+        return cache
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,14 +66,71 @@ class KVCache:
         return self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
 
 
-def _fused_write_applies(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+class ColumnWriteCache:
+    """A KVCache as a static-shape decode step sees it (KVCache.update's interface): each row writes
+    its one new token at its own column, `columns` ([B] device tensor), and attention runs over all
+    max_len columns under the caller's key mask (`decode_key_mask`). Neither the shapes nor the
+    write position are Python values, so a CUDA graph can capture the step once and replay it.
+
+    The write goes through a one-column staging cache by `write_kv` (the fused kernel on Hopper),
+    then a scatter to the columns: RoPE(k) is rounded exactly as in every other cache write, so the
+    static and the eager decode keep the same cache, bit for bit.
+    """
+
+    def __init__(self, cache: KVCache, columns: torch.Tensor) -> None:
+        _, batch, max_len, heads, head_dim = cache.k.shape
+        if columns.shape != (batch,) or columns.dtype != torch.long:
+            raise ValueError(
+                f"columns must be an int64 [B] = [{batch}] tensor, got {columns.dtype} {tuple(columns.shape)}"
+            )
+        self.cache = cache
+        self.length = max_len  # every column takes part; the key mask says which are real
+        self.stage_k = torch.empty((1, batch, 1, heads, head_dim), device=cache.k.device, dtype=cache.k.dtype)
+        self.stage_v = torch.empty_like(self.stage_k)
+        self.index = columns.view(batch, 1, 1, 1).expand(batch, 1, heads, head_dim)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write RoPE(k) and v (k, v: [B, 1, kv_heads, head_dim] before RoPE) at each row's column of
+        `layer`; return the layer's whole cache as [B, kv_heads, max_len, head_dim] views."""
+        write_kv(self.stage_k, self.stage_v, 0, 0, k, v, cos, sin)
+        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
+        k_layer.scatter_(1, self.index, self.stage_k[0])
+        v_layer.scatter_(1, self.index, self.stage_v[0])
+        return k_layer.transpose(1, 2), v_layer.transpose(1, 2)
+
+
+def decode_key_mask(
+    first_columns: torch.Tensor, columns: torch.Tensor, max_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive attention mask of a static decode step, [B, 1, 1, max_len]: 0 on the columns a
+    row's new token sees (its first real column up to its own), -inf elsewhere (left padding,
+    columns not written yet, stale columns of an earlier batch). Additive and built once per step:
+    SDPA would convert a bool mask in every layer."""
+    cols = torch.arange(max_len, device=columns.device)
+    keep = (cols >= first_columns[:, None]) & (cols <= columns[:, None])
+    mask = torch.zeros(keep.shape, device=columns.device, dtype=dtype).masked_fill_(~keep, float("-inf"))
+    return mask[:, None, None, :]
+
+
+def _fused_write_applies(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
     """Whether kernels/kv_cache.cu takes these inputs: bf16 on a Hopper GPU with the extension;
-    k and v contiguous but for their token stride."""
+    contiguous caches; k and v contiguous but for their token stride."""
     tokens, head_dim = k.shape[1], k.shape[3]
     token_stride = k.stride(1)
     return (
         k.is_cuda
         and all(t.dtype == torch.bfloat16 for t in (k, v, cos, sin))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and cos.is_contiguous()
         and sin.is_contiguous()
         and k.stride() == v.stride() == (tokens * token_stride, token_stride, head_dim, 1)
@@ -101,7 +172,7 @@ def write_kv(
 ) -> None:
     """k_cache[layer, :, start:start + T] = RoPE(k) and v_cache[...] = v, in place."""
     _check_write(k_cache, v_cache, layer, start, k, v)
-    if _fused_write_applies(k, v, cos, sin):
+    if _fused_write_applies(k_cache, v_cache, k, v, cos, sin):
         extension().kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
         return
     end = start + k.shape[1]

@@ -7,7 +7,9 @@ fixed at build: `build_model`); every layer also reports the sparsity statistics
 
 Incremental decoding (sparse_llm.inference) passes a `KVCache`, per-row `position_ids` and a
 padding `attention_mask` to `forward`; without them (training, evaluation) the forward is the
-plain causal one, unchanged.
+plain causal one, unchanged. `decode_step` is the static-shape form of a one-token decode forward
+(device tensors in, logits out, no host sync) that sparse_llm.inference.decode captures in CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.attention import Attention
 from sparse_llm.model.ffn import FFNPlan, GatedMLP
-from sparse_llm.model.kv_cache import KVCache
+from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache, decode_key_mask
 from sparse_llm.model.loss import linear_cross_entropy
 from sparse_llm.model.norm import RMSNorm
 from sparse_llm.model.rope import RotaryEmbedding
@@ -63,7 +65,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         phase: str,
         with_stats: bool,
-        cache: KVCache | None = None,
+        cache: KVCache | ColumnWriteCache | None = None,
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -243,6 +245,34 @@ class SparseLlamaForCausalLM(nn.Module):
         if last_logits_only:
             x = x[:, -1:]
         return CausalLMOutput(self.lm_head(self.model.norm(x)), None, None)
+
+    @torch.no_grad()
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        columns: torch.Tensor,
+        first_columns: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [B, V] of one new token per row, with shapes that never change and no host sync:
+        the decode forward a CUDA graph captures once and replays (sparse_llm.inference.decode).
+
+        All [B] int64 device tensors: `tokens` (the row's new token), `positions` (its RoPE
+        position), `columns` (the cache column it is written to) and `first_columns` (the row's
+        first real column; left padding lies before it). The row attends to its columns
+        first_columns..columns. Unlike `forward(cache=...)`, attention runs over all
+        `cache.max_len` columns under a key mask built on the device, and `cache.length` is
+        neither read nor advanced: the caller advances `positions` and `columns`. The FFN is the
+        plan's decode phase, as in `forward`.
+        """
+        x = self.model.embed_tokens(tokens[:, None])
+        cos, sin = self.model.rotary_emb(1, x.dtype, positions[:, None])
+        view = ColumnWriteCache(cache, columns)
+        mask = decode_key_mask(first_columns, columns, cache.max_len, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x, _ = layer(x, cos, sin, "decode", False, view, i, mask)
+        return self.lm_head(self.model.norm(x))[:, 0]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

@@ -260,6 +260,19 @@ def test_generator_text_api_and_ffn_selection(run_dir):
     assert set(measured["timings_s"]["prefill"]) == {"dense", "reference"}
 
 
+def test_generator_decode_mode_is_fixed_when_built(loaded):
+    """On CPU the default decode is eager (CUDA graphs need a GPU), `static` runs the graphs' step
+    uncaptured with the same tokens, greedy and seeded, and `graph` fails at build."""
+    gen = Generator(loaded, "dense", "dense")
+    assert gen.decode == "eager" and "CUDA device" in gen.decode_reason and gen.decoder is None
+    static = Generator(loaded, "dense", "dense", decode="static")
+    assert static.decode == "static" and static.decoder is not None
+    for sampling in (dict(max_new_tokens=20), dict(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=4)):
+        assert static.generate(PROMPTS, **sampling).tokens == gen.generate(PROMPTS, **sampling).tokens
+    with pytest.raises(ValueError, match="decode='graph' cannot run"):
+        Generator(loaded, "dense", "dense", decode="graph")
+
+
 def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
@@ -387,6 +400,12 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
     torch.testing.assert_close(sparse_logits, dense_logits, rtol=0.05, atol=0.05)
     gen = Generator(loaded, "fastest", "fastest")
     assert gen.ffn_measurement is not None and set(gen.ffn.values()) <= {"dense", "cuda"}
+    # The decode mode follows the decode FFN: graphs for dense, eager (with why) for the kernels.
+    assert gen.decode == ("eager" if gen.ffn["decode"] == "cuda" else "graph")
+    with pytest.raises(ValueError, match="decode FFN cannot be captured"):
+        Generator(loaded, "dense", "cuda", decode="graph")
+    eager_cuda = Generator(loaded, "dense", "cuda")
+    assert eager_cuda.decode == "eager" and "heavy-row count" in eager_cuda.decode_reason
 
 
 def test_kv_write_rejects_bad_shapes_before_writing():
