@@ -6,6 +6,16 @@ tokens per row (tokens/s, eager), with energy per token from NVML where availabl
 nvidia-ml-py). The sparsity the kernels see is measured on the same
 prompts. Writes inference_benchmark.json and .md (device, commit, date) into --out.
 
+The decode sweep (--decode-sweep, on by default) times one decode step at every batch of
+--decode-batches (1 8 64) and context of --decode-contexts (1024 2048: the cache holds that many
+columns at the end of --decode-steps steps), per FFN implementation, graph-captured
+(sparse_llm.inference.decode) and eager: tokens/s, and the GB/s achieved on the bytes a step must
+read (attention and FFN weights, for a sparse FFN the gate plus the up and down rows of the units
+active in the batch at the measured L0, the LM head, the embedding rows, the KV cache up to the
+context) next to the device's measured copy bandwidth. A decode FFN that cannot be captured (the
+TwELL kernels today) shows why instead of a graph timing. On CPU the graph rows run the same
+static step uncaptured (`static`).
+
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
     python benchmarks/inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
     # an existing model (export, checkpoint or run directory)
@@ -36,13 +46,32 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from benchmarks.common import REPO, kernel_table, model_preset, sparsify, token_batch
-from sparse_llm.inference import FASTEST, choose_ffn_plan, compile_prefill, load_model
+from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparsify, token_batch
+from sparse_llm.config import ModelConfig
+from sparse_llm.inference import (
+    FASTEST,
+    SamplingParams,
+    StaticDecoder,
+    choose_ffn_plan,
+    compile_prefill,
+    load_model,
+)
+from sparse_llm.inference.decode import why_not_graph
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
 from sparse_llm.ops.select import select_ffn
 from sparse_llm.training.run_info import git_commit
 
-TINY = dict(batch=2, prompt_len=32, decode_tokens=4, reps=1, warmup=0, sparsify_steps=4)
+TINY = dict(
+    batch=2,
+    prompt_len=32,
+    decode_tokens=4,
+    reps=1,
+    warmup=0,
+    sparsify_steps=4,
+    decode_batches=[1, 2],
+    decode_contexts=[16, 48],
+    decode_steps=4,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +100,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     p.add_argument(
+        "--decode-sweep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time decode steps per batch and context, graph-captured and eager (see above)",
+    )
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per repetition")
+    p.add_argument(
+        "--decode-modes", nargs="+", default=["graph", "eager"], choices=["graph", "static", "eager"]
+    )
+    p.add_argument(
         "--profile", action="store_true", help="write each impl's prefill kernel table to <out>/profile_*.txt"
     )
     p.add_argument("--device", default="auto")
@@ -94,9 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --model, --sparsify or --tiny")
     if args.model is not None and args.sparsify:
         p.error("--model and --sparsify exclude each other")
-    for key in ("batch", "prompt_len", "decode_tokens", "reps", "sparsify_steps"):
+    for key in ("batch", "prompt_len", "decode_tokens", "reps", "sparsify_steps", "decode_steps"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1")
+    if min(args.decode_batches) < 1 or min(args.decode_contexts) <= args.decode_steps:
+        p.error("--decode-batches must be >= 1 and --decode-contexts > --decode-steps")
     return args
 
 
@@ -252,6 +295,168 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
     return result | {"_tokens": tokens, "_logits": logits_last}
 
 
+# ---------------------------------------------------------------------------------------------
+# Decode sweep: graph-captured against eager decode, per batch and context.
+def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:
+    """The device's copy bandwidth in GB/s (bytes read + written) from a large device-to-device
+    copy: what a bandwidth-bound decode step is measured against. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(size_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, reps=20)
+    return 2 * size_bytes / (ms / 1000) / 1e9
+
+
+def active_rows(hidden: int, l0: float, batch: int) -> float:
+    """Expected units active in at least one of `batch` tokens at `l0` active units per token,
+    assuming units fire independently: the up and down rows a sparse FFN must read for a step."""
+    return hidden * (1 - (1 - min(l0, hidden) / hidden) ** batch)
+
+
+def decode_step_bytes(
+    cfg: ModelConfig, impl: str, batch: int, context: int, elem_bytes: int, l0_per_layer: list[float]
+) -> dict[str, float]:
+    """Bytes one decode step must read: attention weights (q, k, v, o), FFN weights (dense: all
+    three; sparse: the gate plus the up and down rows of the units active in the batch), the LM
+    head, the embedding rows and the KV cache up to `context` columns. Norm weights (a few KB) left
+    out."""
+    d, h, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv_dim = (cfg.num_key_value_heads or cfg.num_attention_heads) * (d // cfg.num_attention_heads)
+    if impl == "dense":
+        ffn = layers * 3 * d * h
+    else:
+        ffn = sum(d * h + 2 * d * active_rows(h, l0, batch) for l0 in l0_per_layer)
+    elements = {
+        "attention": layers * (2 * d * d + 2 * d * kv_dim),
+        "ffn": ffn,
+        "lm_head": cfg.vocab_size * d,
+        "embedding": batch * d,
+        "kv_cache": 2 * layers * batch * context * kv_dim,
+    }
+    out = {key: value * elem_bytes for key, value in elements.items()}
+    return out | {"total": sum(out.values())}
+
+
+@torch.no_grad()
+def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: int, reps: int) -> float:
+    """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]):
+    `eager` (one forward over the filled columns per step: greedy_decode) or the static step of
+    sparse_llm.inference.decode, CUDA-graph-captured (`graph`) or not (`static`). The cache ends
+    at W + steps columns; every repetition decodes the same `steps` columns again."""
+    device, (batch, width) = ids.device, ids.shape
+    if mode == "eager":
+        cache = KVCache(model.config, batch, width + steps, device, model.lm_head.weight.dtype)
+        first = model(ids, cache=cache, last_logits_only=True).logits[:, -1].argmax(-1)
+
+        def run() -> None:
+            cache.length = width
+            greedy_decode(model, first, cache, steps + 1)  # `steps` forwards
+
+    else:
+        slot = StaticDecoder(model, capture=mode == "graph").slot(batch, width + steps, 0)
+        step = slot.step_for(SamplingParams(max_new_tokens=steps + 1))  # captures before the prefill
+        first = model(ids, cache=slot.state.prefill_cache(), last_logits_only=True).logits[:, -1].argmax(-1)
+        lengths = torch.full((batch,), width, device=device)
+        no_eos = torch.empty(0, dtype=torch.long, device=device)
+
+        def run() -> None:
+            slot.state.load(first, lengths, width, no_eos)
+            for _ in range(steps):
+                step()
+
+    return median_ms(run, device, warmup, reps) / 1000 / steps
+
+
+def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], args) -> dict[str, Any]:
+    """Decode step timings for every FFN implementation, batch, context and mode, with tokens/s,
+    the bytes a step must read and the GB/s achieved (see decode_step_bytes)."""
+    device = model.lm_head.weight.device
+    cfg = model.config
+    modes = list(
+        dict.fromkeys("static" if m == "graph" and device.type != "cuda" else m for m in args.decode_modes)
+    )
+    bandwidth = copy_bandwidth_gbs(device)
+    l0_per_layer = [(1 - s) * cfg.intermediate_size for s in sparsity["per_layer"]]
+    elem_bytes = model.lm_head.weight.element_size()
+    rows = []
+    for impl in impls:
+        impl_model = with_ffn(model, impl)
+        for batch in args.decode_batches:
+            for context in args.decode_contexts:
+                ids, _ = token_batch(
+                    tokenizer,
+                    cfg.vocab_size,
+                    batch,
+                    context - args.decode_steps,
+                    random_tokens=args.random_tokens,
+                )
+                nbytes = decode_step_bytes(cfg, impl, batch, context, elem_bytes, l0_per_layer)
+                for mode in modes:
+                    row: dict[str, Any] = {"impl": impl, "batch": batch, "context": context, "mode": mode}
+                    why = why_not_graph(impl_model) if mode == "graph" else None
+                    if why:  # e.g. a decode FFN that syncs with the host: say so instead of a timing
+                        rows.append(row | {"error": why})
+                        print(f"decode {impl} b={batch} ctx={context} graph: {why}", file=sys.stderr)
+                        continue
+                    seconds = time_decode_step(
+                        impl_model, ids.to(device), mode, args.decode_steps, args.warmup, args.reps
+                    )
+                    gbs = nbytes["total"] / seconds / 1e9
+                    row |= {
+                        "step_ms": 1000 * seconds,
+                        "tokens_per_s": batch / seconds,
+                        "bytes_per_step": nbytes,
+                        "gb_per_s": gbs,
+                        "of_copy_bandwidth": gbs / bandwidth if bandwidth else None,
+                    }
+                    rows.append(row)
+                    print(
+                        f"decode {impl} b={batch} ctx={context} {mode}: {row['step_ms']:.3f} ms/step, "
+                        f"{row['tokens_per_s']:,.0f} tok/s, {gbs:,.0f} GB/s",
+                        file=sys.stderr,
+                    )
+        del impl_model
+    eager = {
+        (r["impl"], r["batch"], r["context"]): r for r in rows if r["mode"] == "eager" and "step_ms" in r
+    }
+    for r in rows:
+        base = eager.get((r["impl"], r["batch"], r["context"]))
+        if base is not None and "step_ms" in r:
+            r["vs_eager"] = base["step_ms"] / r["step_ms"]
+    return {"copy_bandwidth_gbs": bandwidth, "steps": args.decode_steps, "modes": modes, "rows": rows}
+
+
+def decode_sweep_markdown(sweep: dict[str, Any]) -> list[str]:
+    bandwidth = sweep["copy_bandwidth_gbs"]
+    copy = f"{bandwidth:,.0f} GB/s" if bandwidth else "n/a (not a CUDA device)"
+    lines = [
+        "",
+        f"## Decode steps (median of {sweep['steps']} steps a repetition)",
+        "",
+        f"Copy bandwidth of the device (a large device-to-device copy, read + write): {copy}. GB/s counts "
+        "the bytes a step must read: attention and FFN weights (sparse FFN: the gate plus the up and down "
+        "rows of the units active in the batch at the measured L0, units assumed independent), the LM "
+        "head, the embedding rows and the KV cache up to the context; the graph step reads the whole "
+        "cache bucket.",
+        "",
+        "| FFN | batch | context | decode | ms/step | tokens/s | GB/s | of copy bandwidth | vs eager |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in sweep["rows"]:
+        head = f"| {r['impl']} | {r['batch']} | {r['context']} | {r['mode']} "
+        if "error" in r:
+            lines.append(head + f"| n/a: {r['error']} | | | | |")
+            continue
+        share = f"{r['of_copy_bandwidth']:.0%}" if r["of_copy_bandwidth"] is not None else "n/a"
+        vs = f"{r['vs_eager']:.2f}x" if "vs_eager" in r else "n/a"
+        lines.append(
+            head
+            + f"| {r['step_ms']:.3f} | {r['tokens_per_s']:,.0f} | {r['gb_per_s']:,.0f} | {share} | {vs} |"
+        )
+    return lines
+
+
 @torch.no_grad()
 def profile_prefill(model, ids: torch.Tensor, forward, path: Path) -> None:
     """One prefill through `forward` (`model` or its compiled form) under torch.profiler: its
@@ -294,6 +499,8 @@ def markdown(report: dict[str, Any]) -> str:
         )
     fastest = report["fastest"]
     lines += ["", f"`{FASTEST}` chooses: prefill {fastest['prefill']}, decode {fastest['decode']}."]
+    if report.get("decode_sweep"):
+        lines += decode_sweep_markdown(report["decode_sweep"])
     for note in report["notes"]:
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -394,6 +601,16 @@ def main(argv: list[str] | None = None) -> int:
         r["max_logit_diff_vs_dense"] = (r["_logits"] - dense["_logits"]).abs().max().item()
     for r in results:
         del r["_tokens"], r["_logits"]
+    sweep = None
+    if args.decode_sweep:
+        if max(args.decode_contexts) > model.config.max_position_embeddings:
+            print("error: --decode-contexts exceed max_position_embeddings", file=sys.stderr)
+            return 2
+        sweep = decode_sweep(model, impls, loaded.tokenizer, sparsity, args)
+        if device.type != "cuda" and "graph" in args.decode_modes:
+            notes.append(
+                "Decode sweep: CUDA graphs need a GPU; the `static` rows run the graphs' step uncaptured."
+            )
     report = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -418,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         "fastest": {"prefill": fastest.prefill.impl, "decode": fastest.decode.impl},
         "fastest_measurement": measurement,
         "results": results,
+        "decode_sweep": sweep,
         "notes": notes,
     }
     (args.out / "inference_benchmark.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -25,6 +25,7 @@ host); a Generator decides its mode once, when it is built (`resolve_decode_mode
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -239,10 +240,7 @@ class DecodeSlot:
         if key not in self.steps:
             how, seeded = key
             generator = self.generator if seeded else None
-
-            def step() -> None:
-                decode_step(self.model, self.state, how, generator)
-
+            step = functools.partial(decode_step, self.model, self.state, how, generator)
             device = self.state.tokens.device
             self.steps[key] = DecodeGraph(step, device, generator, self.pool) if self.capture else step
         return self.steps[key]

@@ -366,7 +366,21 @@ def test_benchmark_script_tiny(tmp_path):
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["prefill_compiled_tokens_per_s"] > 0 and r["prefill_compiled_vs_dense"] > 0
         assert r["compiled_vs_eager_max_logit_diff"] < 1e-4  # fp32 on CPU: the same arithmetic
-    assert (out / "inference_benchmark.md").read_text().startswith("# Inference benchmark")
+    sweep = result["decode_sweep"]
+    assert sweep["modes"] == ["static", "eager"] and sweep["copy_bandwidth_gbs"] is None  # CPU
+    assert {(r["impl"], r["batch"], r["context"], r["mode"]) for r in sweep["rows"]} == {
+        (impl, batch, context, mode)
+        for impl in ("dense", "reference")
+        for batch in (1, 2)
+        for context in (16, 48)
+        for mode in ("static", "eager")
+    }
+    for r in sweep["rows"]:
+        assert r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 and r["vs_eager"] > 0
+        parts = r["bytes_per_step"]
+        assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    text = (out / "inference_benchmark.md").read_text()
+    assert text.startswith("# Inference benchmark") and "## Decode steps" in text
 
 
 @pytest.mark.gpu
