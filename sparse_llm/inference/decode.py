@@ -323,7 +323,8 @@ class StaticDecoder:
         the prompts and returns their last logits [B, V]; `eos`: the EOS ids (empty: none)."""
         b, steps = lengths.shape[0], params.max_new_tokens
         slot = self.slot(b, width + steps, eos.numel())
-        step = slot.step_for(params)  # before the prefill: a capture's warm-up writes the cache
+        if steps > 1:  # before the prefill: a capture's warm-up writes the cache
+            step = slot.step_for(params)
         generator = slot.generator_for(params)
         first = sample_next(prefill(slot.state.prefill_cache()), params, generator)
         slot.state.load(first, lengths, width, eos)
