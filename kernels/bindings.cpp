@@ -248,9 +248,10 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
 
 }  // namespace
 
-// The training ops (train_bindings.cpp), the loss's (loss_bindings.cpp) and the activation counts
-// (counts_bindings.cpp).
+// The training ops (train_bindings.cpp), the loss's (loss_bindings.cpp), the activation counts
+// (counts_bindings.cpp) and the decode FFN (decode_bindings.cpp).
 void register_train_ops(pybind11::module_& m);
+void register_decode_ops(pybind11::module_& m);
 void register_loss_ops(pybind11::module_& m);
 void register_count_ops(pybind11::module_& m);
 
@@ -274,4 +275,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_train_ops(m);
   register_loss_ops(m);
   register_count_ops(m);
+  register_decode_ops(m);
 }

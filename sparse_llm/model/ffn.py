@@ -60,9 +60,7 @@ class FFNPlan:
         """Ask `ops.select` for every phase: `requested` is one value for all phases or one per
         phase (missing phases: dense). Raises KernelsUnavailable for 'cuda' where the kernels
         cannot run."""
-        per_phase = (
-            {phase: requested for phase in PHASES} if isinstance(requested, str) else dict(requested)
-        )
+        per_phase = {phase: requested for phase in PHASES} if isinstance(requested, str) else dict(requested)
         unknown = set(per_phase) - set(PHASES)
         if unknown:
             raise ValueError(f"unknown FFN phases {sorted(unknown)}; phases are {', '.join(PHASES)}")
@@ -111,6 +109,9 @@ class GatedMLP(nn.Module):
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints. Read only when the train phase is not dense.
         self.dense_fallback = False
+        # A cache, not state: Wd^T for the sparse inference kernels (see _down_transposed).
+        self._down_t: torch.Tensor | None = None
+        self._down_t_key: tuple | None = None
 
     def impl(self, phase: str) -> str:
         """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
@@ -131,7 +132,8 @@ class GatedMLP(nn.Module):
         """The FFN of x with `impl` given explicitly, without autograd: what calibration times."""
         if impl == "dense":
             return self.dense_forward(x, False)[0]
-        return ffn_forward(*self._inference_operands(x), impl=impl)
+        operands = self._inference_operands(x)
+        return ffn_forward(*operands, impl=impl, wd_t=self._down_transposed(operands[0].dtype, impl))
 
     def dense_forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple]:
         a = self.act(self.gate_proj(x))
@@ -148,14 +150,30 @@ class GatedMLP(nn.Module):
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 
+    def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
+        """Wd^T ([H, D], contiguous) for the sparse inference kernels, which read a unit's down
+        projection as a row. Kept between calls while the weight is unchanged: transposing per call
+        is a full pass over Wd, as long as a decode step's whole sparse FFN. Costs H x D more
+        memory while inference runs the kernels. None for the reference, inside torch.compile or
+        with autograd (the op then transposes itself)."""
+        if impl != "cuda" or torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return None
+        weight = self.down_proj.weight
+        key = (weight.data_ptr(), weight._version, dtype)
+        if self._down_t_key != key:
+            self._down_t = weight.detach().to(dtype).t().contiguous()
+            self._down_t_key = key
+        return self._down_t
+
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
         """residual + self(x) for sparse inference, added in place into `residual` (the residual
         stream, given up by the caller) when it has the compute dtype: the CUDA path then touches
         only the rows with an active unit, and the separate y tensor and its add disappear."""
         operands = self._inference_operands(x)
+        wd_t = self._down_transposed(operands[0].dtype, impl)
         if residual.dtype != operands[0].dtype:  # e.g. an fp32 stream under bf16 autocast
-            return residual + ffn_forward(*operands, impl=impl)
-        return ffn_add_(residual, *operands, impl=impl)
+            return residual + ffn_forward(*operands, impl=impl, wd_t=wd_t)
+        return ffn_add_(residual, *operands, impl=impl, wd_t=wd_t)
 
     def add_sparse_train_forward(
         self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, impl: str, with_stats: bool

@@ -50,6 +50,21 @@ def _(out, x, wg, wu, wd, wd_t, heavy_threshold):
     return None
 
 
+@torch.library.custom_op("sparse_llm::ffn_decode_add_", mutates_args=("out",))
+def ffn_decode_add_(
+    out: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd_t: torch.Tensor
+) -> None:
+    """out += ffn(x) for a few rows (x: [M, D], M <= DECODE_MAX_ROWS; wg, wu, wd_t = Wd^T: [H, D];
+    out: M x D values; bf16 contiguous) with no host read, so a decode step can be captured in a
+    CUDA graph (kernels/decode_ffn.cu). Exact on every pattern."""
+    extension().ffn_decode_add_(out, x, wg, wu, wd_t)
+
+
+@ffn_decode_add_.register_fake
+def _(out, x, wg, wu, wd_t):
+    return None
+
+
 @torch.library.custom_op("sparse_llm::twell_pack", mutates_args=())
 def twell_pack(
     g: torch.Tensor, heavy_threshold: int

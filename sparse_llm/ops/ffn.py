@@ -18,6 +18,21 @@ from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
 
 Impl = Literal["auto", "cuda", "reference"]
 
+# Up to this many rows (a decode step: one token per sequence) the CUDA path is the decode FFN of
+# kernels/decode_ffn.cu: the gate's active units compacted on the GPU, up and down over those rows
+# of Wu and Wd^T only, and no host read (so the step can be captured in a CUDA graph). Above, the
+# TwELL kernels. Both are exact; the split is speed only.
+DECODE_MAX_ROWS = 64
+DECODE_MAX_DIM = 2048  # kernels/decode_ffn.cuh kDecodeMaxDim: a row's output lives in registers
+
+
+def _decode_applies(rows: int, dim: int) -> bool:
+    return rows <= DECODE_MAX_ROWS and dim <= DECODE_MAX_DIM
+
+
+def _down_t(wd: torch.Tensor, wd_t: torch.Tensor | None) -> torch.Tensor:
+    return wd_t if wd_t is not None else wd.t().contiguous()
+
 
 def _check_threshold_and_wd_t(heavy_threshold: int, wd: torch.Tensor, wd_t: torch.Tensor | None) -> None:
     check_heavy_threshold(heavy_threshold, inference=True)
@@ -43,14 +58,19 @@ def ffn_forward(
     layout and leading shape, any M >= 0). The result equals the dense computation up to bf16
     rounding for every input (heavy rows take an exact dense path; nothing is dropped).
     `heavy_threshold` (0..512) only moves work between the two paths. `wd_t` may pass a cached
-    contiguous Wd^T ([H, D]) to skip the per-call transpose. The CUDA path reads the number of
-    heavy rows on the host once per call, so it cannot be captured in a CUDA graph.
+    contiguous Wd^T ([H, D]) to skip the per-call transpose. Up to DECODE_MAX_ROWS rows (and
+    D <= DECODE_MAX_DIM) the CUDA path is the decode FFN, with no host read (capturable in a CUDA
+    graph); above, it reads the number of heavy rows on the host once per call.
     """
     check_ffn_inputs(x, wg, wu, wd)
     _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
     if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if _decode_applies(*x2.shape):
+        y = torch.zeros_like(x2)
+        torch.ops.sparse_llm.ffn_decode_add_(y, x2, wg, wu, _down_t(wd, wd_t))
+        return y.view(x.shape)
     y = torch.ops.sparse_llm.twell_ffn_forward(x2, wg, wu, wd, wd_t, heavy_threshold)
     return y.view(x.shape)
 
@@ -89,6 +109,9 @@ def ffn_add_(
     if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if _decode_applies(*x2.shape):
+        torch.ops.sparse_llm.ffn_decode_add_(out, x2, wg, wu, _down_t(wd, wd_t))
+        return out
     torch.ops.sparse_llm.twell_ffn_add_(out, x2, wg, wu, wd, wd_t, heavy_threshold)
     return out
 

@@ -100,6 +100,13 @@ def _backward_args(ext):
     ]
 
 
+def _decode_args(d: int) -> list[torch.Tensor]:
+    """(out, x, wg, wu, wd_t) of ffn_decode_add_ for 4 rows of dimension d."""
+    x = torch.randn(4, d, device="cuda", dtype=BF16)
+    wg, wu, wd_t = (torch.randn(H, d, device="cuda", dtype=BF16) for _ in range(3))
+    return [torch.zeros_like(x), x, wg, wu, wd_t]
+
+
 def _with(args, index, value):
     return [*args[:index], value, *args[index + 1 :]]
 
@@ -208,6 +215,25 @@ CASES = {
             None,
             False,
         ),
+    ),
+    "ffn_decode_add_ D too large": (
+        lambda ext: ext.ffn_decode_add_(*_decode_args(4096)),
+        "D must be a multiple of 8, at most 2048",
+        lambda ext: ext.ffn_decode_add_(*_decode_args(64)),
+    ),
+    "ffn_decode_add_ wd_t of the wrong shape": (
+        lambda ext: ext.ffn_decode_add_(
+            *_with(_decode_args(64), 4, torch.zeros(H, 32, device="cuda", dtype=BF16))
+        ),
+        "wg, wu and wd_t must all be",
+        lambda ext: ext.ffn_decode_add_(*_decode_args(64)),
+    ),
+    "ffn_decode_add_ out of the wrong size": (
+        lambda ext: ext.ffn_decode_add_(
+            *_with(_decode_args(64), 0, torch.zeros(3, 64, device="cuda", dtype=BF16))
+        ),
+        "out must be a contiguous bf16 CUDA tensor",
+        lambda ext: ext.ffn_decode_add_(*_decode_args(64)),
     ),
     "activation_counts wrong dtype": (
         lambda ext: ext.activation_counts(torch.rand(4, 16, device="cuda")),

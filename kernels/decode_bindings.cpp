@@ -1,0 +1,77 @@
+// Torch binding of the decode FFN (decode_ffn.cuh): out += ffn(x) for a few rows, with no host read,
+// so that a decode step can be captured in a CUDA graph.
+#include <algorithm>
+
+#include "decode_ffn.cuh"
+#include "torch_glue.h"
+
+namespace {
+
+using sparse_llm_glue::bf16_mut_ptr;
+using sparse_llm_glue::bf16_ptr;
+using sparse_llm_glue::check_cuda;
+using sparse_llm_glue::check_matrix;
+
+// CTAs that share one row's active units: about 128 CTAs in all, so a single row still spreads
+// its ~30 units over many SMs, and a batch of 64 rows needs no more.
+int decode_splits(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(128 / std::max<int64_t>(rows, 1), 1, 16)); }
+
+// out += relu(x Wg^T) * (x Wu^T) Wd^T in place; x: [M, D]; wg, wu, wd_t (= Wd^T): [H, D]; out: M x D
+// values, contiguous; all bf16 on one GPU. Exact for every pattern (decode_ffn.cuh: the record holds
+// every unit).
+void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                     const at::Tensor& wd_t) {
+  check_matrix(x, "x");
+  check_matrix(wg, "wg");
+  check_matrix(wu, "wu");
+  check_matrix(wd_t, "wd_t");
+  const int64_t rows = x.size(0), dim = x.size(1), hidden = wg.size(0);
+  SL_CHECK_ARG(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd_t.sizes() == wg.sizes(),
+               "wg, wu and wd_t must all be [H, D] with D = x.size(1) = ", dim, "; got ", wg.sizes(), ", ", wu.sizes(),
+               ", ", wd_t.sizes());
+  SL_CHECK_ARG(dim % 8 == 0 && dim <= sparse_llm::kDecodeMaxDim, "D must be a multiple of 8, at most ",
+               sparse_llm::kDecodeMaxDim, ", got ", dim);
+  SL_CHECK_ARG(out.is_cuda() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == x.numel() &&
+                   out.dim() >= 1 && out.size(-1) == dim,
+               "out must be a contiguous bf16 CUDA tensor of M x D = ", rows, " x ", dim, " values");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&wg, &wu, &wd_t, &out})
+    SL_CHECK_ARG(t->device() == x.device(), "every tensor must be on x's device ", x.device());
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = sparse_llm_glue::current_stream();
+  const int n_seg = sparse_llm::decode_segments(static_cast<int>(hidden));
+  const int splits = decode_splits(rows);
+  auto opts = x.options();
+  at::Tensor seg_count = at::empty({rows, n_seg}, opts.dtype(at::kInt));
+  at::Tensor seg_unit = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kInt));
+  at::Tensor seg_gate = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kFloat));
+  at::Tensor partial = at::empty({rows, splits, dim}, opts.dtype(at::kFloat));
+  if (rows <= sparse_llm::kDecodeFusedRows) {
+    check_cuda(sparse_llm::launch_decode_gate(bf16_ptr(x), dim, bf16_ptr(wg), static_cast<int>(rows),
+                                              static_cast<int>(dim), static_cast<int>(hidden),
+                                              seg_count.data_ptr<int32_t>(), seg_unit.data_ptr<int32_t>(),
+                                              seg_gate.data_ptr<float>(), stream),
+               "decode_gate");
+  } else {  // enough rows for cuBLAS's GEMM to beat a GEMV; its bf16 gate is then compacted
+    const at::Tensor g = at::mm(x, wg.t());
+    check_cuda(sparse_llm::launch_decode_compact(bf16_ptr(g), static_cast<int>(rows), static_cast<int>(hidden),
+                                                 seg_count.data_ptr<int32_t>(), seg_unit.data_ptr<int32_t>(),
+                                                 seg_gate.data_ptr<float>(), stream),
+               "decode_compact");
+  }
+  check_cuda(sparse_llm::launch_decode_updown_add(bf16_ptr(x), dim, bf16_ptr(wu), bf16_ptr(wd_t),
+                                                  static_cast<int>(rows), static_cast<int>(dim),
+                                                  static_cast<int>(hidden), seg_count.data_ptr<int32_t>(),
+                                                  seg_unit.data_ptr<int32_t>(), seg_gate.data_ptr<float>(), splits,
+                                                  partial.data_ptr<float>(), bf16_mut_ptr(out), stream),
+             "decode_updown_add");
+}
+
+}  // namespace
+
+void register_decode_ops(pybind11::module_& m) {
+  m.def("ffn_decode_add_", sparse_llm_glue::guarded<&ffn_decode_add_>,
+        "out += the exact FFN of a few rows x, in place, with no host read (CUDA-graph capturable); "
+        "wd_t is Wd^T ([H, D])");
+  m.attr("decode_max_dim") = sparse_llm::kDecodeMaxDim;
+}

@@ -1,0 +1,251 @@
+// The decode FFN (decode_ffn.cuh): three launches, no host read, so a decode step can be captured
+// in a CUDA graph.
+//   gate     one CTA per segment of 32 units; each warp streams 4 rows of Wg (16-byte loads) and
+//            dots them with every input row; the segment's active units are then compacted with
+//            one ballot per row. The bytes read are Wg's, once, whatever the number of rows.
+//   up/down  `splits` CTAs per row share the row's active units, a warp per unit: the dot of x with
+//            Wu[j], then relu(g_j) * u_j times the row Wd^T[j] added into the warp's registers
+//            (the row's whole output, dim / 32 values a lane). Only active rows of Wu and Wd^T are
+//            read. The warps' sums are added in warp order, the CTAs' in split order: the result
+//            depends on the inputs only.
+//   add      out += bf16(sum over splits), rounded as a separate add would.
+#include <algorithm>
+
+#include "decode_ffn.cuh"
+#include "vec.cuh"
+
+namespace sparse_llm {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnitsPerWarp = kDecodeSegUnits / kWarps;  // gate: units of a segment per warp
+constexpr int kGateLoads = 2;                            // gate: 16-byte loads per unit in flight
+
+// Row m's active units of segment seg (one warp; lane l holds unit seg * 32 + l's gate value).
+__device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int lane, float gate, bool in_range,
+                                                int32_t* seg_count, int32_t* seg_unit, float* seg_gate) {
+  const bool active = in_range && gate > 0.0f;
+  const unsigned mask = __ballot_sync(kFullMask, active);
+  const int64_t record = static_cast<int64_t>(m) * n_seg + seg;
+  if (active) {
+    const int slot = __popc(mask & ((1u << lane) - 1u));
+    seg_unit[record * kDecodeSegUnits + slot] = seg * kDecodeSegUnits + lane;
+    seg_gate[record * kDecodeSegUnits + slot] = gate;
+  }
+  if (lane == 0) seg_count[record] = __popc(mask);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
+                       int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
+                       float* __restrict__ seg_gate) {
+  __shared__ float gates[kDecodeFusedRows][kDecodeSegUnits];
+  const int seg = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int vecs = dim / kChunk;
+  const int first_unit = seg * kDecodeSegUnits + warp * kUnitsPerWarp;
+
+  float acc[kUnitsPerWarp][kDecodeFusedRows] = {};
+  const uint4* w[kUnitsPerWarp];
+#pragma unroll
+  for (int u = 0; u < kUnitsPerWarp; ++u)  // units past H read row 0 and are dropped below
+    w[u] = reinterpret_cast<const uint4*>(wg + static_cast<int64_t>(first_unit + u < hidden ? first_unit + u : 0) * dim);
+  for (int v0 = lane; v0 < vecs; v0 += 32 * kGateLoads) {
+    uint4 wv[kUnitsPerWarp][kGateLoads];
+#pragma unroll
+    for (int u = 0; u < kUnitsPerWarp; ++u)
+#pragma unroll
+      for (int k = 0; k < kGateLoads; ++k) {
+        const int v = v0 + 32 * k;
+        if (v < vecs) wv[u][k] = __ldg(w[u] + v);
+      }
+#pragma unroll
+    for (int k = 0; k < kGateLoads; ++k) {
+      const int v = v0 + 32 * k;
+      if (v >= vecs) break;
+#pragma unroll
+      for (int m = 0; m < kDecodeFusedRows; ++m) {
+        if (m >= rows) break;
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + v);
+#pragma unroll
+        for (int u = 0; u < kUnitsPerWarp; ++u) acc[u][m] += dot_bf16x8(wv[u][k], xv);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnitsPerWarp; ++u)
+#pragma unroll
+    for (int m = 0; m < kDecodeFusedRows; ++m) {
+      if (m >= rows) break;
+      const float g = warp_sum(acc[u][m]);
+      if (lane == 0) gates[m][warp * kUnitsPerWarp + u] = g;
+    }
+  __syncthreads();
+  const int n_seg = gridDim.x;
+  for (int m = warp; m < rows; m += kWarps)
+    compact_segment(m, seg, n_seg, lane, gates[m][lane], seg * kDecodeSegUnits + lane < hidden, seg_count, seg_unit,
+                    seg_gate);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    decode_compact_kernel(const __nv_bfloat16* __restrict__ g, int hidden, int n_seg, int32_t* __restrict__ seg_count,
+                          int32_t* __restrict__ seg_unit, float* __restrict__ seg_gate) {
+  const int m = blockIdx.y;
+  const int seg = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (seg >= n_seg) return;  // whole warps leave: the ballot below stays warp-uniform
+  const int unit = seg * kDecodeSegUnits + lane;
+  const bool in_range = unit < hidden;
+  const float gate = in_range ? __bfloat162float(g[static_cast<int64_t>(m) * hidden + unit]) : 0.0f;
+  compact_segment(m, seg, n_seg, lane, gate, in_range, seg_count, seg_unit, seg_gate);
+}
+
+// kVecs: 16-byte vectors of a row per lane, at least ceil(dim / 8 / 32).
+template <int kVecs>
+__global__ void __launch_bounds__(kThreads)
+    decode_updown_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wu,
+                         const __nv_bfloat16* __restrict__ wd_t, int dim, int n_seg,
+                         const int32_t* __restrict__ seg_count, const int32_t* __restrict__ seg_unit,
+                         const float* __restrict__ seg_gate, float* __restrict__ partial) {
+  extern __shared__ float4 smem[];
+  int* offsets = reinterpret_cast<int*>(smem);                 // n_seg + 1: where each segment's units start
+  float* sums = reinterpret_cast<float*>(smem) + ((n_seg + 4) / 4) * 4;  // dim: the CTA's ordered sum
+  const int m = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int vecs = dim / kChunk;
+
+  if (warp == 0) {  // exclusive prefix of the row's segment counts
+    int carry = 0;
+    for (int base = 0; base < n_seg; base += 32) {
+      const int s = base + lane;
+      const int inclusive = warp_inclusive_scan(s < n_seg ? seg_count[static_cast<int64_t>(m) * n_seg + s] : 0, lane);
+      if (s < n_seg) offsets[s + 1] = carry + inclusive;
+      carry += __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (lane == 0) offsets[0] = 0;
+  }
+  __syncthreads();
+  const int total = offsets[n_seg];
+
+  uint4 xv[kVecs];
+  float acc[kVecs][kChunk] = {};
+  const uint4* xr = reinterpret_cast<const uint4*>(x + m * x_stride);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i)
+    if (lane + 32 * i < vecs) xv[i] = __ldg(xr + lane + 32 * i);
+
+  for (int k = split * kWarps + warp; k < total; k += splits * kWarps) {
+    int lo = 0, hi = n_seg;  // the segment holding list entry k: the last with offsets[s] <= k
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (offsets[mid] <= k) lo = mid; else hi = mid;
+    }
+    const int64_t slot = (static_cast<int64_t>(m) * n_seg + lo) * kDecodeSegUnits + (k - offsets[lo]);
+    const int64_t unit = seg_unit[slot];
+    const float gate = seg_gate[slot];
+    const uint4* up = reinterpret_cast<const uint4*>(wu + unit * dim);
+    const uint4* down = reinterpret_cast<const uint4*>(wd_t + unit * dim);
+    uint4 dv[kVecs];
+    float part = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+      if (lane + 32 * i < vecs) {
+        dv[i] = __ldg(down + lane + 32 * i);  // issued with the up row's loads: both in flight
+        part += dot_bf16x8(xv[i], __ldg(up + lane + 32 * i));
+      }
+    const float h = gate * warp_sum(part);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+      if (lane + 32 * i < vecs) axpy_bf16x8(h, dv[i], acc[i]);
+  }
+
+  for (int w = 0; w < kWarps; ++w) {  // warp order: the same sum on every run
+    if (warp == w) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int v = lane + 32 * i;
+        if (v >= vecs) break;
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) sums[v * kChunk + e] = (w == 0 ? 0.0f : sums[v * kChunk + e]) + acc[i][e];
+      }
+    }
+    __syncthreads();
+  }
+  float* out = partial + (static_cast<int64_t>(m) * splits + split) * dim;
+  for (int d = threadIdx.x; d < dim; d += kThreads) out[d] = sums[d];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    decode_add_kernel(const float* __restrict__ partial, int rows, int dim, int splits, __nv_bfloat16* __restrict__ out) {
+  const int vecs = dim / kChunk;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= static_cast<int64_t>(rows) * vecs) return;
+  const int64_t m = i / vecs;
+  const int v = static_cast<int>(i % vecs);
+  float y[kChunk] = {};
+  for (int s = 0; s < splits; ++s) {
+    const float4* p = reinterpret_cast<const float4*>(partial + (m * splits + s) * dim) + 2 * v;
+    const float4 lo = p[0], hi = p[1];
+    y[0] += lo.x; y[1] += lo.y; y[2] += lo.z; y[3] += lo.w;
+    y[4] += hi.x; y[5] += hi.y; y[6] += hi.z; y[7] += hi.w;
+  }
+  float rounded[kChunk];  // y rounded to bf16 first: the FFN output a separate add would see
+  bf16x8_to_float(float_to_bf16x8(y), rounded);
+  add8(out + m * dim, v, rounded);
+}
+
+template <int kVecs>
+cudaError_t launch_updown(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
+                          int rows, int dim, int n_seg, const int32_t* seg_count, const int32_t* seg_unit,
+                          const float* seg_gate, int splits, float* partial, cudaStream_t stream) {
+  const size_t smem = (static_cast<size_t>((n_seg + 4) / 4) * 4 + dim) * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // H up to ~300K units at the largest dim
+  decode_updown_kernel<kVecs><<<dim3(splits, rows), kThreads, smem, stream>>>(x, x_stride, wu, wd_t, dim, n_seg,
+                                                                              seg_count, seg_unit, seg_gate, partial);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wg, int rows, int dim,
+                               int hidden, int32_t* seg_count, int32_t* seg_unit, float* seg_gate,
+                               cudaStream_t stream) {
+  if (rows > kDecodeFusedRows || dim % kChunk != 0) return cudaErrorInvalidValue;
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  decode_gate_kernel<<<decode_segments(hidden), kThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count,
+                                                                        seg_unit, seg_gate);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decode_compact(const __nv_bfloat16* g, int rows, int hidden, int32_t* seg_count,
+                                  int32_t* seg_unit, float* seg_gate, cudaStream_t stream) {
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  const int n_seg = decode_segments(hidden);
+  decode_compact_kernel<<<dim3((n_seg + kWarps - 1) / kWarps, rows), kThreads, 0, stream>>>(
+      g, hidden, n_seg, seg_count, seg_unit, seg_gate);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decode_updown_add(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu,
+                                     const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
+                                     const int32_t* seg_count, const int32_t* seg_unit, const float* seg_gate,
+                                     int splits, float* partial, __nv_bfloat16* out, cudaStream_t stream) {
+  if (dim % kChunk != 0 || dim > kDecodeMaxDim || splits < 1) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const int n_seg = decode_segments(hidden);
+  const int vecs_per_lane = (dim / kChunk + 31) / 32;
+  cudaError_t err;
+  if (vecs_per_lane <= 2)
+    err = launch_updown<2>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
+  else if (vecs_per_lane <= 4)
+    err = launch_updown<4>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
+  else
+    err = launch_updown<8>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t threads = static_cast<int64_t>(rows) * (dim / kChunk);
+  decode_add_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      partial, rows, dim, splits, out);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_llm

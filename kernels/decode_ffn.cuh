@@ -1,0 +1,45 @@
+// The FFN of a decode step (a few rows: one token per sequence) without a host read: the gate,
+// a compaction of the active units into fixed segments, then up and down over the active units
+// only. Plain CUDA C++: no torch headers, so the .cu compiles with `nvcc -c` alone.
+//
+// Record: the H units are cut into segments of kDecodeSegUnits; for row m and segment s,
+// seg_count[m, s] active units (gate > 0) are listed in unit order as seg_unit[m, s, :] (int32) and
+// seg_gate[m, s, :] (relu(gate), fp32). A segment has room for every one of its units, so the record
+// cannot overflow: every pattern, all units active included, is computed exactly; only the time
+// grows with the number of active units.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace sparse_llm {
+
+constexpr int kDecodeSegUnits = 32;    // units per segment: one warp ballot
+constexpr int kDecodeFusedRows = 8;    // rows up to which the gate is this file's GEMV (else cuBLAS)
+constexpr int kDecodeMaxDim = 2048;    // D up to which up/down keep a row's output in registers (no spills)
+
+inline int decode_segments(int hidden) { return (hidden + kDecodeSegUnits - 1) / kDecodeSegUnits; }
+
+// The gate GEMV fused with ReLU and the compaction: g = x Wg^T in fp32 for rows <= kDecodeFusedRows.
+// x: [rows, dim] (row stride x_stride elements), wg: [hidden, dim], contiguous bf16, dim % 8 == 0.
+cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wg, int rows, int dim,
+                               int hidden, int32_t* seg_count, int32_t* seg_unit, float* seg_gate,
+                               cudaStream_t stream);
+
+// The compaction alone, of a gate computed elsewhere: g: [rows, hidden] bf16 contiguous.
+cudaError_t launch_decode_compact(const __nv_bfloat16* g, int rows, int hidden, int32_t* seg_count,
+                                  int32_t* seg_unit, float* seg_gate, cudaStream_t stream);
+
+// Up and down over the active units of each row, then out += y:
+//   y[m] = sum over active j of relu(g[m, j]) * (x[m] . Wu[j]) * WdT[j]     (fp32)
+//   out[m] = bf16(out[m] + bf16(y[m]))                                       (as a separate add)
+// `splits` CTAs share a row's units; their partial sums (partial: [rows, splits, dim] fp32 scratch)
+// are added in a fixed order, so the result does not depend on timing. dim <= kDecodeMaxDim.
+cudaError_t launch_decode_updown_add(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu,
+                                     const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
+                                     const int32_t* seg_count, const int32_t* seg_unit, const float* seg_gate,
+                                     int splits, float* partial, __nv_bfloat16* out, cudaStream_t stream);
+
+}  // namespace sparse_llm

@@ -1,0 +1,110 @@
+"""GPU tests of the decode FFN (kernels/decode_ffn.cu): the path of `ops.ffn_forward` / `ffn_add_`
+for up to DECODE_MAX_ROWS rows. The exactness contract on every pattern, a result that depends on
+the inputs only, and a CUDA graph replayed on new inputs giving the eager result."""
+
+import pytest
+import torch
+from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
+
+from benchmarks.common import make_workload
+from sparse_llm import ops
+from sparse_llm.ops.ffn import DECODE_MAX_ROWS
+
+pytestmark = [pytest.mark.gpu, needs_hopper]
+
+
+def _ffn64(x, wg, wu, wd):
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
+def _assert_exact(out, x, wg, wu, wd):
+    ref = _ffn64(x, wg, wu, wd)
+    dense = ops.ffn_forward(x, wg, wu, wd, impl="reference")
+    assert torch.isfinite(out).all()
+    if ref.norm() == 0:
+        assert out.abs().max().item() == 0
+        return
+    err, err_dense = rel_err(out, ref), rel_err(dense, ref)
+    assert err <= 2 * err_dense + ABS_FLOOR, f"error {err:.3e} vs dense bf16 {err_dense:.3e}"
+
+
+# 8 rows and fewer take the fused gate GEMV, more rows cuBLAS's gate and the compaction kernel.
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(
+    ("m", "d", "h"), [(1, 2048, 5632), (8, 256, 704), (9, 256, 700), (64, 2048, 5632), (5, 8, 40)]
+)
+def test_patterns_are_exact(pattern, m, d, h):
+    """`all_active` is the record's worst case: every unit of every segment listed."""
+    x, wg, wu, wd = gpu_pattern(pattern, m, d, h, seed=m * 7 + d + h)
+    _assert_exact(ops.ffn_forward(x, wg, wu, wd, impl="cuda"), x, wg, wu, wd)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("nnz", [15, 30, 120])
+def test_standard_shapes_are_exact(m, nnz):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run
+    w = make_workload(m, 2048, 5632, nnz, seed=seed, device="cuda")
+    _assert_exact(ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda"), w.x, w.wg, w.wu, w.wd)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_add_is_out_plus_forward_and_depends_on_the_inputs_only(m):
+    w = make_workload(m, 2048, 5632, 30, seed=m, device="cuda")
+    out = torch.randn(m, 1, 2048, device="cuda").bfloat16()  # a decode step's residual stream
+    expected = out + ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda").view(m, 1, 2048)
+    wd_t = w.wd.t().contiguous()
+    for _ in range(3):
+        again = out.clone()
+        ops.ffn_add_(again, w.x.view(m, 1, 2048), w.wg, w.wu, w.wd, impl="cuda", wd_t=wd_t)
+        assert torch.equal(again, expected)
+
+
+def test_a_captured_graph_replays_new_inputs_exactly():
+    w = make_workload(8, 2048, 5632, 30, seed=3, device="cuda")
+    wd_t = w.wd.t().contiguous()
+    x = torch.zeros_like(w.x)
+    out = torch.zeros_like(w.x)
+
+    def step():
+        out.zero_()
+        ops.ffn_add_(out, x, w.wg, w.wu, w.wd, impl="cuda", wd_t=wd_t)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (11, 12):
+        fresh = make_workload(8, 2048, 5632, 30, seed=seed, device="cuda").x
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = ops.ffn_forward(fresh, w.wg, w.wu, w.wd, impl="cuda", wd_t=wd_t)
+        assert torch.equal(out, eager)
+
+
+def test_no_host_sync():
+    w = make_workload(4, 2048, 5632, 30, seed=5, device="cuda")
+    out = torch.zeros_like(w.x)
+    wd_t = w.wd.t().contiguous()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.ffn_add_(out, w.x, w.wg, w.wu, w.wd, impl="cuda", wd_t=wd_t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_decode_rows_bound_matches_the_kernel_choice():
+    """Past DECODE_MAX_ROWS the TwELL path runs; both agree within the contract."""
+    w = make_workload(DECODE_MAX_ROWS + 1, 2048, 5632, 30, seed=9, device="cuda")
+    _assert_exact(ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda"), w.x, w.wg, w.wu, w.wd)
+
+
+def test_opcheck():
+    x, wg, wu, wd = gpu_pattern("random", 4, 64, 128, seed=1)
+    out = torch.randn(4, 64, device="cuda").bfloat16()
+    torch.library.opcheck(torch.ops.sparse_llm.ffn_decode_add_, (out, x, wg, wu, wd.t().contiguous()))
