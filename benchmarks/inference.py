@@ -394,7 +394,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
                 nbytes = decode_step_bytes(cfg, impl, batch, context, elem_bytes, l0_per_layer)
                 for mode in modes:
                     row: dict[str, Any] = {"impl": impl, "batch": batch, "context": context, "mode": mode}
-                    why = why_not_graph(impl_model) if mode == "graph" else None
+                    why = why_not_graph(impl_model, batch) if mode == "graph" else None
                     if why:  # e.g. a decode FFN that syncs with the host: say so instead of a timing
                         rows.append(row | {"error": why})
                         print(f"decode {impl} b={batch} ctx={context} graph: {why}", file=sys.stderr)

@@ -19,8 +19,9 @@ it cannot capture (mutated inputs, a graph break), where a raw capture either ha
 when it is made. The step runs the same ops as the eager decode, so it computes the same numbers;
 only the launches go.
 
-`why_not_graph` says where graphs cannot be had (no CUDA device, a decode FFN that syncs with the
-host); a Generator decides its mode once, when it is built (`resolve_decode_mode`).
+`why_not_graph` says where graphs cannot be had (no CUDA device, a decode FFN that reads on the
+host, for some batch sizes or all); a Generator decides its mode once, when it is built
+(`resolve_decode_mode`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import torch
 
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import KVCache, SparseLlamaForCausalLM
+from sparse_llm.ops import ffn as ffn_ops
 
 DECODE_MODES = ("auto", "graph", "static", "eager")
-# Decode FFNs a CUDA graph can capture. The TwELL kernels ("cuda") read their heavy-row count on
-# the host in every call (sparse_llm.ops.ffn), so they cannot be captured until that read goes.
+# Decode FFNs a CUDA graph always captures. The kernels ("cuda") only where the ops front has a
+# decode path without host reads (`_cuda_decode_capacity`).
 CAPTURABLE_DECODE_FFNS = frozenset({"dense", "reference"})
 # A slot's cache length is the batch's need rounded up to this: nearby lengths share a graph, the
 # attention reads at most this many columns more than needed, and mask rows stay 16-byte aligned.
@@ -62,14 +64,39 @@ def eos_capacity(count: int) -> int:
     return max(4, 1 << max(count - 1, 0).bit_length())
 
 
-def why_not_graph(model: SparseLlamaForCausalLM) -> str | None:
-    """Why `model`'s decode step cannot be captured in a CUDA graph, or None when it can."""
-    impl = model.ffn_plan.decode.impl
-    if impl not in CAPTURABLE_DECODE_FFNS:
+def _cuda_decode_capacity() -> tuple[int, int] | None:
+    """(rows, hidden size) up to which the kernels' decode FFN runs without a host read, from the
+    ops front (sparse_llm.ops.ffn: DECODE_MAX_ROWS, DECODE_MAX_DIM); None where it has no such
+    path: the TwELL kernels read their heavy-row count on the host in every call."""
+    rows, dim = (getattr(ffn_ops, name, None) for name in ("DECODE_MAX_ROWS", "DECODE_MAX_DIM"))
+    return None if rows is None or dim is None else (rows, dim)
+
+
+def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
+    if impl in CAPTURABLE_DECODE_FFNS:
+        return None
+    capacity = _cuda_decode_capacity() if impl == "cuda" else None
+    if capacity is None:
         return (
             f"the {impl!r} decode FFN cannot be captured: sparse_llm.ops.ffn_add_ reads its "
             "heavy-row count on the host in every call"
         )
+    rows, dim = capacity
+    if hidden_size > dim:
+        return (
+            f"the 'cuda' decode FFN reads on the host at hidden size {hidden_size} (capturable up to {dim})"
+        )
+    if batch is not None and batch > rows:
+        return f"the 'cuda' decode FFN reads on the host above {rows} rows (batch {batch})"
+    return None
+
+
+def why_not_graph(model: SparseLlamaForCausalLM, batch: int | None = None) -> str | None:
+    """Why `model`'s decode step (of `batch` rows; None: of some batch) cannot be captured in a
+    CUDA graph, or None when it can."""
+    why = _why_ffn_not_capturable(model.ffn_plan.decode.impl, model.config.hidden_size, batch)
+    if why:
+        return why
     device = model.lm_head.weight.device
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device; the model is on {device}"
@@ -256,8 +283,9 @@ class DecodeSlot:
 class StaticDecoder:
     """The static-shape decode of one model: a `DecodeSlot` per batch size and cache length
     (`cache_len_bucket`), made on first use. With `capture` (a CUDA device and a capturable decode
-    FFN: `why_not_graph`) every step is a CUDA graph replay; without, the same step runs uncaptured
-    (any device).
+    FFN: `why_not_graph`) every step is a CUDA graph replay, but for a batch the decode FFN cannot
+    capture (the kernels' above their row limit), which runs the step uncaptured; without
+    `capture`, every batch does (any device).
 
     A slot is made for the exact batch size, not a padded bucket: seeded sampling then draws over
     the same [B, V] shape as the eager decode (the same samples), the prefill writes a contiguous
@@ -276,13 +304,16 @@ class StaticDecoder:
         self._memory: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def slot(self, batch: int, columns: int, eos_count: int) -> DecodeSlot:
-        """The slot for `batch` rows that need `columns` cache columns and `eos_count` EOS ids."""
+        """The slot for `batch` rows that need `columns` cache columns and `eos_count` EOS ids. A
+        batch the decode FFN cannot capture (`why_not_graph(model, batch)`) runs the same step
+        uncaptured: the same tokens, without the graph."""
         key = (batch, cache_len_bucket(columns))
         slot = self.slots.get(key)
         if slot is None or slot.state.eos.numel() < eos_count:
             self.slots.pop(key, None)
             cache = self._cache(*key)
-            slot = DecodeSlot(self.model, cache, eos_capacity(eos_count), self.capture, self.pool)
+            capture = self.capture and why_not_graph(self.model, batch) is None
+            slot = DecodeSlot(self.model, cache, eos_capacity(eos_count), capture, self.pool)
             self.slots[key] = slot
             while len(self.slots) > MAX_SLOTS:
                 self.slots.popitem(last=False)

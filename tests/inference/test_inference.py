@@ -23,6 +23,7 @@ from sparse_llm.inference import (
     load_model,
     measure_ffn_impls,
 )
+from sparse_llm.inference.decode import why_not_graph
 from sparse_llm.model import FFNPlan, build_model
 from sparse_llm.model.hf_export import export_hf
 from sparse_llm.model.kv_cache import KVCache
@@ -414,12 +415,12 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
     torch.testing.assert_close(sparse_logits, dense_logits, rtol=0.05, atol=0.05)
     gen = Generator(loaded, "fastest", "fastest")
     assert gen.ffn_measurement is not None and set(gen.ffn.values()) <= {"dense", "cuda"}
-    # The decode mode follows the decode FFN: graphs for dense, eager (with why) for the kernels.
-    assert gen.decode == ("eager" if gen.ffn["decode"] == "cuda" else "graph")
-    with pytest.raises(ValueError, match="decode FFN cannot be captured"):
-        Generator(loaded, "dense", "cuda", decode="graph")
-    eager_cuda = Generator(loaded, "dense", "cuda")
-    assert eager_cuda.decode == "eager" and "heavy-row count" in eager_cuda.decode_reason
+    # The decode mode follows the decode FFN: graphs where it can be captured, else eager and why.
+    assert (gen.decode == "graph") == (why_not_graph(gen.model) is None)
+    cuda_decode = Generator(loaded, "dense", "cuda")
+    assert cuda_decode.decode == ("eager" if cuda_decode.decode_reason else "graph")
+    decoded = generate_ids(cuda_decode.model, prompts, greedy(8), (), decoder=cuda_decode.decoder)
+    assert decoded.tokens == dense.tokens
 
 
 def test_kv_write_rejects_bad_shapes_before_writing():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ffn_patterns import needs_hopper
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import SamplingParams, StaticDecoder, generate_ids, resolve_decode_mode
@@ -13,6 +14,7 @@ from sparse_llm.inference.generate import left_pad
 from sparse_llm.inference.sampling import filter_logits, sample_next
 from sparse_llm.model import FFNPlan, KVCache, build_model
 from sparse_llm.model.kv_cache import ColumnWriteCache, write_kv
+from sparse_llm.ops import ffn as ffn_ops
 from sparse_llm.ops.select import FFNSelection
 
 # Prompts of three lengths: the batch is left-padded, each row has its own positions and mask.
@@ -191,14 +193,29 @@ def test_decode_mode_is_resolved_once_with_a_reason():
         resolve_decode_mode(model, "compiled")
     with pytest.raises(ValueError, match="cannot capture"):
         StaticDecoder(model, capture=True)
-    # The TwELL decode FFN reads on the host: not capturable, whatever the device.
-    dense = FFNSelection("dense", "dense was asked for")
-    cuda_decode = model.with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
-    assert "'cuda' decode FFN cannot be captured" in why_not_graph(cuda_decode)
-    with pytest.raises(ValueError, match="decode FFN cannot be captured"):
-        resolve_decode_mode(cuda_decode, "graph")
     with pytest.raises(ValueError, match="another model"):
         generate_ids(model, PROMPTS, greedy(2), decoder=StaticDecoder(tiny_model(), capture=False))
+
+
+def test_the_kernels_decode_ffn_is_capturable_only_where_the_ops_front_says(monkeypatch):
+    """Without a host-read-free decode path in sparse_llm.ops.ffn the TwELL decode FFN is never
+    capturable; with one (DECODE_MAX_ROWS, DECODE_MAX_DIM), up to those rows and hidden size."""
+    dense = FFNSelection("dense", "dense was asked for")
+    model = tiny_model().with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
+    monkeypatch.delattr(ffn_ops, "DECODE_MAX_ROWS", raising=False)
+    assert "'cuda' decode FFN cannot be captured" in why_not_graph(model)
+    with pytest.raises(ValueError, match="decode FFN cannot be captured"):
+        resolve_decode_mode(model, "graph")
+    monkeypatch.setattr(ffn_ops, "DECODE_MAX_ROWS", 4, raising=False)
+    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 64, raising=False)
+    assert (
+        why_not_graph(model)
+        == why_not_graph(model, 4)
+        == "CUDA graphs need a CUDA device; the model is on cpu"
+    )
+    assert why_not_graph(model, 5) == "the 'cuda' decode FFN reads on the host above 4 rows (batch 5)"
+    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 32)
+    assert "at hidden size 64" in why_not_graph(model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,3 +355,22 @@ def test_sample_next_on_cuda_draws_what_multinomial_draws():
 def test_graph_mode_is_the_cuda_default_for_a_dense_decode():
     model = _cuda_model()
     assert resolve_decode_mode(model, "auto") == ("graph", None)
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_kernels_decode_ffn_in_graphs_equals_eager():
+    """The kernels' decode FFN, where the ops front can capture it: greedy tokens with graphs equal
+    the eager decode's with the same FFN; a batch above its row limit runs the step uncaptured."""
+    model = _cuda_model()
+    sparse = model.with_ffn_plan(FFNPlan.resolve("cuda", model.config, "cuda", torch.bfloat16))
+    if why_not_graph(sparse) is not None:
+        pytest.skip(why_not_graph(sparse))
+    decoder = StaticDecoder(sparse, capture=True)
+    params = greedy(24)
+    rows = ffn_ops.DECODE_MAX_ROWS
+    for prompts in (PROMPTS, [PROMPTS[i % 3] for i in range(rows + 1)]):
+        eager = generate_ids(sparse, prompts, params)
+        assert generate_ids(sparse, prompts, params, decoder=decoder).tokens == eager.tokens
+    captured = {key[0]: slot.capture for key, slot in decoder.slots.items()}
+    assert captured == {3: True, rows + 1: False}
