@@ -1,0 +1,144 @@
+"""The FFN of a decode step, dense against the decode kernels (kernels/decode_ffn.cu), both inside
+one CUDA graph: what the bytes allow at 1, 8 and 64 rows.
+
+    python benchmarks/decode_ffn.py [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
+
+Each graph runs `--layers` FFNs with distinct weights (more bytes than the L2 holds, so every layer
+reads its weights from memory as in a model), out += ffn(x) into one residual. Dense: the three
+bf16 GEMMs (cuBLAS) and relu(g) * u. Ours: `ops.ffn_add_` with a cached Wd^T. GB/s counts the
+bytes each must read: dense all three matrices; ours the gate plus the rows of Wu and Wd^T of the
+units active in the batch (their union), at the non-zeros per token asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import make_workload, write_report
+from sparse_llm import ops
+from sparse_llm.training.run_info import collect_run_info
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--nnz", type=float, nargs="+", default=[15, 30])
+    p.add_argument("--D", type=int, default=2048)
+    p.add_argument("--H", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=8, help="distinct weight sets per graph replay")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    return p.parse_args()
+
+
+def graph_ms(step: Callable[[], None], reps: int) -> float:
+    """Median ms of one replay of a CUDA graph of `step` (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy: bytes read + written per second, the card's practical ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / ms / 1e6
+
+
+def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
+    d, h, layers = args.D, args.H, args.layers
+    loads = [make_workload(rows, d, h, nnz, seed=i, device="cuda") for i in range(layers)]
+    x = loads[0].x
+    weights = [(w.wg, w.wu, w.wd, w.wd.t().contiguous()) for w in loads]
+    out = torch.zeros_like(x)
+
+    def dense() -> None:
+        for wg, wu, wd, _ in weights:
+            out.add_(F.linear(torch.relu(F.linear(x, wg)) * F.linear(x, wu), wd))
+
+    def ours() -> None:
+        for wg, wu, wd, wd_t in weights:
+            ops.ffn_add_(out, x, wg, wu, wd, impl="cuda", wd_t=wd_t)
+
+    dense_ms, ours_ms = graph_ms(dense, args.reps), graph_ms(ours, args.reps)
+    active = [int((torch.relu(x @ wg.T) > 0).any(0).sum()) for wg, *_ in weights]  # union per layer
+    nnz_measured = statistics.fmean(
+        float((torch.relu(x @ wg.T) > 0).sum(1).float().mean()) for wg, *_ in weights
+    )
+    dense_bytes = layers * 3 * h * d * 2
+    ours_bytes = sum(h * d * 2 + 2 * a * d * 2 for a in active)
+    return {
+        "rows": rows,
+        "nnz": nnz_measured,
+        "union_units": statistics.fmean(active),
+        "dense_us_per_layer": 1e3 * dense_ms / layers,
+        "ours_us_per_layer": 1e3 * ours_ms / layers,
+        "speedup": dense_ms / ours_ms,
+        "dense_gbs": dense_bytes / dense_ms / 1e6,
+        "ours_gbs": ours_bytes / ours_ms / 1e6,
+    }
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; D={meta['D']}, H={meta['H']}, "
+        f"{meta['layers']} layers per graph; device copy {meta['copy_gbs']:,.0f} GB/s (read + write).",
+        "",
+        "| rows | nnz/token | units active in the batch | dense us/layer | ours us/layer | speedup | dense GB/s | ours GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rows']} | {r['nnz']:.1f} | {r['union_units']:.0f} | {r['dense_us_per_layer']:.1f} | "
+            f"{r['ours_us_per_layer']:.1f} | {r['speedup']:.2f}x | {r['dense_gbs']:,.0f} | {r['ours_gbs']:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_ffn.py needs a CUDA GPU")
+    meta = {
+        **collect_run_info(torch.device("cuda"), world_size=1),
+        "D": args.D,
+        "H": args.H,
+        "layers": args.layers,
+        "copy_gbs": copy_bandwidth_gbs(),
+    }
+    rows = []
+    for m in args.rows:
+        for nnz in args.nnz:
+            rows.append(bench_rows(m, nnz, args))
+            print(f"rows {m} nnz {nnz:g}: {rows[-1]['speedup']:.2f}x", flush=True)
+            torch.cuda.empty_cache()
+    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
+
+
+if __name__ == "__main__":
+    main()
