@@ -157,6 +157,13 @@ class DecodeState:
             eos=torch.full((eos_slots,), NO_TOKEN, device=device, dtype=torch.long),
         )
 
+    def reset(self) -> None:
+        """Every row at column and position 0, unfinished: where warm-up steps may run whatever
+        the last batch left (its columns may end at the cache's last)."""
+        for ids in (self.tokens, self.positions, self.columns, self.first_columns):
+            ids.zero_()
+        self.finished.zero_()
+
     def prefill_cache(self) -> KVCache:
         """The cache as an empty KVCache, for a prefill to fill from column 0."""
         return KVCache.from_tensors(self.cache.k, self.cache.v)
@@ -268,8 +275,10 @@ class DecodeSlot:
             how, seeded = key
             generator = self.generator if seeded else None
             step = functools.partial(decode_step, self.model, self.state, how, generator)
-            device = self.state.tokens.device
-            self.steps[key] = DecodeGraph(step, device, generator, self.pool) if self.capture else step
+            if self.capture:
+                self.state.reset()
+                step = DecodeGraph(step, self.state.tokens.device, generator, self.pool)
+            self.steps[key] = step
         return self.steps[key]
 
     def generator_for(self, params: SamplingParams) -> torch.Generator | None:

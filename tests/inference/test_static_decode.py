@@ -8,7 +8,7 @@ import torch
 from ffn_patterns import needs_hopper
 
 from sparse_llm.config import ModelConfig
-from sparse_llm.inference import SamplingParams, StaticDecoder, generate_ids, resolve_decode_mode
+from sparse_llm.inference import SamplingParams, StaticDecoder, decode, generate_ids, resolve_decode_mode
 from sparse_llm.inference.decode import EOS_CHECK_EVERY, decode_step, why_not_graph
 from sparse_llm.inference.generate import left_pad
 from sparse_llm.inference.sampling import filter_logits, sample_next
@@ -148,6 +148,34 @@ def test_every_row_stopping_early_ends_the_static_loop():
     table = decoder.generate(prefill, padded.lengths, padded.width, params, torch.tensor(eos))
     assert table.shape == (3, EOS_CHECK_EVERY)
     assert generate_ids(model, PROMPTS, params, eos, decoder=decoder).tokens == eager.tokens
+
+
+def test_a_capture_warms_up_from_a_reset_state(monkeypatch):
+    """A capture runs warm-up steps on the slot's buffers. After a batch that decoded up to the
+    cache's last column they must start over at column 0, not write past the cache. (Capture
+    itself needs a GPU: a stand-in runs the warm-up steps and then the step.)"""
+
+    class WarmUpOnly:
+        def __init__(self, step, device, generator, pool) -> None:
+            for _ in range(decode.WARMUP_STEPS):
+                step()
+            self.step = step
+
+        def __call__(self) -> None:
+            self.step()
+
+    monkeypatch.setattr(decode, "DecodeGraph", WarmUpOnly)
+    model = tiny_model()
+    decoder = StaticDecoder(model, capture=False)
+    padded = left_pad(PROMPTS, torch.device("cpu"))
+    steps = decode.CACHE_LEN_MULTIPLE - padded.width  # the last step writes the last column
+    decoder.slot(len(PROMPTS), padded.width + steps, 0).capture = True  # as on a GPU
+    for params in (greedy(steps, stop_at_eos=False), SAMPLINGS[1]):  # the second captures anew
+        params = SamplingParams(**{**params.__dict__, "max_new_tokens": steps})
+        assert generate_ids(model, PROMPTS, params, decoder=decoder).tokens == (
+            generate_ids(model, PROMPTS, params).tokens
+        )
+    assert len(decoder.slots[(3, decode.CACHE_LEN_MULTIPLE)].steps) == 2
 
 
 def test_slots_share_one_cache_memory():
