@@ -12,8 +12,8 @@ columns at the end of --decode-steps steps), per FFN implementation, graph-captu
 (sparse_llm.inference.decode) and eager: tokens/s, and the GB/s achieved on the bytes a step must
 read (attention and FFN weights, for a sparse FFN the gate plus the up and down rows of the units
 active in the batch at the measured L0, the LM head, the embedding rows, the KV cache up to the
-context) next to the device's measured copy bandwidth. A decode FFN that cannot be captured (the
-TwELL kernels today) shows why instead of a graph timing. On CPU the graph rows run the same
+context) next to the device's measured copy bandwidth. A decode step that cannot be captured (the
+kernels' FFN above its decode path's row limit) shows why instead of a graph timing. On CPU the graph rows run the same
 static step uncaptured (`static`).
 
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it

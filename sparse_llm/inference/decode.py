@@ -39,8 +39,9 @@ from sparse_llm.model import KVCache, SparseLlamaForCausalLM
 from sparse_llm.ops import ffn as ffn_ops
 
 DECODE_MODES = ("auto", "graph", "static", "eager")
-# Decode FFNs a CUDA graph always captures. The kernels ("cuda") only where the ops front has a
-# decode path without host reads (`_cuda_decode_capacity`).
+# Decode FFNs a CUDA graph always captures. The kernels ("cuda") only on their decode path (up to
+# ops.ffn.DECODE_MAX_ROWS rows, hidden size up to DECODE_MAX_DIM); beyond it the TwELL kernels
+# read their heavy-row count on the host in every call.
 CAPTURABLE_DECODE_FFNS = frozenset({"dense", "reference"})
 # A slot's cache length is the batch's need rounded up to this: nearby lengths share a graph, the
 # attention reads at most this many columns more than needed, and mask rows stay 16-byte aligned.
@@ -64,30 +65,19 @@ def eos_capacity(count: int) -> int:
     return max(4, 1 << max(count - 1, 0).bit_length())
 
 
-def _cuda_decode_capacity() -> tuple[int, int] | None:
-    """(rows, hidden size) up to which the kernels' decode FFN runs without a host read, from the
-    ops front (sparse_llm.ops.ffn: DECODE_MAX_ROWS, DECODE_MAX_DIM); None where it has no such
-    path: the TwELL kernels read their heavy-row count on the host in every call."""
-    rows, dim = (getattr(ffn_ops, name, None) for name in ("DECODE_MAX_ROWS", "DECODE_MAX_DIM"))
-    return None if rows is None or dim is None else (rows, dim)
-
-
 def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
     if impl in CAPTURABLE_DECODE_FFNS:
         return None
-    capacity = _cuda_decode_capacity() if impl == "cuda" else None
-    if capacity is None:
+    # Read through the module, not imported by name: the limits are the ops front's to change.
+    if hidden_size > ffn_ops.DECODE_MAX_DIM:
         return (
-            f"the {impl!r} decode FFN cannot be captured: sparse_llm.ops.ffn_add_ reads its "
-            "heavy-row count on the host in every call"
+            f"the {impl!r} decode FFN reads on the host at hidden size {hidden_size} (its decode "
+            f"path, which does not, takes up to {ffn_ops.DECODE_MAX_DIM})"
         )
-    rows, dim = capacity
-    if hidden_size > dim:
+    if batch is not None and batch > ffn_ops.DECODE_MAX_ROWS:
         return (
-            f"the 'cuda' decode FFN reads on the host at hidden size {hidden_size} (capturable up to {dim})"
+            f"the {impl!r} decode FFN reads on the host above {ffn_ops.DECODE_MAX_ROWS} rows (batch {batch})"
         )
-    if batch is not None and batch > rows:
-        return f"the 'cuda' decode FFN reads on the host above {rows} rows (batch {batch})"
     return None
 
 

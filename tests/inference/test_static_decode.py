@@ -225,25 +225,21 @@ def test_decode_mode_is_resolved_once_with_a_reason():
         generate_ids(model, PROMPTS, greedy(2), decoder=StaticDecoder(tiny_model(), capture=False))
 
 
-def test_the_kernels_decode_ffn_is_capturable_only_where_the_ops_front_says(monkeypatch):
-    """Without a host-read-free decode path in sparse_llm.ops.ffn the TwELL decode FFN is never
-    capturable; with one (DECODE_MAX_ROWS, DECODE_MAX_DIM), up to those rows and hidden size."""
+def test_the_kernels_decode_ffn_is_capturable_on_its_decode_path(monkeypatch):
+    """The kernels' decode FFN reads nothing on the host up to ops.ffn.DECODE_MAX_ROWS rows and
+    DECODE_MAX_DIM hidden size (above, the TwELL kernels read their heavy-row count): capturable
+    there, per batch."""
     dense = FFNSelection("dense", "dense was asked for")
     model = tiny_model().with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
-    monkeypatch.delattr(ffn_ops, "DECODE_MAX_ROWS", raising=False)
-    assert "'cuda' decode FFN cannot be captured" in why_not_graph(model)
-    with pytest.raises(ValueError, match="decode FFN cannot be captured"):
-        resolve_decode_mode(model, "graph")
-    monkeypatch.setattr(ffn_ops, "DECODE_MAX_ROWS", 4, raising=False)
-    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 64, raising=False)
-    assert (
-        why_not_graph(model)
-        == why_not_graph(model, 4)
-        == "CUDA graphs need a CUDA device; the model is on cpu"
-    )
+    monkeypatch.setattr(ffn_ops, "DECODE_MAX_ROWS", 4)
+    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 64)
+    on_cpu = "CUDA graphs need a CUDA device; the model is on cpu"
+    assert why_not_graph(model) == why_not_graph(model, 4) == on_cpu
     assert why_not_graph(model, 5) == "the 'cuda' decode FFN reads on the host above 4 rows (batch 5)"
     monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 32)
-    assert "at hidden size 64" in why_not_graph(model)
+    assert "reads on the host at hidden size 64" in why_not_graph(model)
+    with pytest.raises(ValueError, match="decode='graph' cannot run: the 'cuda' decode FFN"):
+        resolve_decode_mode(model, "graph")
 
 
 # --------------------------------------------------------------------------------------------
