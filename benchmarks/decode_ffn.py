@@ -24,6 +24,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_workload, write_report
+from benchmarks.ffn import print_profile
 from sparse_llm import ops
 from sparse_llm.training.run_info import collect_run_info
 
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--H", type=int, default=5632)
     p.add_argument("--layers", type=int, default=8, help="distinct weight sets per graph replay")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="per-kernel times of one eager call of each, per case")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     return p.parse_args()
@@ -85,6 +87,10 @@ def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
         for wg, wu, wd, wd_t in weights:
             ops.ffn_add_(out, x, wg, wu, wd, impl="cuda", wd_t=wd_t)
 
+    if args.profile:
+        for name, fn in (("dense", dense), ("ours", ours)):
+            print(f"-- rows {rows}, nnz {nnz:g}: {name}")
+            print_profile(fn)
     dense_ms, ours_ms = graph_ms(dense, args.reps), graph_ms(ours, args.reps)
     active = [int((torch.relu(x @ wg.T) > 0).any(0).sum()) for wg, *_ in weights]  # union per layer
     nnz_measured = statistics.fmean(

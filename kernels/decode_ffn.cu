@@ -17,10 +17,14 @@
 namespace sparse_llm {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // compaction, up/down, add
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnitsPerWarp = kDecodeSegUnits / kWarps;  // gate: units of a segment per warp
-constexpr int kGateLoads = 2;                            // gate: 16-byte loads per unit in flight
+// The gate: a CTA per segment, 8 warps of 4 units, each lane with 4 16-byte loads of each unit
+// (16 in all; 8 from 4 rows on, whose accumulators take the registers) in flight; few enough
+// registers for two CTAs an SM, so the 176 CTAs of H = 5632 are resident together on 132 SMs.
+constexpr int kGateThreads = 256;
+constexpr int kGateWarps = kGateThreads / 32;
+constexpr int kUnitsPerWarp = kDecodeSegUnits / kGateWarps;
 
 // Row m's active units of segment seg (one warp; lane l holds unit seg * 32 + l's gate value).
 __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int lane, float gate, bool in_range,
@@ -36,23 +40,25 @@ __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int l
   if (lane == 0) seg_count[record] = __popc(mask);
 }
 
-__global__ void __launch_bounds__(kThreads)
+// kRows: the rows' accumulators a lane keeps (rows <= kRows).
+template <int kRows, int kGateLoads = (kRows <= 2 ? 4 : 2)>
+__global__ void __launch_bounds__(kGateThreads, 2)
     decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
                        int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
                        float* __restrict__ seg_gate) {
-  __shared__ float gates[kDecodeFusedRows][kDecodeSegUnits];
+  __shared__ float gates[kRows][kDecodeSegUnits];
   const int seg = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vecs = dim / kChunk;
   const int first_unit = seg * kDecodeSegUnits + warp * kUnitsPerWarp;
 
-  float acc[kUnitsPerWarp][kDecodeFusedRows] = {};
+  float acc[kUnitsPerWarp][kRows] = {};
   const uint4* w[kUnitsPerWarp];
 #pragma unroll
   for (int u = 0; u < kUnitsPerWarp; ++u)  // units past H read row 0 and are dropped below
     w[u] = reinterpret_cast<const uint4*>(wg + static_cast<int64_t>(first_unit + u < hidden ? first_unit + u : 0) * dim);
   for (int v0 = lane; v0 < vecs; v0 += 32 * kGateLoads) {
-    uint4 wv[kUnitsPerWarp][kGateLoads];
+    uint4 wv[kUnitsPerWarp][kGateLoads];  // every load of this pass issued before any is used
 #pragma unroll
     for (int u = 0; u < kUnitsPerWarp; ++u)
 #pragma unroll
@@ -65,25 +71,31 @@ __global__ void __launch_bounds__(kThreads)
       const int v = v0 + 32 * k;
       if (v >= vecs) break;
 #pragma unroll
-      for (int m = 0; m < kDecodeFusedRows; ++m) {
+      for (int m = 0; m < kRows; ++m) {
         if (m >= rows) break;
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + v);
+        float xf[kChunk];
+        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + v), xf);
 #pragma unroll
-        for (int u = 0; u < kUnitsPerWarp; ++u) acc[u][m] += dot_bf16x8(wv[u][k], xv);
+        for (int u = 0; u < kUnitsPerWarp; ++u) {
+          float wf[kChunk];
+          bf16x8_to_float(wv[u][k], wf);
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) acc[u][m] = fmaf(wf[e], xf[e], acc[u][m]);
+        }
       }
     }
   }
 #pragma unroll
   for (int u = 0; u < kUnitsPerWarp; ++u)
 #pragma unroll
-    for (int m = 0; m < kDecodeFusedRows; ++m) {
+    for (int m = 0; m < kRows; ++m) {
       if (m >= rows) break;
       const float g = warp_sum(acc[u][m]);
       if (lane == 0) gates[m][warp * kUnitsPerWarp + u] = g;
     }
   __syncthreads();
   const int n_seg = gridDim.x;
-  for (int m = warp; m < rows; m += kWarps)
+  for (int m = warp; m < rows; m += kGateWarps)
     compact_segment(m, seg, n_seg, lane, gates[m][lane], seg * kDecodeSegUnits + lane < hidden, seg_count, seg_unit,
                     seg_gate);
 }
@@ -114,11 +126,14 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vecs = dim / kChunk;
 
-  if (warp == 0) {  // exclusive prefix of the row's segment counts
+  for (int s = threadIdx.x; s < n_seg; s += kThreads)  // the counts in one coalesced pass,
+    offsets[s + 1] = seg_count[static_cast<int64_t>(m) * n_seg + s];
+  __syncthreads();
+  if (warp == 0) {  // then their inclusive prefix in place, from shared memory
     int carry = 0;
     for (int base = 0; base < n_seg; base += 32) {
       const int s = base + lane;
-      const int inclusive = warp_inclusive_scan(s < n_seg ? seg_count[static_cast<int64_t>(m) * n_seg + s] : 0, lane);
+      const int inclusive = warp_inclusive_scan(s < n_seg ? offsets[s + 1] : 0, lane);
       if (s < n_seg) offsets[s + 1] = carry + inclusive;
       carry += __shfl_sync(kFullMask, inclusive, 31);
     }
@@ -212,8 +227,15 @@ cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const _
                                cudaStream_t stream) {
   if (rows > kDecodeFusedRows || dim % kChunk != 0) return cudaErrorInvalidValue;
   if (rows == 0 || hidden == 0) return cudaSuccess;
-  decode_gate_kernel<<<decode_segments(hidden), kThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count,
-                                                                        seg_unit, seg_gate);
+  const int grid = decode_segments(hidden);
+  if (rows == 1)
+    decode_gate_kernel<1><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
+  else if (rows == 2)
+    decode_gate_kernel<2><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
+  else if (rows <= 4)
+    decode_gate_kernel<4><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
+  else
+    decode_gate_kernel<8><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
   return cudaGetLastError();
 }
 
