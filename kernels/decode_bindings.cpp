@@ -46,6 +46,7 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
   at::Tensor seg_unit = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kInt));
   at::Tensor seg_gate = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kFloat));
   at::Tensor partial = at::empty({rows, splits, dim}, opts.dtype(at::kFloat));
+  at::Tensor arrivals = at::zeros({rows}, opts.dtype(at::kInt));
   if (rows <= sparse_llm::kDecodeFusedRows) {
     check_cuda(sparse_llm::launch_decode_gate(bf16_ptr(x), dim, bf16_ptr(wg), static_cast<int>(rows),
                                               static_cast<int>(dim), static_cast<int>(hidden),
@@ -63,7 +64,8 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
                                                   static_cast<int>(rows), static_cast<int>(dim),
                                                   static_cast<int>(hidden), seg_count.data_ptr<int32_t>(),
                                                   seg_unit.data_ptr<int32_t>(), seg_gate.data_ptr<float>(), splits,
-                                                  partial.data_ptr<float>(), bf16_mut_ptr(out), stream),
+                                                  partial.data_ptr<float>(), arrivals.data_ptr<int32_t>(),
+                                                  bf16_mut_ptr(out), stream),
              "decode_updown_add");
 }
 

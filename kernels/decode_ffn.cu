@@ -1,14 +1,16 @@
-// The decode FFN (decode_ffn.cuh): three launches, no host read, so a decode step can be captured
-// in a CUDA graph.
+// The decode FFN (decode_ffn.cuh): two launches (past 8 rows: cuBLAS's gate, the compaction and
+// up/down), no host read, so a decode step can be captured in a CUDA graph.
 //   gate     one CTA per segment of 32 units; each warp streams 4 rows of Wg (16-byte loads) and
 //            dots them with every input row; the segment's active units are then compacted with
 //            one ballot per row. The bytes read are Wg's, once, whatever the number of rows.
 //   up/down  `splits` CTAs per row share the row's active units, a warp per unit: the dot of x with
 //            Wu[j], then relu(g_j) * u_j times the row Wd^T[j] added into the warp's registers
 //            (the row's whole output, dim / 32 values a lane). Only active rows of Wu and Wd^T are
-//            read. The warps' sums are added in warp order, the CTAs' in split order: the result
-//            depends on the inputs only.
-//   add      out += bf16(sum over splits), rounded as a separate add would.
+//            read. g, u and h are rounded to bf16 where the dense path rounds them. The warps' sums
+//            are added in a fixed tree, the CTAs' in split order: the result depends on the inputs
+//            only.
+//            The row's last CTA to finish (an arrival counter) adds the partial sums into out,
+//            rounded as a separate add would be.
 #include <algorithm>
 
 #include "decode_ffn.cuh"
@@ -90,7 +92,8 @@ __global__ void __launch_bounds__(kGateThreads, 2)
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       if (m >= rows) break;
-      const float g = warp_sum(acc[u][m]);
+      // Rounded to bf16 as the dense path's gate GEMM output is: the same units fire.
+      const float g = __bfloat162float(__float2bfloat16(warp_sum(acc[u][m])));
       if (lane == 0) gates[m][warp * kUnitsPerWarp + u] = g;
     }
   __syncthreads();
@@ -118,10 +121,12 @@ __global__ void __launch_bounds__(kThreads)
     decode_updown_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wu,
                          const __nv_bfloat16* __restrict__ wd_t, int dim, int n_seg,
                          const int32_t* __restrict__ seg_count, const int32_t* __restrict__ seg_unit,
-                         const float* __restrict__ seg_gate, float* __restrict__ partial) {
+                         const float* __restrict__ seg_gate, float* __restrict__ partial,
+                         int32_t* __restrict__ arrivals, __nv_bfloat16* __restrict__ out) {
   extern __shared__ float4 smem[];
+  __shared__ bool last_to_arrive;
   int* offsets = reinterpret_cast<int*>(smem);                 // n_seg + 1: where each segment's units start
-  float* sums = reinterpret_cast<float*>(smem) + ((n_seg + 4) / 4) * 4;  // dim: the CTA's ordered sum
+  float* sums = reinterpret_cast<float*>(smem) + ((n_seg + 4) / 4) * 4;  // (kWarps / 2) x dim: the reduction
   const int m = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vecs = dim / kChunk;
@@ -168,55 +173,86 @@ __global__ void __launch_bounds__(kThreads)
         dv[i] = __ldg(down + lane + 32 * i);  // issued with the up row's loads: both in flight
         part += dot_bf16x8(xv[i], __ldg(up + lane + 32 * i));
       }
-    const float h = gate * warp_sum(part);
+    // u and h = relu(g) * u rounded to bf16 as the dense path rounds them (its up GEMM's output
+    // and the elementwise product): only the order of the down projection's fp32 sum differs.
+    const float u = __bfloat162float(__float2bfloat16(warp_sum(part)));
+    const float h = __bfloat162float(__float2bfloat16(gate * u));
 #pragma unroll
     for (int i = 0; i < kVecs; ++i)
       if (lane + 32 * i < vecs) axpy_bf16x8(h, dv[i], acc[i]);
   }
 
-  for (int w = 0; w < kWarps; ++w) {  // warp order: the same sum on every run
-    if (warp == w) {
+  // The warps' sums in a fixed tree (w += w + half, half = 4, 2, 1): the same sum on every run.
+  // Each round the upper half stores its registers (16-byte stores) and the lower half adds them.
+  for (int half = kWarps / 2; half > 0; half /= 2) {
+    if (warp >= half && warp < 2 * half) {
+      float4* mine = reinterpret_cast<float4*>(sums + (warp - half) * dim);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int v = lane + 32 * i;
         if (v >= vecs) break;
+        mine[2 * v] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        mine[2 * v + 1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+      }
+    }
+    __syncthreads();
+    if (warp < half) {
+      const float4* other = reinterpret_cast<const float4*>(sums + warp * dim);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) sums[v * kChunk + e] = (w == 0 ? 0.0f : sums[v * kChunk + e]) + acc[i][e];
+      for (int i = 0; i < kVecs; ++i) {
+        const int v = lane + 32 * i;
+        if (v >= vecs) break;
+        const float4 lo = other[2 * v], hi = other[2 * v + 1];
+        acc[i][0] += lo.x; acc[i][1] += lo.y; acc[i][2] += lo.z; acc[i][3] += lo.w;
+        acc[i][4] += hi.x; acc[i][5] += hi.y; acc[i][6] += hi.z; acc[i][7] += hi.w;
       }
     }
     __syncthreads();
   }
-  float* out = partial + (static_cast<int64_t>(m) * splits + split) * dim;
-  for (int d = threadIdx.x; d < dim; d += kThreads) out[d] = sums[d];
-}
-
-__global__ void __launch_bounds__(kThreads)
-    decode_add_kernel(const float* __restrict__ partial, int rows, int dim, int splits, __nv_bfloat16* __restrict__ out) {
-  const int vecs = dim / kChunk;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= static_cast<int64_t>(rows) * vecs) return;
-  const int64_t m = i / vecs;
-  const int v = static_cast<int>(i % vecs);
-  float y[kChunk] = {};
-  for (int s = 0; s < splits; ++s) {
-    const float4* p = reinterpret_cast<const float4*>(partial + (m * splits + s) * dim) + 2 * v;
-    const float4 lo = p[0], hi = p[1];
-    y[0] += lo.x; y[1] += lo.y; y[2] += lo.z; y[3] += lo.w;
-    y[4] += hi.x; y[5] += hi.y; y[6] += hi.z; y[7] += hi.w;
+  // CTAs past the row's last unit hold zeros: they write nothing, and the sum below skips them.
+  const int working = min(splits, (total + kWarps - 1) / kWarps);
+  if (warp == 0 && split < working) {
+    float4* mine = reinterpret_cast<float4*>(partial + (static_cast<int64_t>(m) * splits + split) * dim);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int v = lane + 32 * i;
+      if (v >= vecs) break;
+      mine[2 * v] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      mine[2 * v + 1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+    }
+    __threadfence();  // the partial is visible to every SM before this CTA counts as arrived
   }
-  float rounded[kChunk];  // y rounded to bf16 first: the FFN output a separate add would see
-  bf16x8_to_float(float_to_bf16x8(y), rounded);
-  add8(out + m * dim, v, rounded);
+  __syncthreads();
+  if (threadIdx.x == 0) last_to_arrive = atomicAdd(arrivals + m, 1) == splits - 1;
+  __syncthreads();
+  if (!last_to_arrive || working == 0) return;  // no unit fired: out + 0 is out
+  // The row's last CTA: out[m] += bf16(sum of the working partials in split order), rounded as a
+  // separate add would be (the FFN output first, then the sum).
+  __threadfence();
+  for (int v = threadIdx.x; v < vecs; v += kThreads) {
+    float y[kChunk] = {};
+    for (int s = 0; s < working; ++s) {
+      const float4* p = reinterpret_cast<const float4*>(partial + (static_cast<int64_t>(m) * splits + s) * dim) + 2 * v;
+      const float4 lo = __ldcg(p), hi = __ldcg(p + 1);  // L2: written by other SMs
+      y[0] += lo.x; y[1] += lo.y; y[2] += lo.z; y[3] += lo.w;
+      y[4] += hi.x; y[5] += hi.y; y[6] += hi.z; y[7] += hi.w;
+    }
+    float rounded[kChunk];
+    bf16x8_to_float(float_to_bf16x8(y), rounded);
+    add8(out + static_cast<int64_t>(m) * dim, v, rounded);
+  }
 }
 
 template <int kVecs>
 cudaError_t launch_updown(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                           int rows, int dim, int n_seg, const int32_t* seg_count, const int32_t* seg_unit,
-                          const float* seg_gate, int splits, float* partial, cudaStream_t stream) {
-  const size_t smem = (static_cast<size_t>((n_seg + 4) / 4) * 4 + dim) * sizeof(float);
-  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // H up to ~300K units at the largest dim
+                          const float* seg_gate, int splits, float* partial, int32_t* arrivals,
+                          __nv_bfloat16* out, cudaStream_t stream) {
+  const size_t smem = (static_cast<size_t>((n_seg + 4) / 4) * 4 + kWarps / 2 * dim) * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // H up to ~45K units at the largest dim
   decode_updown_kernel<kVecs><<<dim3(splits, rows), kThreads, smem, stream>>>(x, x_stride, wu, wd_t, dim, n_seg,
-                                                                              seg_count, seg_unit, seg_gate, partial);
+                                                                              seg_count, seg_unit, seg_gate, partial,
+                                                                              arrivals, out);
   return cudaGetLastError();
 }
 
@@ -251,23 +287,23 @@ cudaError_t launch_decode_compact(const __nv_bfloat16* g, int rows, int hidden, 
 cudaError_t launch_decode_updown_add(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
                                      const int32_t* seg_count, const int32_t* seg_unit, const float* seg_gate,
-                                     int splits, float* partial, __nv_bfloat16* out, cudaStream_t stream) {
+                                     int splits, float* partial, int32_t* arrivals, __nv_bfloat16* out,
+                                     cudaStream_t stream) {
   if (dim % kChunk != 0 || dim > kDecodeMaxDim || splits < 1) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const int n_seg = decode_segments(hidden);
   const int vecs_per_lane = (dim / kChunk + 31) / 32;
   cudaError_t err;
   if (vecs_per_lane <= 2)
-    err = launch_updown<2>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
+    err = launch_updown<2>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial,
+                           arrivals, out, stream);
   else if (vecs_per_lane <= 4)
-    err = launch_updown<4>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
+    err = launch_updown<4>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial,
+                           arrivals, out, stream);
   else
-    err = launch_updown<8>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial, stream);
-  if (err != cudaSuccess) return err;
-  const int64_t threads = static_cast<int64_t>(rows) * (dim / kChunk);
-  decode_add_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      partial, rows, dim, splits, out);
-  return cudaGetLastError();
+    err = launch_updown<8>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial,
+                           arrivals, out, stream);
+  return err;
 }
 
 }  // namespace sparse_llm

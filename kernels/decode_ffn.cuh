@@ -36,10 +36,12 @@ cudaError_t launch_decode_compact(const __nv_bfloat16* g, int rows, int hidden, 
 //   y[m] = sum over active j of relu(g[m, j]) * (x[m] . Wu[j]) * WdT[j]     (fp32)
 //   out[m] = bf16(out[m] + bf16(y[m]))                                       (as a separate add)
 // `splits` CTAs share a row's units; their partial sums (partial: [rows, splits, dim] fp32 scratch)
-// are added in a fixed order, so the result does not depend on timing. dim <= kDecodeMaxDim.
+// are added in a fixed order by the row's last CTA to arrive (arrivals: [rows] int32, zero on
+// entry), so the result does not depend on timing. dim <= kDecodeMaxDim.
 cudaError_t launch_decode_updown_add(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
                                      const int32_t* seg_count, const int32_t* seg_unit, const float* seg_gate,
-                                     int splits, float* partial, __nv_bfloat16* out, cudaStream_t stream);
+                                     int splits, float* partial, int32_t* arrivals, __nv_bfloat16* out,
+                                     cudaStream_t stream);
 
 }  // namespace sparse_llm
