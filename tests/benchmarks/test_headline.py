@@ -38,7 +38,8 @@ def rows() -> list[dict]:
     inference = []
     for batch, dense_decode, sparse_decode in ((1, 100.0, 160.0), (8, 800.0, 1000.0), (64, 6000.0, 6300.0)):
         for impl, decode in (("dense", dense_decode), ("cuda", sparse_decode)):
-            row = {"part": "inference", "batch": batch, "impl": impl, "decode_tokens_per_s": decode}
+            row = {"part": "inference", "batch": batch, "impl": impl, "decode_graph_tokens_per_s": decode}
+            row["decode_tokens_per_s"] = decode / 4  # eager: not what the speed-up is taken from
             row |= {"prefill_tokens_per_s": 2e5, "peak_mem_gib": 20.0, "tokens_match_dense": 1.0}
             if batch == 64:
                 row["prefill_compiled_tokens_per_s"] = 3e5 if impl == "dense" else 5.1e5
@@ -98,7 +99,7 @@ def test_markdown_shows_each_figure_against_its_target():
     assert "| train_peak_mem_ratio | 0.600 | <= 0.6 | yes |" in md
     assert "| decode_speedup/8 | 1.250 | >= 1.35 | **no** |" in md
     assert "| ffn_train_speedup | 2.000 | >= 2.2 | **no** |" in md
-    assert "| 64 | cuda | 510,000 | 200,000 | 6,300 | 20.00 | 100.0% |" in md
+    assert "| 64 | cuda | 510,000 | 200,000 | 1,575 | 6,300 | 20.00 | 100.0% |" in md
     assert "| inference | 16384 | 30 / 29.5 | 4.800 | 2.400 | 2.00x |" in md
     assert "commit `abc1234`" in md and "A note." in md and "weights 265 s" in md
     # A run cut short: the parts not reached leave no table behind.
