@@ -37,7 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--H", type=int, default=5632)
     p.add_argument("--layers", type=int, default=8, help="distinct weight sets per graph replay")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--profile", action="store_true", help="per-kernel times of one eager call of each, per case")
+    p.add_argument(
+        "--profile", action="store_true", help="per-kernel times of one eager call of each, per case"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     return p.parse_args()

@@ -165,14 +165,17 @@ __global__ void __launch_bounds__(kThreads)
     const float gate = seg_gate[slot];
     const uint4* up = reinterpret_cast<const uint4*>(wu + unit * dim);
     const uint4* down = reinterpret_cast<const uint4*>(wd_t + unit * dim);
-    uint4 dv[kVecs];
+    uint4 uv[kVecs], dv[kVecs];
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)  // every load of both rows issued before any is used: one
+      if (lane + 32 * i < vecs) {    // memory round trip a unit, not one a vector
+        uv[i] = __ldg(up + lane + 32 * i);
+        dv[i] = __ldg(down + lane + 32 * i);
+      }
     float part = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i)
-      if (lane + 32 * i < vecs) {
-        dv[i] = __ldg(down + lane + 32 * i);  // issued with the up row's loads: both in flight
-        part += dot_bf16x8(xv[i], __ldg(up + lane + 32 * i));
-      }
+      if (lane + 32 * i < vecs) part += dot_bf16x8(xv[i], uv[i]);
     // u and h = relu(g) * u rounded to bf16 as the dense path rounds them (its up GEMM's output
     // and the elementwise product): only the order of the down projection's fp32 sum differs.
     const float u = __bfloat162float(__float2bfloat16(warp_sum(part)));
