@@ -72,18 +72,18 @@ __global__ void __launch_bounds__(kGateThreads, 2)
     for (int k = 0; k < kGateLoads; ++k) {
       const int v = v0 + 32 * k;
       if (v >= vecs) break;
+      float wf[kUnitsPerWarp][kChunk];  // each weight converted once, used by every row
+#pragma unroll
+      for (int u = 0; u < kUnitsPerWarp; ++u) bf16x8_to_float(wv[u][k], wf[u]);
 #pragma unroll
       for (int m = 0; m < kRows; ++m) {
         if (m >= rows) break;
         float xf[kChunk];
         bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + m * x_stride) + v), xf);
 #pragma unroll
-        for (int u = 0; u < kUnitsPerWarp; ++u) {
-          float wf[kChunk];
-          bf16x8_to_float(wv[u][k], wf);
+        for (int u = 0; u < kUnitsPerWarp; ++u)
 #pragma unroll
-          for (int e = 0; e < kChunk; ++e) acc[u][m] = fmaf(wf[e], xf[e], acc[u][m]);
-        }
+          for (int e = 0; e < kChunk; ++e) acc[u][m] = fmaf(wf[u][e], xf[e], acc[u][m]);
       }
     }
   }
