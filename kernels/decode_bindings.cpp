@@ -12,9 +12,11 @@ using sparse_llm_glue::bf16_ptr;
 using sparse_llm_glue::check_cuda;
 using sparse_llm_glue::check_matrix;
 
-// CTAs that share one row's active units: about 128 CTAs in all, so a single row still spreads
-// its ~30 units over many SMs, and a batch of 64 rows needs no more.
-int decode_splits(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(128 / std::max<int64_t>(rows, 1), 1, 16)); }
+// CTAs that share one row's active units (8 warps each): a single row spreads its ~30 units over
+// 128 warps; in a batch the slowest row sets the time, and a row's count has a long tail (the
+// tokens with many active units), so a batch of 64 still gives each row 8 CTAs (measured on an
+// H100 at 64 rows: 55 us with 2 a row, the heavy rows' CTAs running long after the rest).
+int decode_splits(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(512 / std::max<int64_t>(rows, 1), 1, 16)); }
 
 // out += relu(x Wg^T) * (x Wu^T) Wd^T in place; x: [M, D]; wg, wu, wd_t (= Wd^T): [H, D]; out: M x D
 // values, contiguous; all bf16 on one GPU. Exact for every pattern (decode_ffn.cuh: the record holds
@@ -53,7 +55,7 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
                                               seg_count.data_ptr<int32_t>(), seg_unit.data_ptr<int32_t>(),
                                               seg_gate.data_ptr<float>(), stream),
                "decode_gate");
-  } else {  // enough rows for cuBLAS's GEMM to beat a GEMV; its bf16 gate is then compacted
+  } else {  // enough rows for cuBLAS's GEMM to beat the GEMV; its bf16 gate is then compacted
     const at::Tensor g = at::mm(x, wg.t());
     check_cuda(sparse_llm::launch_decode_compact(bf16_ptr(g), static_cast<int>(rows), static_cast<int>(hidden),
                                                  seg_count.data_ptr<int32_t>(), seg_unit.data_ptr<int32_t>(),

@@ -22,8 +22,8 @@ namespace {
 constexpr int kThreads = 256;  // compaction, up/down, add
 constexpr int kWarps = kThreads / 32;
 // The gate: a CTA per segment, 8 warps of 4 units, each lane with 4 16-byte loads of each unit
-// (16 in all; 8 from 4 rows on, whose accumulators take the registers) in flight; few enough
-// registers for two CTAs an SM, so the 176 CTAs of H = 5632 are resident together on 132 SMs.
+// (16 in all) in flight; few enough registers for two CTAs an SM, so the 176 CTAs of H = 5632 are
+// resident together on 132 SMs.
 constexpr int kGateThreads = 256;
 constexpr int kGateWarps = kGateThreads / 32;
 constexpr int kUnitsPerWarp = kDecodeSegUnits / kGateWarps;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int l
 }
 
 // kRows: the rows' accumulators a lane keeps (rows <= kRows).
-template <int kRows, int kGateLoads = (kRows <= 2 ? 4 : 2)>
+template <int kRows, int kGateLoads = 4>
 __global__ void __launch_bounds__(kGateThreads, 2)
     decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
                        int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
@@ -267,14 +267,11 @@ cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const _
   if (rows > kDecodeFusedRows || dim % kChunk != 0) return cudaErrorInvalidValue;
   if (rows == 0 || hidden == 0) return cudaSuccess;
   const int grid = decode_segments(hidden);
+  static_assert(kDecodeFusedRows == 2, "one instantiation a row count up to kDecodeFusedRows");
   if (rows == 1)
     decode_gate_kernel<1><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
-  else if (rows == 2)
-    decode_gate_kernel<2><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
-  else if (rows <= 4)
-    decode_gate_kernel<4><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
   else
-    decode_gate_kernel<8><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
+    decode_gate_kernel<2><<<grid, kGateThreads, 0, stream>>>(x, x_stride, wg, rows, dim, hidden, seg_count, seg_unit, seg_gate);
   return cudaGetLastError();
 }
 
