@@ -7,8 +7,10 @@
 Prompts of different lengths are batched together (left padding); each stops at its EOS or
 after --max-new-tokens. --prefill-ffn / --decode-ffn pick the FFN per phase: fastest (the
 default: dense and the CUDA kernels timed at load on a GPU where the kernels can run, dense
-elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. The last line
-(stderr) gives the new tokens per second of the generation, prefill included.
+elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. --decode picks
+how decode steps run: auto (one CUDA graph a step on a GPU where the decode FFN can be captured,
+else eager), graph, static (the graph's step uncaptured) or eager. The last line (stderr) gives
+the new tokens per second of the generation, prefill included, and the decode mode.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparse_llm.inference import FASTEST, Generator, SamplingParams, load_model
+from sparse_llm.inference import DECODE_MODES, FASTEST, Generator, SamplingParams, load_model
 from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
 
 
@@ -38,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
     p.add_argument("--prefill-ffn", default=FASTEST, choices=FFN_CHOICES)
     p.add_argument("--decode-ffn", default=FASTEST, choices=FFN_CHOICES)
+    p.add_argument("--decode", default="auto", choices=DECODE_MODES, help="how decode steps run")
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the prefill (pays off for long prompts)"
     )
@@ -64,7 +67,9 @@ def main() -> int:
             stop_at_eos=not args.no_stop_at_eos,
         )
         loaded = load_model(args.model, args.device, args.dtype)
-        generator = Generator(loaded, args.prefill_ffn, args.decode_ffn, compile=args.compile)
+        generator = Generator(
+            loaded, args.prefill_ffn, args.decode_ffn, compile=args.compile, decode=args.decode
+        )
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -82,6 +87,8 @@ def main() -> int:
             "dtype": str(loaded.model.lm_head.weight.dtype),
             "ffn": generator.ffn,
             "ffn_measurement": generator.ffn_measurement,
+            "decode": generator.decode,
+            "decode_reason": generator.decode_reason,
             "seconds": seconds,
             "new_tokens": new_tokens,
             "tokens_per_s": tokens_per_s,
@@ -97,7 +104,8 @@ def main() -> int:
         print(f"--- [{reason}]")
     print(
         f"{new_tokens} new tokens in {seconds:.2f}s ({tokens_per_s:,.1f} tokens/s); "
-        f"ffn prefill={generator.ffn['prefill']} decode={generator.ffn['decode']}",
+        f"ffn prefill={generator.ffn['prefill']} decode={generator.ffn['decode']}; decode mode {generator.decode}"
+        + (f" ({generator.decode_reason})" if generator.decode_reason else ""),
         file=sys.stderr,
     )
     return 0

@@ -334,6 +334,15 @@ def test_generate_command(run_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert len(result["outputs"]) == 2 and result["ffn"] == {"prefill": "dense", "decode": "dense"}
+    assert result["decode"] == "eager" and result["decode_reason"]  # no CUDA graphs on a CPU
+    static = subprocess.run(
+        [*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json", "--decode", "static"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert static.returncode == 0, static.stderr[-2000:]
+    assert json.loads(static.stdout)["outputs"] == result["outputs"]  # the same greedy tokens
     bad = subprocess.run([*cmd, "--top-p", "2"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "top_p" in bad.stderr
 
