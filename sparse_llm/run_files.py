@@ -1,10 +1,10 @@
 """Where a run directory keeps what: the names the trainer writes and the readers look for.
 
-    <run_dir>/config.yaml                        the resolved config that ran
-    <run_dir>/metrics.jsonl                      one JSON record per logged step
-    <run_dir>/nnz_hist.json                      per-token non-zero histograms (the plots read it)
-    <run_dir>/checkpoints/step_XXXXXXXX/         complete checkpoints (trainer_state.json last)
-    <run_dir>/export/                            the Hugging Face export
+<run_dir>/config.yaml                        the resolved config that ran
+<run_dir>/metrics.jsonl                      one JSON record per logged step
+<run_dir>/nnz_hist.json                      per-token non-zero histograms (the plots read it)
+<run_dir>/checkpoints/step_XXXXXXXX/         complete checkpoints (trainer_state.json last)
+<run_dir>/export/                            the Hugging Face export
 """
 
 from __future__ import annotations

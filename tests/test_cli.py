@@ -55,7 +55,9 @@ def test_data_without_usable_text_is_exit_3_before_the_run_directory(tmp_path, c
 
 
 def test_a_truncated_checkpoint_falls_back_to_the_older_one(tmp_path, capsys):
-    assert _run(tmp_path, capsys, "train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1")[0] == 0
+    assert (
+        _run(tmp_path, capsys, "train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1")[0] == 0
+    )
     newest = tmp_path / "run" / "checkpoints" / "step_00000004"
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])

@@ -168,7 +168,6 @@ def test_every_bad_value_is_one_clear_line_naming_its_key(key, value):
     assert f"'{key}'" in message and "\n" not in message, message
 
 
-
 @pytest.mark.parametrize("group", ["model", "train", "sparsity"])
 def test_every_preset_lists_every_field(group):
     """Hydra composes the YAML presets without the schema: a field a preset leaves out cannot be
@@ -183,7 +182,9 @@ def test_every_preset_lists_every_field(group):
     fields = {f.name for f in dataclasses.fields(schema)}
     for preset in sorted((CONFIG_DIR / group).glob("*.yaml")):
         keys = set(yaml.safe_load(preset.read_text()) or {}) - {"defaults"}
-        assert keys == fields, f"{preset.name}: missing {sorted(fields - keys)}, unknown {sorted(keys - fields)}"
+        assert keys == fields, (
+            f"{preset.name}: missing {sorted(fields - keys)}, unknown {sorted(keys - fields)}"
+        )
 
 
 def test_swiglu_on_a_preset():

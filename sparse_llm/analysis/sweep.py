@@ -29,6 +29,7 @@ class RunSummary:
     dead: float | None  # dead/mean of the last log
     tokens_per_s: float | None  # median over the logged steps
 
+
 TAIL_FRACTION = 0.1  # what a sparsity target is judged on: the end of the run, not one log line
 
 

@@ -12,4 +12,11 @@ from sparse_llm.data.sources import DataError
 from sparse_llm.data.stream import RankSlice, TokenStream, heldout_text_ids, validation_batches
 from sparse_llm.data.tokenizer import load_tokenizer
 
-__all__ = ["DataError", "RankSlice", "TokenStream", "heldout_text_ids", "load_tokenizer", "validation_batches"]
+__all__ = [
+    "DataError",
+    "RankSlice",
+    "TokenStream",
+    "heldout_text_ids",
+    "load_tokenizer",
+    "validation_batches",
+]

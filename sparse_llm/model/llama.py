@@ -144,7 +144,9 @@ class SparseLlamaForCausalLM(nn.Module):
 
     def set_ffn_dense_fallback(self, flags: Sequence[bool]) -> None:
         if len(flags) != len(self.model.layers):
-            raise ValueError(f"got dense-fallback flags for {len(flags)} layers, the model has {len(self.model.layers)}")
+            raise ValueError(
+                f"got dense-fallback flags for {len(flags)} layers, the model has {len(self.model.layers)}"
+            )
         for layer, flag in zip(self.model.layers, flags, strict=True):
             layer.mlp.dense_fallback = bool(flag)
 

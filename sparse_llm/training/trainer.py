@@ -143,7 +143,9 @@ class Trainer:
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
         # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain.
         self.ffn_fallback = (
-            DensityFallback(model, cfg.model.ffn_dense_above) if model.ffn_plan.impl("train") != "dense" else None
+            DensityFallback(model, cfg.model.ffn_dense_above)
+            if model.ffn_plan.impl("train") != "dense"
+            else None
         )
         self.state = ckpt_io.TrainingState(
             model=model,

@@ -282,4 +282,3 @@ def test_swiglu_runs_dense_and_refuses_the_sparse_paths():
     out = model(ids, labels=ids, with_stats=True)
     out.loss.backward()
     assert out.ffn_stats.l1.shape == (2,)
-

@@ -41,7 +41,15 @@ def test_cuda_ffn_impl_matches_dense_logits():
         vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
     )
     dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().eval()
-    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}), device="cuda", compute_dtype=torch.bfloat16).cuda().eval()
+    sparse = (
+        build_model(
+            ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}),
+            device="cuda",
+            compute_dtype=torch.bfloat16,
+        )
+        .cuda()
+        .eval()
+    )
     sparse.load_state_dict(dense.state_dict())
     ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -66,7 +74,16 @@ def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
         vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
     )
     dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().bfloat16().eval()
-    sparse = build_model(ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}), device="cuda", compute_dtype=torch.bfloat16).cuda().bfloat16().eval()
+    sparse = (
+        build_model(
+            ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}),
+            device="cuda",
+            compute_dtype=torch.bfloat16,
+        )
+        .cuda()
+        .bfloat16()
+        .eval()
+    )
     sparse.load_state_dict(dense.state_dict())
     ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
 
@@ -99,7 +116,13 @@ def test_cuda_ffn_impl_trains_like_dense():
     runs = {}
     for impl in ("dense", "cuda"):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(**{**cfg.__dict__, "ffn_impl": impl}), device="cuda", compute_dtype=torch.bfloat16).cuda().train()
+        model = (
+            build_model(
+                ModelConfig(**{**cfg.__dict__, "ffn_impl": impl}), device="cuda", compute_dtype=torch.bfloat16
+            )
+            .cuda()
+            .train()
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         forward = torch.compile(model)
         losses, stats = [], []

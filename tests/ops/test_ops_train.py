@@ -243,7 +243,9 @@ def test_saves_no_dense_hidden_tensor():
 
 def test_impl_cuda_without_a_gpu_is_a_clear_error_and_bad_impl_rejected():
     x, wg, wu, wd = make(4, 8, 8)
-    with pytest.raises(KernelsUnavailable, match=r"impl=cuda cannot run the kernels \(train\): tensors are on cpu"):
+    with pytest.raises(
+        KernelsUnavailable, match=r"impl=cuda cannot run the kernels \(train\): tensors are on cpu"
+    ):
         ffn_forward_train(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         ffn_forward_train(x, wg, wu, wd, impl="fast")

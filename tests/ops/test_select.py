@@ -42,7 +42,10 @@ def test_the_model_fixes_its_plan_at_build():
     assert model.ffn_plan.impl("eval") == "dense"  # phases not named are dense
     assert model.ffn_plan.impl("decode") == "dense"  # auto on CPU
     assert "decode=dense (tensors are on cpu" in model.ffn_plan.describe()
-    assert build_model(cfg).ffn_plan.describe() == "train+eval+prefill+decode=reference (model.ffn_impl=reference was asked for)"
+    assert (
+        build_model(cfg).ffn_plan.describe()
+        == "train+eval+prefill+decode=reference (model.ffn_impl=reference was asked for)"
+    )
     assert build_model(cfg).ffn_plan.impl("prefill") == "reference"  # default: cfg.ffn_impl everywhere
     with pytest.raises(KernelsUnavailable, match=r"model\.ffn_impl=cuda"):
         build_model(ModelConfig(vocab_size=64, ffn_impl="cuda", **SHAPE))

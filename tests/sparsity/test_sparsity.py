@@ -496,7 +496,9 @@ def test_summarize_sweep_script(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("| run | l1_coeff | val CE | sparsity | sparsity, last 10% | L0 | dead | tokens/s |")
+    assert result.stdout.startswith(
+        "| run | l1_coeff | val CE | sparsity | sparsity, last 10% | L0 | dead | tokens/s |"
+    )
     rows = json.loads((out / "sweep_summary.json").read_text())
     assert [r["l1_coeff"] for r in rows] == [0.0, 2e-5, 3e-4]
     first = rows[0]

@@ -236,8 +236,6 @@ def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
     assert tokenizer.eos_token_id == trainer.tokenizer.eos_token_id
 
 
-
-
 def test_command_line_run_and_config_error(tmp_path: Path):
     run_dir = tmp_path / "cli"
     overrides = [f"run_dir={run_dir}", *TINY_CLI_OVERRIDES]
