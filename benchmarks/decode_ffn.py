@@ -25,6 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_workload, write_report
 from benchmarks.ffn import print_profile
+from benchmarks.inference import copy_bandwidth_gbs
 from sparse_llm import ops
 from sparse_llm.training.run_info import collect_run_info
 
@@ -64,14 +65,6 @@ def graph_ms(step: Callable[[], None], reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy: bytes read + written per second, the card's practical ceiling."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), reps)
-    return 2 * nbytes / ms / 1e6
 
 
 def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
@@ -137,7 +130,7 @@ def main() -> None:
         "D": args.D,
         "H": args.H,
         "layers": args.layers,
-        "copy_gbs": copy_bandwidth_gbs(),
+        "copy_gbs": copy_bandwidth_gbs(torch.device("cuda")),
     }
     rows = []
     for m in args.rows:

@@ -1,22 +1,22 @@
 """The headline figures, dense against sparse side by side in one process on 1b weights at L0 ~30.
 
     python benchmarks/headline.py --model runs/sparse_1b --out-dir benchmarks/results
-    python benchmarks/headline.py --quick        # makes the weights first: one 10-minute H100 call
+    python benchmarks/headline.py --quick        # makes the weights first: ~9.5 min on an H100
     make bench-headline                          # that, into $OUT; MODEL=<run dir>: these weights, full
 
 Parts, in this order; the report is rewritten after each, so a run cut short keeps what it measured:
 
-| part | what | H100 seconds, full / --quick (estimates) |
+| part | what | H100 seconds, --quick (measured at 4368863 / d65c52b) |
 |---|---|---|
-| weights | without --model: `benchmarks/sparse_weights.py --preset 1b --target-l0 30` in a subprocess | 265 / 265 |
-| l0 | L0 on held-out text of the weights used (`sparse_weights.heldout_l0`) | 10 / 8 |
-| train | the training step, dense vs cuda FFN, compiled, 8 x 2048 tokens, AdamW, peak memory (`model_step.time_impl`) | 130 / 120 |
-| inference | prefill 64 x 1920 (compiled, both) and eager greedy decode at batch 1, 8, 64 (`inference.run_impl`); graph-captured decode at context 1024 (`inference.time_decode_step`) | 150 / 110 |
-| ffn | the FFN training op and inference forward, standard workload at 15 and 30 non-zeros (`ffn.bench_train_one`, `ffn.bench_one`) | 50 / 40 |
+| weights | without --model: `benchmarks/sparse_weights.py --preset 1b --target-l0 30` in a subprocess | 310-330 |
+| l0 | L0 on held-out text of the weights used (`sparse_weights.heldout_l0`) | 2-3 |
+| train | the training step, dense vs cuda FFN, compiled, 8 x 2048 tokens, AdamW, peak memory (`model_step.time_impl`) | 112 |
+| inference | prefill 64 x 1920 (compiled, both) and eager greedy decode at batch 1, 8, 64 (`inference.run_impl`); graph-captured decode at context 1024 (`inference.time_decode_step`) | 85 |
+| ffn | the FFN training op and inference forward, standard workload at 15 and 30 non-zeros (`ffn.bench_train_one`, `ffn.bench_one`) | ~40 (estimate) |
 
-Compilation is most of train, inference and ffn (two graphs each, ~30-60 s a graph); with imports,
-~5.5 minutes with --model (~4.5 with --quick), ~9 with the weights made first and --quick: what
-`make bench-headline` runs. Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
+Compilation is most of train, inference and ffn (two graphs each); with the weights made first and
+the build, ~9.5 minutes: at the device's 10-minute call limit, so split it with --parts where
+needed (`make bench-headline` runs it whole). Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
 ($GIT_COMMIT or git), date, the measured L0, the ratios `train_step_speedup`, `train_peak_mem_ratio`,
 `prefill_speedup`, `decode_speedup` (per batch), `ffn_train_speedup` (at 30 non-zeros), each against
 the targets of docs/design.md, and the raw rows (`rows`).

@@ -345,6 +345,9 @@ def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: in
     sparse_llm.inference.decode, CUDA-graph-captured (`graph`) or not (`static`). The cache ends
     at W + steps columns; every repetition decodes the same `steps` columns again."""
     device, (batch, width) = ids.device, ids.shape
+    why = why_not_graph(model, batch) if mode == "graph" else None
+    if why:  # a StaticDecoder would run it uncaptured: not what "graph" is timed as
+        raise ValueError(f"cannot time a graph-captured decode step: {why}")
     if mode == "eager":
         cache = KVCache(model.config, batch, width + steps, device, model.lm_head.weight.dtype)
         first = model(ids, cache=cache, last_logits_only=True).logits[:, -1].argmax(-1)

@@ -38,6 +38,10 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
                "out must be a contiguous bf16 CUDA tensor of M x D = ", rows, " x ", dim, " values");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&wg, &wu, &wd_t, &out})
     SL_CHECK_ARG(t->device() == x.device(), "every tensor must be on x's device ", x.device());
+  SL_CHECK_ARG(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0, "out must be 16-byte aligned");
+  SL_CHECK_ARG(rows <= 65535, "at most 65535 rows (a CUDA grid's y extent), got ", rows);
+  SL_CHECK_ARG(sparse_llm::decode_segments(static_cast<int>(hidden)) <= sparse_llm::kDecodeMaxSegments,
+               "H must be at most ", sparse_llm::kDecodeMaxSegments * sparse_llm::kDecodeSegUnits, ", got ", hidden);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = sparse_llm_glue::current_stream();

@@ -1,4 +1,4 @@
-// The decode FFN (decode_ffn.cuh): two launches (past 8 rows: cuBLAS's gate, the compaction and
+// The decode FFN (decode_ffn.cuh): two launches (from 3 rows: cuBLAS's gate, the compaction and
 // up/down), no host read, so a decode step can be captured in a CUDA graph.
 //   gate     one CTA per segment of 32 units; each warp streams 4 rows of Wg (16-byte loads) and
 //            dots them with every input row; the segment's active units are then compacted with
@@ -19,7 +19,7 @@
 namespace sparse_llm {
 namespace {
 
-constexpr int kThreads = 256;  // compaction, up/down, add
+constexpr int kThreads = 256;  // compaction, up/down
 constexpr int kWarps = kThreads / 32;
 // The gate: a CTA per segment, 8 warps of 4 units, each lane with 4 16-byte loads of each unit
 // (16 in all) in flight; few enough registers for two CTAs an SM, so the 176 CTAs of H = 5632 are
@@ -252,7 +252,7 @@ cudaError_t launch_updown(const __nv_bfloat16* x, int64_t x_stride, const __nv_b
                           const float* seg_gate, int splits, float* partial, int32_t* arrivals,
                           __nv_bfloat16* out, cudaStream_t stream) {
   const size_t smem = (static_cast<size_t>((n_seg + 4) / 4) * 4 + kWarps / 2 * dim) * sizeof(float);
-  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // H up to ~45K units at the largest dim
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // the binding checks H first (kDecodeMaxSegments)
   decode_updown_kernel<kVecs><<<dim3(splits, rows), kThreads, smem, stream>>>(x, x_stride, wu, wd_t, dim, n_seg,
                                                                               seg_count, seg_unit, seg_gate, partial,
                                                                               arrivals, out);

@@ -24,6 +24,10 @@ constexpr int kDecodeMaxDim = 2048;    // D up to which up/down keep a row's out
 
 inline int decode_segments(int hidden) { return (hidden + kDecodeSegUnits - 1) / kDecodeSegUnits; }
 
+// Segments up/down can take: their prefix and the CTA's reduction (4 x kDecodeMaxDim floats) share
+// the 48 KiB of shared memory a launch gets without opting in.
+constexpr int kDecodeMaxSegments = (48 * 1024 / 4 - 4 * kDecodeMaxDim) - 4;
+
 // The gate GEMV fused with ReLU and the compaction: g = x Wg^T in fp32 for rows <= kDecodeFusedRows.
 // x: [rows, dim] (row stride x_stride elements), wg: [hidden, dim], contiguous bf16, dim % 8 == 0.
 cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wg, int rows, int dim,

@@ -21,7 +21,7 @@ RUNS=/tmp/runs
 TRAIN="python3 -m sparse_llm.train logger=none train.progress=false"
 L1=${SPARSITY_L1:-3e-4}
 STEPS=${SPARSITY_STEPS:-1000}
-LR=${SPARSITY_LR:-1.5e-3}
+LR=${SPARSITY_LR:-6e-4}  # 1.5e-3 (the older runs' rate) kills a dense ReLU model's units: recipe_100m_h200.md
 
 sparsity_run() {  # name, extra overrides...
   local name=$1; shift

@@ -8,8 +8,8 @@ RoPE position, its cache column, its first real column and whether it has finish
 and a step reads and advances them in place on the device (`decode_step`): `model.decode_step`
 (attention over the whole cache under a key mask, the KV write at each row's device-side column,
 the FFN of the plan's decode phase), sampling, the EOS bookkeeping. The step is captured once per
-slot and sampling setting and replayed every step; between replays the host only copies the new
-tokens out, and reads `finished.all()` every `EOS_CHECK_EVERY` steps.
+slot and sampling setting and replayed every step; between replays a device copy keeps each step's
+tokens, and the host reads `finished.all()` every `EOS_CHECK_EVERY` steps.
 
 Raw CUDA graphs, not torch.compile(mode="reduce-overhead"): the step's inputs already live in
 static buffers that it mutates in place (the cache, positions, columns), which is exactly what a

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm.inference.calibrate import FASTEST, choose_ffn_plan
-from sparse_llm.inference.decode import StaticDecoder, resolve_decode_mode
+from sparse_llm.inference.decode import DECODE_MODES, StaticDecoder, resolve_decode_mode
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import CausalLMOutput, KVCache, SparseLlamaForCausalLM
@@ -202,6 +202,8 @@ class Generator:
         compile: bool = False,
         decode: str = "auto",
     ) -> None:
+        if decode not in DECODE_MODES:  # before calibration, which runs on the GPU
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.loaded = loaded
         plan, self.ffn_measurement = choose_ffn_plan(loaded.model, prefill_ffn, decode_ffn)
         self.model = loaded.model.with_ffn_plan(plan)

@@ -95,6 +95,35 @@ class FFNPlan:
         return "; ".join(parts)
 
 
+class DownTransposeCache:
+    """Wd^T ([H, D], contiguous) for the sparse inference kernels, which read a unit's down
+    projection as a row: transposing per call is a pass over Wd as long as a decode step's whole
+    sparse FFN. Made on first use (H x D more memory, 23 MB a 1b layer), remade when the weight
+    changes (its address or version), in place where the shape allows, so that a CUDA graph
+    captured on it keeps a valid address. A graph replays what it captured: weights changed after
+    the capture reach it only through a new capture."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version, dtype)
+        if self._key != key:
+            t = self.tensor
+            if (
+                t is not None
+                and t.shape == weight.shape[::-1]
+                and t.dtype == dtype
+                and t.device == weight.device
+            ):
+                t.copy_(weight.detach().t())
+            else:
+                self.tensor = weight.detach().to(dtype).t().contiguous()
+            self._key = key
+        return self.tensor
+
+
 class GatedMLP(nn.Module):
     """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu."""
 
@@ -109,9 +138,8 @@ class GatedMLP(nn.Module):
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints. Read only when the train phase is not dense.
         self.dense_fallback = False
-        # A cache, not state: Wd^T for the sparse inference kernels (see _down_transposed).
-        self._down_t: torch.Tensor | None = None
-        self._down_t_key: tuple | None = None
+        # A cache, not state: Wd^T for the sparse inference kernels (shared by with_ffn_plan).
+        self.down_t_cache = DownTransposeCache()
 
     def impl(self, phase: str) -> str:
         """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
@@ -151,19 +179,11 @@ class GatedMLP(nn.Module):
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
-        """Wd^T ([H, D], contiguous) for the sparse inference kernels, which read a unit's down
-        projection as a row. Kept between calls while the weight is unchanged: transposing per call
-        is a full pass over Wd, as long as a decode step's whole sparse FFN. Costs H x D more
-        memory while inference runs the kernels. None for the reference, inside torch.compile or
-        with autograd (the op then transposes itself)."""
+        """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference,
+        inside torch.compile or with autograd (the op then transposes itself)."""
         if impl != "cuda" or torch.compiler.is_compiling() or torch.is_grad_enabled():
             return None
-        weight = self.down_proj.weight
-        key = (weight.data_ptr(), weight._version, dtype)
-        if self._down_t_key != key:
-            self._down_t = weight.detach().to(dtype).t().contiguous()
-            self._down_t_key = key
-        return self._down_t
+        return self.down_t_cache.get(self.down_proj.weight, dtype)
 
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
         """residual + self(x) for sparse inference, added in place into `residual` (the residual

@@ -135,6 +135,8 @@ class SparseLlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             other.lm_head.weight = other.model.embed_tokens.weight
         other.set_ffn_dense_fallback(self.ffn_dense_fallback())
+        for mine, theirs in zip(self.model.layers, other.model.layers, strict=True):
+            theirs.mlp.down_t_cache = mine.mlp.down_t_cache  # one Wd^T copy for models sharing weights
         return other.train(self.training)
 
     def ffn_dense_fallback(self) -> list[bool]:

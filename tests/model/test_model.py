@@ -282,3 +282,26 @@ def test_swiglu_runs_dense_and_refuses_the_sparse_paths():
     out = model(ids, labels=ids, with_stats=True)
     out.loss.backward()
     assert out.ffn_stats.l1.shape == (2,)
+
+
+def test_down_transpose_cache_refreshes_in_place_and_is_shared():
+    """The sparse inference kernels' Wd^T: remade when the weight changes, at the same address
+    (a captured CUDA graph keeps it), and one copy for models that share their weights."""
+    from sparse_llm.model.ffn import DownTransposeCache
+
+    weight = torch.randn(4, 6)
+    cache = DownTransposeCache()
+    first = cache.get(weight, torch.float32)
+    assert torch.equal(first, weight.t()) and first.is_contiguous()
+    with torch.no_grad():
+        weight.mul_(2)
+    again = cache.get(weight, torch.float32)
+    assert again is first and torch.equal(again, weight.t())
+    assert cache.get(weight, torch.float64).dtype == torch.float64
+
+    model = build_model(small_config())
+    other = model.with_ffn_plan(model.ffn_plan)
+    assert all(
+        a.mlp.down_t_cache is b.mlp.down_t_cache
+        for a, b in zip(model.model.layers, other.model.layers, strict=True)
+    )

@@ -8,7 +8,8 @@ from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.ffn import DECODE_MAX_ROWS
+from sparse_llm.ops.ffn import DECODE_MAX_DIM, DECODE_MAX_ROWS
+from sparse_llm.ops.select import extension
 
 pytestmark = [pytest.mark.gpu, needs_hopper]
 
@@ -102,6 +103,10 @@ def test_decode_rows_bound_matches_the_kernel_choice():
     """Past DECODE_MAX_ROWS the TwELL path runs; both agree within the contract."""
     w = make_workload(DECODE_MAX_ROWS + 1, 2048, 5632, 30, seed=9, device="cuda")
     _assert_exact(ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda"), w.x, w.wg, w.wu, w.wd)
+
+
+def test_the_python_bound_is_the_kernels():
+    assert extension().decode_max_dim == DECODE_MAX_DIM
 
 
 def test_opcheck():
