@@ -360,3 +360,12 @@ def token_batch(
         return heldout_text_ids(tokenizer, batch, length), "held-out text"
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, length), generator=gen), "random tokens"
+
+
+def free_memory() -> None:
+    """Drop the compiled graphs (they hold the last variant's model) and cached GPU blocks, so that
+    each variant starts from the same allocator state."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -41,13 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks import ffn, inference
-from benchmarks.common import REPO, token_batch
-from benchmarks.lean_llama import free_memory, model_step_args
-from benchmarks.model_step import load_weights, time_impl
+from benchmarks.common import REPO, free_memory, token_batch
+from benchmarks.model_step import load_weights, model_step_args, time_impl
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
 from sparse_llm.inference import compile_prefill, load_model
-from sparse_llm.ops.select import kernels_unavailable, select_ffn
+from sparse_llm.ops.select import kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 PARTS = ("train", "inference", "ffn")
@@ -160,28 +159,12 @@ def train_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str, Any
     return rows
 
 
-def sparse_inference_impl(model: torch.nn.Module) -> tuple[str, str | None]:
-    """The sparse FFN that runs in inference here: the kernels, else their PyTorch reference; and
-    why not the kernels."""
-    weight = model.lm_head.weight
-    selection = select_ffn(
-        "auto",
-        "prefill",
-        device=weight.device,
-        dtype=weight.dtype,
-        hidden_size=model.config.hidden_size,
-        intermediate_size=model.config.intermediate_size,
-        activation=model.config.hidden_act,
-    )
-    return ("cuda", None) if selection.impl == "cuda" else ("reference", selection.reason)
-
-
 def inference_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str, Any]]:
     """Prefill (compiled on a GPU) at the prefill batch and greedy decode at each decode batch, dense
     then sparse, through inference.run_impl: one row per (impl, batch)."""
     loaded = load_model(run_dir, device)
     model = loaded.model
-    sparse, why_not = sparse_inference_impl(model)
+    sparse, why_not = inference.sparse_inference_impl(model)
     batches = sorted({*budget.decode_batches, budget.prefill_batch})
     ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, max(batches), budget.prompt_len)
     ids = ids.to(device)
@@ -207,8 +190,7 @@ def inference_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str,
         free_memory()
     for row in rows:  # greedy tokens and last logits against dense's at the same batch
         dense = next(r for r in rows if r["impl"] == "dense" and r["batch"] == row["batch"])
-        row["tokens_match_dense"] = (row["_tokens"] == dense["_tokens"]).float().mean().item()
-        row["max_logit_diff_vs_dense"] = (row["_logits"] - dense["_logits"]).abs().max().item()
+        inference.compare_with_dense(row, dense)
     for row in rows:
         del row["_tokens"], row["_logits"]
     return rows

@@ -297,6 +297,29 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
 
 # ---------------------------------------------------------------------------------------------
 # Decode sweep: graph-captured against eager decode, per batch and context.
+def sparse_inference_impl(model: torch.nn.Module) -> tuple[str, str | None]:
+    """The sparse FFN that runs in inference on this model's device: the kernels, else their
+    PyTorch reference; and why not the kernels."""
+    weight = model.lm_head.weight
+    selection = select_ffn(
+        "auto",
+        "prefill",
+        device=weight.device,
+        dtype=weight.dtype,
+        hidden_size=model.config.hidden_size,
+        intermediate_size=model.config.intermediate_size,
+        activation=model.config.hidden_act,
+    )
+    return ("cuda", None) if selection.impl == "cuda" else ("reference", selection.reason)
+
+
+def compare_with_dense(row: dict[str, Any], dense: dict[str, Any]) -> None:
+    """Greedy-token agreement and the largest last-logit difference of `row` against dense's run
+    on the same prompts (both from run_impl's `_tokens` and `_logits`), into `row`."""
+    row["tokens_match_dense"] = (row["_tokens"] == dense["_tokens"]).float().mean().item()
+    row["max_logit_diff_vs_dense"] = (row["_logits"] - dense["_logits"]).abs().max().item()
+
+
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:
     """The device's copy bandwidth in GB/s (bytes read + written) from a large device-to-device
     copy: what a bandwidth-bound decode step is measured against. None off CUDA."""
@@ -528,17 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     model = loaded.model
     device = model.lm_head.weight.device
     impls = list(dict.fromkeys(args.impls))
-    kernels = select_ffn(
-        "auto",
-        "prefill",
-        device=device,
-        dtype=model.lm_head.weight.dtype,
-        hidden_size=model.config.hidden_size,
-        intermediate_size=model.config.intermediate_size,
-        activation=model.config.hidden_act,
-    )
-    reason = kernels.reason
-    if "cuda" in impls and kernels.impl != "cuda":
+    sparse_impl, reason = sparse_inference_impl(model)
+    if args.decode_sweep and max(args.decode_contexts) > model.config.max_position_embeddings:
+        print("error: --decode-contexts exceed max_position_embeddings", file=sys.stderr)
+        return 2
+    if "cuda" in impls and sparse_impl != "cuda":
         impls = [("reference" if i == "cuda" else i) for i in impls]
         impls = list(dict.fromkeys(impls))
         notes.append(f"`cuda` ran as `reference` (the PyTorch path of the sparse front): {reason}.")
@@ -600,15 +617,11 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("prefill", "prefill_compiled", "decode"):
             if f"{phase}_s" in r:
                 r[f"{phase}_vs_dense"] = r[f"{phase}_tokens_per_s"] / dense[f"{phase}_tokens_per_s"]
-        r["tokens_match_dense"] = (r["_tokens"] == dense["_tokens"]).float().mean().item()
-        r["max_logit_diff_vs_dense"] = (r["_logits"] - dense["_logits"]).abs().max().item()
+        compare_with_dense(r, dense)
     for r in results:
         del r["_tokens"], r["_logits"]
     sweep = None
     if args.decode_sweep:
-        if max(args.decode_contexts) > model.config.max_position_embeddings:
-            print("error: --decode-contexts exceed max_position_embeddings", file=sys.stderr)
-            return 2
         sweep = decode_sweep(model, impls, loaded.tokenizer, sparsity, args)
         if device.type != "cuda" and "graph" in args.decode_modes:
             notes.append(

@@ -21,7 +21,6 @@ CPU (no autocast) ours and lean give the same loss: tests/benchmarks/test_lean_l
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +32,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from benchmarks.common import median_ms, model_preset, token_batch, write_report
-from benchmarks.model_step import load_weights, time_impl
+from benchmarks.common import free_memory, median_ms, model_preset, token_batch, write_report
+from benchmarks.model_step import load_weights, model_step_args, time_impl
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 from sparse_llm.training.run_info import collect_run_info
@@ -207,24 +206,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_step_args(
-    *, steps: int, warmup: int, compile: bool, l1: float, micro_batch: int, seed: int = 0
-) -> argparse.Namespace:
-    """What benchmarks/model_step.time_impl reads from its command line: one micro-batch, norms
-    saved (its default), no profile or memory snapshot."""
-    return argparse.Namespace(
-        seed=seed,
-        compile=compile,
-        warmup=warmup,
-        steps=steps,
-        l1=l1,
-        micro_batch=[micro_batch],
-        recompute_norms=["off"],
-        profile=None,
-        memory_snapshot=None,
-    )
-
-
 def weights(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     """(config, fp32 CPU weights, tokenizer or None): of --model, else the preset with the size
     options over it, freshly initialised as our trainer does (seeded)."""
@@ -294,15 +275,6 @@ def time_variant(
         record = time_lean(variant == "lean_bf16", cfg, state, ids, args, device)
     keep = ("ms_step", "tokens_per_s", "peak_mem_gib", "loss_first", "loss_last")
     return {"variant": variant, "precision": VARIANTS[variant], **{k: record[k] for k in keep}}
-
-
-def free_memory() -> None:
-    """Drop the compiled graphs (they hold the last variant's model) and cached GPU blocks, so that
-    each variant starts from the same allocator state."""
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

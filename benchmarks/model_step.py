@@ -324,6 +324,24 @@ def pairings_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def model_step_args(
+    *, steps: int, warmup: int, compile: bool, l1: float, micro_batch: int, seed: int = 0
+) -> argparse.Namespace:
+    """What benchmarks/model_step.time_impl reads from its command line: one micro-batch, norms
+    saved (its default), no profile or memory snapshot."""
+    return argparse.Namespace(
+        seed=seed,
+        compile=compile,
+        warmup=warmup,
+        steps=steps,
+        l1=l1,
+        micro_batch=[micro_batch],
+        recompute_norms=["off"],
+        profile=None,
+        memory_snapshot=None,
+    )
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
