@@ -109,7 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per repetition")
     p.add_argument(
-        "--decode-modes", nargs="+", default=["graph", "eager"], choices=["graph", "static", "eager"]
+        "--decode-modes",
+        nargs="+",
+        default=["graph", "eager"],
+        choices=["graph", "graph-compiled", "static", "eager"],
     )
     p.add_argument(
         "--profile", action="store_true", help="write each impl's prefill kernel table to <out>/profile_*.txt"
@@ -365,10 +368,11 @@ def decode_step_bytes(
 def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: int, reps: int) -> float:
     """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]):
     `eager` (one forward over the filled columns per step: greedy_decode) or the static step of
-    sparse_llm.inference.decode, CUDA-graph-captured (`graph`) or not (`static`). The cache ends
-    at W + steps columns; every repetition decodes the same `steps` columns again."""
+    sparse_llm.inference.decode, CUDA-graph-captured (`graph`), compiled by Inductor and then
+    captured (`graph-compiled`) or neither (`static`). The cache ends at W + steps columns; every
+    repetition decodes the same `steps` columns again."""
     device, (batch, width) = ids.device, ids.shape
-    why = why_not_graph(model, batch) if mode == "graph" else None
+    why = why_not_graph(model, batch) if mode.startswith("graph") else None
     if why:  # a StaticDecoder would run it uncaptured: not what "graph" is timed as
         raise ValueError(f"cannot time a graph-captured decode step: {why}")
     if mode == "eager":
@@ -380,7 +384,8 @@ def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: in
             greedy_decode(model, first, cache, steps + 1)  # `steps` forwards
 
     else:
-        slot = StaticDecoder(model, capture=mode == "graph").slot(batch, width + steps, 0)
+        decoder = StaticDecoder(model, capture=mode.startswith("graph"), compile=mode == "graph-compiled")
+        slot = decoder.slot(batch, width + steps, 0)
         step = slot.step_for(SamplingParams(max_new_tokens=steps + 1))  # captures before the prefill
         first = model(ids, cache=slot.state.prefill_cache(), last_logits_only=True).logits[:, -1].argmax(-1)
         lengths = torch.full((batch,), width, device=device)
@@ -400,7 +405,9 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
     device = model.lm_head.weight.device
     cfg = model.config
     modes = list(
-        dict.fromkeys("static" if m == "graph" and device.type != "cuda" else m for m in args.decode_modes)
+        dict.fromkeys(
+            "static" if m.startswith("graph") and device.type != "cuda" else m for m in args.decode_modes
+        )
     )
     bandwidth = copy_bandwidth_gbs(device)
     l0_per_layer = [(1 - s) * cfg.intermediate_size for s in sparsity["per_layer"]]
@@ -420,7 +427,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
                 nbytes = decode_step_bytes(cfg, impl, batch, context, elem_bytes, l0_per_layer)
                 for mode in modes:
                     row: dict[str, Any] = {"impl": impl, "batch": batch, "context": context, "mode": mode}
-                    why = why_not_graph(impl_model, batch) if mode == "graph" else None
+                    why = why_not_graph(impl_model, batch) if mode.startswith("graph") else None
                     if why:  # e.g. a decode FFN that syncs with the host: say so instead of a timing
                         rows.append(row | {"error": why})
                         print(f"decode {impl} b={batch} ctx={context} graph: {why}", file=sys.stderr)

@@ -177,15 +177,16 @@ class DecodeState:
 
 
 def decode_step(
-    model: SparseLlamaForCausalLM,
+    forward: Callable[..., torch.Tensor],
     state: DecodeState,
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> None:
     """One token per row, in place on `state`, with static shapes and no host sync: the forward
-    of the fed tokens, the next tokens sampled (0 for rows already finished, as in the eager
-    decode), the finished flags updated, positions and columns advanced."""
-    logits = model.decode_step(state.tokens, state.cache, state.positions, state.columns, state.first_columns)
+    (`model.decode_step`, or it compiled) of the fed tokens, the next tokens sampled (0 for rows
+    already finished, as in the eager decode), the finished flags updated, positions and columns
+    advanced."""
+    logits = forward(state.tokens, state.cache, state.positions, state.columns, state.first_columns)
     token = sample_next(logits, params, generator)
     token = torch.where(state.finished, 0, token)
     state.finished.logical_or_(is_eos(token, state.eos))
@@ -243,13 +244,13 @@ class DecodeSlot:
 
     def __init__(
         self,
-        model: SparseLlamaForCausalLM,
+        forward: Callable[..., torch.Tensor],
         cache: KVCache,
         eos_slots: int,
         capture: bool,
         pool: tuple[int, int] | None = None,
     ) -> None:
-        self.model, self.capture, self.pool = model, capture, pool
+        self.forward, self.capture, self.pool = forward, capture, pool
         self.state = DecodeState.over(cache, eos_slots)
         # Seeded calls draw from this one generator, reseeded per call: a graph captured with it
         # registered replays for any seed.
@@ -264,7 +265,7 @@ class DecodeSlot:
         if key not in self.steps:
             how, seeded = key
             generator = self.generator if seeded else None
-            step = functools.partial(decode_step, self.model, self.state, how, generator)
+            step = functools.partial(decode_step, self.forward, self.state, how, generator)
             if self.capture:
                 self.state.reset()
                 step = DecodeGraph(step, self.state.tokens.device, generator, self.pool)
@@ -293,11 +294,18 @@ class StaticDecoder:
     calls; `clear()` frees it. Growing it drops every slot (their graphs hold its addresses).
     """
 
-    def __init__(self, model: SparseLlamaForCausalLM, capture: bool) -> None:
+    def __init__(self, model: SparseLlamaForCausalLM, capture: bool, compile: bool = False) -> None:
         why = why_not_graph(model) if capture else None
         if why:
             raise ValueError(f"cannot capture the decode step: {why}")
         self.model, self.capture = model, capture
+        # `compile`: the step's forward through Inductor, once per batch size and cache length (on
+        # the first, uncaptured warm-up step), then captured: RMSNorm, RoPE, the residual adds and
+        # casts fuse into a few kernels a layer, where eager runs ~40 small ones (most of a dense
+        # 1b decode step at batch 1 on an H100: benchmarks/results/archive/decode_step_profile_dense_h100.txt).
+        self.forward = (
+            torch.compile(model.decode_step, dynamic=False, fullgraph=True) if compile else model.decode_step
+        )
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.slots: OrderedDict[tuple[int, int], DecodeSlot] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -312,7 +320,7 @@ class StaticDecoder:
             self.slots.pop(key, None)
             cache = self._cache(*key)
             capture = self.capture and why_not_graph(self.model, batch) is None
-            slot = DecodeSlot(self.model, cache, eos_capacity(eos_count), capture, self.pool)
+            slot = DecodeSlot(self.forward, cache, eos_capacity(eos_count), capture, self.pool)
             self.slots[key] = slot
             while len(self.slots) > MAX_SLOTS:
                 self.slots.popitem(last=False)

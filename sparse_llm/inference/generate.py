@@ -183,7 +183,8 @@ class Generator:
     out = gen.generate(["def main():"], max_new_tokens=32, temperature=0.8, top_p=0.95, seed=0)
     out.texts[0]
 
-    `compile=True` runs prefills through torch.compile (`compile_prefill`): the first prefill of
+    `compile=True` also compiles the static decode step (sparse_llm.inference.decode) before it is
+    captured. It runs prefills through torch.compile (`compile_prefill`): the first prefill of
     each shape family pays the compilation, later ones run faster.
 
     `decode` (sparse_llm.inference.decode.resolve_decode_mode) is fixed here too: `auto` (the
@@ -215,7 +216,7 @@ class Generator:
         self.decode, self.decode_reason = resolve_decode_mode(self.model, decode)
         self.decoder = None
         if self.decode != "eager":
-            self.decoder = StaticDecoder(self.model, capture=self.decode == "graph")
+            self.decoder = StaticDecoder(self.model, capture=self.decode == "graph", compile=compile)
 
     @classmethod
     def from_pretrained(

@@ -179,10 +179,14 @@ class GatedMLP(nn.Module):
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
-        """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference,
-        inside torch.compile or with autograd (the op then transposes itself)."""
-        if impl != "cuda" or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference
+        or with autograd (the op then transposes itself). Traced by torch.compile, the copy an eager
+        call made, if any (a compiled decode step runs eagerly first: its warm-up)."""
+        if impl != "cuda" or torch.is_grad_enabled():
             return None
+        if torch.compiler.is_compiling():
+            cached = self.down_t_cache.tensor
+            return cached if cached is not None and cached.dtype == dtype else None
         return self.down_t_cache.get(self.down_proj.weight, dtype)
 
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:

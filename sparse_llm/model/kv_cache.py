@@ -78,27 +78,53 @@ class ColumnWriteCache:
     """
 
     def __init__(self, cache: KVCache, columns: torch.Tensor) -> None:
-        _, batch, max_len, heads, head_dim = cache.k.shape
+        _, batch, max_len, _, _ = cache.k.shape
         if columns.shape != (batch,) or columns.dtype != torch.long:
             raise ValueError(
                 f"columns must be an int64 [B] = [{batch}] tensor, got {columns.dtype} {tuple(columns.shape)}"
             )
         self.cache = cache
         self.length = max_len  # every column takes part; the key mask says which are real
-        self.stage_k = torch.empty((1, batch, 1, heads, head_dim), device=cache.k.device, dtype=cache.k.dtype)
-        self.stage_v = torch.empty_like(self.stage_k)
-        self.index = columns.view(batch, 1, 1, 1).expand(batch, 1, heads, head_dim)
+        self.columns = columns
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write RoPE(k) and v (k, v: [B, 1, kv_heads, head_dim] before RoPE) at each row's column of
         `layer`; return the layer's whole cache as [B, kv_heads, max_len, head_dim] views."""
-        write_kv(self.stage_k, self.stage_v, 0, 0, k, v, cos, sin)
+        if torch.compiler.is_compiling():
+            # As in KVCache.update: traced, the scatter into a view of the cache (a graph input)
+            # would be functionalized into a copy of the whole cache; the op's declared mutation
+            # stays in place.
+            torch.ops.sparse_llm.kv_cache_write_columns(
+                self.cache.k, self.cache.v, layer, self.columns, k, v, cos, sin
+            )
+        else:
+            write_kv_columns(self.cache.k, self.cache.v, layer, self.columns, k, v, cos, sin)
         k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
-        k_layer.scatter_(1, self.index, self.stage_k[0])
-        v_layer.scatter_(1, self.index, self.stage_v[0])
         return k_layer.transpose(1, 2), v_layer.transpose(1, 2)
+
+
+def write_kv_columns(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    columns: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """k_cache[layer, b, columns[b]] = RoPE(k[b, 0]) and v_cache[...] = v[b, 0] for every row b, in
+    place (k, v: [B, 1, kv_heads, head_dim]): through a one-column staging cache by `write_kv` (the
+    fused kernel on Hopper, so RoPE(k) is rounded as in every other cache write), then a scatter."""
+    batch, _, heads, head_dim = k.shape
+    stage_k = torch.empty((1, batch, 1, heads, head_dim), device=k_cache.device, dtype=k_cache.dtype)
+    stage_v = torch.empty_like(stage_k)
+    write_kv(stage_k, stage_v, 0, 0, k, v, cos, sin)
+    index = columns.view(batch, 1, 1, 1).expand(batch, 1, heads, head_dim)
+    k_cache[layer].scatter_(1, index, stage_k[0])
+    v_cache[layer].scatter_(1, index, stage_v[0])
 
 
 def decode_key_mask(
@@ -188,4 +214,15 @@ kv_cache_write = torch.library.custom_op(
 
 @kv_cache_write.register_fake
 def _(k_cache, v_cache, layer, start, k, v, cos, sin) -> None:
+    return None
+
+
+# `write_kv_columns` as an op with a declared mutation (what torch.compile traces in a static step).
+kv_cache_write_columns = torch.library.custom_op(
+    "sparse_llm::kv_cache_write_columns", write_kv_columns, mutates_args=("k_cache", "v_cache")
+)
+
+
+@kv_cache_write_columns.register_fake
+def _(k_cache, v_cache, layer, columns, k, v, cos, sin) -> None:
     return None

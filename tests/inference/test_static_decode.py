@@ -129,6 +129,16 @@ def test_static_generation_equals_eager(params):
     assert set(decoder.slots) == {(3, 256), (1, 256)}
 
 
+def test_compiled_static_step_equals_eager():
+    """The step's forward through Inductor (`compile=True`, fullgraph: the KV write and the FFN
+    are ops it traces) gives the eager decode's greedy tokens."""
+    model = tiny_model()
+    decoder = StaticDecoder(model, capture=False, compile=True)
+    assert generate_ids(model, PROMPTS, greedy(6), decoder=decoder).tokens == (
+        generate_ids(model, PROMPTS, greedy(6)).tokens
+    )
+
+
 def test_every_row_stopping_early_ends_the_static_loop():
     """All rows sample an EOS early: the loop stops at its next check (every EOS_CHECK_EVERY
     steps), not after max_new_tokens; the trimmed tokens equal the eager decode's."""
@@ -354,13 +364,13 @@ def test_static_step_never_syncs_with_the_host():
     slot.state.load(torch.tensor([1, 2, 3], device="cuda"), lengths, 7, torch.tensor([5], device="cuda"))
     sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.8, top_k=20, seed=1)
     for params in (greedy(8), sampled):  # one-time setup (an extension load, cuBLAS) first
-        decode_step(model, slot.state, params, slot.generator_for(params))
+        decode_step(model.decode_step, slot.state, params, slot.generator_for(params))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for params in (greedy(8), sampled):
             for _ in range(3):
-                decode_step(model, slot.state, params, slot.generator_for(params))
+                decode_step(model.decode_step, slot.state, params, slot.generator_for(params))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -373,6 +383,16 @@ def test_sample_next_on_cuda_draws_what_multinomial_draws():
         ours, theirs = (torch.Generator("cuda").manual_seed(seed) for _ in range(2))
         want = torch.multinomial(logits.softmax(-1), 1, generator=theirs).squeeze(-1)
         assert torch.equal(sample_next(logits, params, ours), want)
+
+
+@pytest.mark.gpu
+def test_compiled_graph_generation_equals_uncompiled():
+    """Inductor's step captured in graphs (fp32: its fused norms round otherwise in bf16)."""
+    model = tiny_model("cuda", torch.float32)
+    params = greedy(12)
+    plain = generate_ids(model, PROMPTS, params, decoder=StaticDecoder(model, capture=True))
+    compiled = StaticDecoder(model, capture=True, compile=True)
+    assert generate_ids(model, PROMPTS, params, decoder=compiled).tokens == plain.tokens
 
 
 @pytest.mark.gpu
