@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import make_workload, write_report
+from benchmarks.common import make_workload, median_ms, write_report
 from benchmarks.ffn import print_profile
 from benchmarks.inference import copy_bandwidth_gbs
 from sparse_llm import ops
+from sparse_llm.inference.decode import DecodeGraph
 from sparse_llm.training.run_info import collect_run_info
 
 
@@ -47,24 +48,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def graph_ms(step: Callable[[], None], reps: int) -> float:
-    """Median ms of one replay of a CUDA graph of `step` (captured after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of one replay of `step` captured in a CUDA graph (as a decode step is: DecodeGraph)."""
+    device = torch.device("cuda")
+    return median_ms(DecodeGraph(step, device, None, None), device, warmup=0, reps=reps)
 
 
 def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:

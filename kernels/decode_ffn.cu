@@ -27,6 +27,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kGateThreads = 256;
 constexpr int kGateWarps = kGateThreads / 32;
 constexpr int kUnitsPerWarp = kDecodeSegUnits / kGateWarps;
+constexpr int kGateLoads = 4;  // 16-byte loads of each unit a lane has in flight
 
 // Row m's active units of segment seg (one warp; lane l holds unit seg * 32 + l's gate value).
 __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int lane, float gate, bool in_range,
@@ -43,7 +44,7 @@ __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int l
 }
 
 // kRows: the rows' accumulators a lane keeps (rows <= kRows).
-template <int kRows, int kGateLoads = 4>
+template <int kRows>
 __global__ void __launch_bounds__(kGateThreads, 2)
     decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
                        int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
@@ -189,13 +190,12 @@ __global__ void __launch_bounds__(kThreads)
   // Each round the upper half stores its registers (16-byte stores) and the lower half adds them.
   for (int half = kWarps / 2; half > 0; half /= 2) {
     if (warp >= half && warp < 2 * half) {
-      float4* mine = reinterpret_cast<float4*>(sums + (warp - half) * dim);
+      float* mine = sums + (warp - half) * dim;
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int v = lane + 32 * i;
         if (v >= vecs) break;
-        mine[2 * v] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        mine[2 * v + 1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+        store8(mine, v, acc[i]);
       }
     }
     __syncthreads();
@@ -215,13 +215,12 @@ __global__ void __launch_bounds__(kThreads)
   // CTAs past the row's last unit hold zeros: they write nothing, and the sum below skips them.
   const int working = min(splits, (total + kWarps - 1) / kWarps);
   if (warp == 0 && split < working) {
-    float4* mine = reinterpret_cast<float4*>(partial + (static_cast<int64_t>(m) * splits + split) * dim);
+    float* mine = partial + (static_cast<int64_t>(m) * splits + split) * dim;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int v = lane + 32 * i;
       if (v >= vecs) break;
-      mine[2 * v] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-      mine[2 * v + 1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+      store8(mine, v, acc[i]);
     }
     __threadfence();  // the partial is visible to every SM before this CTA counts as arrived
   }

@@ -25,6 +25,12 @@ SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
 SMALL_SUPPORT_GRAD_FLOOR = 3 * 2.0**-9
 
 
+def ffn64(x, wg, wu, wd) -> torch.Tensor:
+    """The FFN in float64: the reference every error is measured against."""
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of out against a float64 reference."""
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -4,7 +4,7 @@ the inputs only, and a CUDA graph replayed on new inputs giving the eager result
 
 import pytest
 import torch
-from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
+from ffn_patterns import ABS_FLOOR, PATTERNS, ffn64, gpu_pattern, needs_hopper, rel_err
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
@@ -14,13 +14,8 @@ from sparse_llm.ops.select import extension
 pytestmark = [pytest.mark.gpu, needs_hopper]
 
 
-def _ffn64(x, wg, wu, wd):
-    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
-    return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
-
-
 def _assert_exact(out, x, wg, wu, wd):
-    ref = _ffn64(x, wg, wu, wd)
+    ref = ffn64(x, wg, wu, wd)
     dense = ops.ffn_forward(x, wg, wu, wd, impl="reference")
     assert torch.isfinite(out).all()
     if ref.norm() == 0:

@@ -6,7 +6,7 @@ floor), every output element written, on fresh random inputs and on adversarial 
 
 import pytest
 import torch
-from ffn_patterns import ABS_FLOOR, PATTERNS, gpu_pattern, needs_hopper, rel_err
+from ffn_patterns import ABS_FLOOR, PATTERNS, ffn64, gpu_pattern, needs_hopper, rel_err
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
@@ -16,11 +16,6 @@ from sparse_llm.ops.twell import TILE, n_tiles
 pytestmark = pytest.mark.gpu
 
 
-def _ffn64(x, wg, wu, wd):
-    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
-    return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
-
-
 def _poison_allocator(numel: int) -> None:
     """Leave NaNs in the caching allocator's free blocks, so an unwritten output element shows."""
     junk = torch.full((numel * 4,), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -28,7 +23,7 @@ def _poison_allocator(numel: int) -> None:
 
 
 def _check_exact(x, wg, wu, wd, **kwargs) -> tuple[float, float]:
-    ref = _ffn64(x, wg, wu, wd)
+    ref = ffn64(x, wg, wu, wd)
     dense = ops.ffn_forward(x, wg, wu, wd, impl="reference")
     _poison_allocator(max(x.numel(), wg.numel()))
     out = ops.ffn_forward(x, wg, wu, wd, impl="cuda", **kwargs)
