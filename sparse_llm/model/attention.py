@@ -77,9 +77,6 @@ class Attention(nn.Module):
             torch.is_grad_enabled()
             or not residual.dtype == out.dtype == weight.dtype
             or not residual.is_contiguous()
-            # A compiled decode step (one token a row, where the add is a few KB): Inductor's
-            # scheduler fails on the in-place op there (KeyError, torch 2.13 on CPU).
-            or (torch.compiler.is_compiling() and out.shape[1] == 1)
         ):
             return residual + self.o_proj(out)
         return linear_add_(residual, out, weight)

@@ -37,10 +37,8 @@ def twell_ffn_add_(
     wd_t: torch.Tensor | None,
     heavy_threshold: int,
 ) -> None:
-    """out += twell_ffn_forward(x, ...) in place (x: [M, D]; out: [..., D] with M rows, bf16
-    contiguous, not overlapping x). Taking out whole, not a 2-D view of it, keeps the traced
-    mutation on the tensor itself.
-    The declared mutation lets Inductor keep it in place on an intermediate such as the residual
+    """out += twell_ffn_forward(x, ...) in place (x, out: [M, D], bf16 contiguous, not
+    overlapping). The declared mutation lets Inductor keep it in place on an intermediate such as the residual
     stream, where the rows with no active unit cost nothing."""
     extension().ffn_add_(out, x, wg, wu, wd, wd_t, heavy_threshold)
 
@@ -55,7 +53,7 @@ def ffn_decode_add_(
     out: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd_t: torch.Tensor
 ) -> None:
     """out += ffn(x) for a few rows (x: [M, D], M <= DECODE_MAX_ROWS; wg, wu, wd_t = Wd^T: [H, D];
-    out: M x D values; bf16 contiguous) with no host read, so a decode step can be captured in a
+    out: [M, D]; bf16 contiguous) with no host read, so a decode step can be captured in a
     CUDA graph (kernels/decode_ffn.cu). Exact on every pattern."""
     extension().ffn_decode_add_(out, x, wg, wu, wd_t)
 

@@ -109,10 +109,13 @@ def ffn_add_(
     if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    # The ops mutate a 2-D view of out: Inductor's scheduler fails (KeyError in compute_ancestors,
+    # torch 2.11-2.13) on a custom op mutating a [B, 1, D] tensor, e.g. a decode step's residual.
+    out2 = out.view(-1, out.shape[-1])
     if _decode_applies(*x2.shape):
-        torch.ops.sparse_llm.ffn_decode_add_(out, x2, wg, wu, _down_t(wd, wd_t))
+        torch.ops.sparse_llm.ffn_decode_add_(out2, x2, wg, wu, _down_t(wd, wd_t))
         return out
-    torch.ops.sparse_llm.twell_ffn_add_(out, x2, wg, wu, wd, wd_t, heavy_threshold)
+    torch.ops.sparse_llm.twell_ffn_add_(out2, x2, wg, wu, wd, wd_t, heavy_threshold)
     return out
 
 

@@ -15,7 +15,8 @@ from sparse_llm.ops.checks import check_in_place_output
 
 @torch.library.custom_op("sparse_llm::linear_add_", mutates_args=("out",))
 def _linear_add_op(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    out.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    """out ([M, N]) += x ([M, K]) @ weight^T."""
+    out.addmm_(x, weight.t())
 
 
 @_linear_add_op.register_fake
@@ -41,5 +42,7 @@ def linear_add_(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
             f"{tuple(weight.shape)}"
         )
     check_in_place_output("linear_add_", out, (x, weight))
-    _linear_add_op(out, x, weight)
+    # A 2-D view is what the op mutates: Inductor's scheduler fails (KeyError in compute_ancestors,
+    # torch 2.11-2.13) on a custom op mutating a [B, 1, N] tensor, e.g. a decode step's residual.
+    _linear_add_op(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), weight)
     return out

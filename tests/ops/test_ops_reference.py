@@ -204,7 +204,29 @@ def test_linear_add_adds_the_projection_in_place(dtype):
     torch.testing.assert_close(
         out.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2
     )
-    torch.library.opcheck(torch.ops.sparse_llm.linear_add_, (out.clone(), x, w))
+    torch.library.opcheck(torch.ops.sparse_llm.linear_add_, (out.clone().view(6, 8), x.view(6, 5), w))
+
+
+def test_linear_add_compiles_on_a_decode_steps_residual():
+    """Residual adds into a [B, 1, D] stream (a decode step), traced by Inductor: the op mutates
+    a 2-D view, where mutating the 3-D tensor failed in Inductor's scheduler (KeyError)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64) * 0.1 for _ in range(4)]
+
+    def norm(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        for w_out, w_add in zip(weights[::2], weights[1::2], strict=True):
+            h = h + norm(h) @ w_out  # a layer's two residual adds: out of place, then in place
+            h = ops.linear_add_(h, norm(h), w_add)
+        return norm(h)[:, -1]
+
+    h = torch.randn(8, 1, 64)
+    with torch.no_grad():
+        expected = step(h.clone())
+        got = torch.compile(step, fullgraph=True)(h.clone())
+    torch.testing.assert_close(got, expected)
 
 
 def test_linear_add_input_checks():
