@@ -205,12 +205,15 @@ void ffn_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const 
   ffn_forward_into(x, wg, wu, wd, cached_wd_t, heavy_threshold, /*accumulate=*/true, out_rows);
 }
 
-// k_cache[layer, :, start:start + T] = rope(k) and v_cache[...] = v, in place (kv_cache.cuh).
+// k_cache[layer, b, c:c + T] = rope(k[b]) and v_cache[...] = v[b], in place (kv_cache.cuh), with
+// c = start for every row, or c = columns[b] (int64 [B] on the device: no host read; a row whose
+// columns fall outside the cache is not written).
 // Caches: [layers, B, max_len, heads, head_dim], contiguous; k, v: [B, T, heads, head_dim] with
 // the same strides, contiguous but for the token stride (e.g. views of one q|k|v tensor);
 // cos, sin: T x head_dim values shared by the rows or B x T x head_dim, contiguous; all bf16.
-void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {
+void write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start,
+                const std::optional<at::Tensor>& columns, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& cos, const at::Tensor& sin) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                                 {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}})
     SL_CHECK_ARG(t->is_cuda() && t->scalar_type() == at::kBFloat16, name, " must be a bf16 CUDA tensor");
@@ -232,6 +235,10 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
   SL_CHECK_ARG(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " out of range");
   SL_CHECK_ARG(start >= 0 && start + tokens <= max_len, "columns [", start, ", ", start + tokens,
                ") exceed the cache's ", max_len);
+  SL_CHECK_ARG(!columns.has_value() || (columns->is_cuda() && columns->device() == k.device() &&
+                                        columns->scalar_type() == at::kLong && columns->dim() == 1 &&
+                                        columns->size(0) == batch && columns->is_contiguous() && start == 0),
+               "columns must be a contiguous int64 CUDA vector of B = ", batch, " start columns (start 0)");
   SL_CHECK_ARG(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
   const bool shared = cos.numel() == tokens * head_dim;
   SL_CHECK_ARG((shared || cos.numel() == batch * tokens * head_dim) && sin.sizes() == cos.sizes(),
@@ -240,10 +247,22 @@ void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer
   const int64_t layer_offset = layer * batch * max_len * heads * head_dim + start * heads * head_dim;
   check_cuda(sparse_llm::launch_kv_cache_write_rope(
                  bf16_ptr(k), bf16_ptr(v), token_stride, bf16_ptr(cos), bf16_ptr(sin), shared ? 0 : tokens * head_dim, batch,
-                 tokens, static_cast<int>(heads), static_cast<int>(head_dim), bf16_mut_ptr(k_cache) + layer_offset,
-                 bf16_mut_ptr(v_cache) + layer_offset, max_len * heads * head_dim,
+                 tokens, static_cast<int>(heads), static_cast<int>(head_dim),
+                 columns.has_value() ? columns->data_ptr<int64_t>() : nullptr, max_len,
+                 bf16_mut_ptr(k_cache) + layer_offset, bf16_mut_ptr(v_cache) + layer_offset, max_len * heads * head_dim,
                  c10::cuda::getCurrentCUDAStream().stream()),
              "kv_cache_write_rope");
+}
+
+void kv_cache_write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t start, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin) {
+  write_rope(k_cache, v_cache, layer, start, std::nullopt, k, v, cos, sin);
+}
+
+void kv_cache_write_rope_columns(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, const at::Tensor& columns,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                 const at::Tensor& sin) {
+  write_rope(k_cache, v_cache, layer, 0, columns, k, v, cos, sin);
 }
 
 }  // namespace
@@ -272,6 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("masked_gate_min_rows") = kMaskedGateMinRows;
   m.def("kv_cache_write_rope", guarded<&kv_cache_write_rope>,
         "rope(k) and v into the KV cache's columns [start, start + T)");
+  m.def("kv_cache_write_rope_columns", guarded<&kv_cache_write_rope_columns>,
+        "rope(k) and v into the KV cache, row b at columns [columns[b], columns[b] + T), no host read");
   register_train_ops(m);
   register_loss_ops(m);
   register_count_ops(m);

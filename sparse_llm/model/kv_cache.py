@@ -72,8 +72,7 @@ class ColumnWriteCache:
     max_len columns under the caller's key mask (`decode_key_mask`). Neither the shapes nor the
     write position are Python values, so a CUDA graph can capture the step once and replay it.
 
-    The write goes through a one-column staging cache by `write_kv` (the fused kernel on Hopper),
-    then a scatter to the columns: RoPE(k) is rounded exactly as in every other cache write, so the
+    The write (`write_kv_columns`) rounds RoPE(k) exactly as every other cache write does, so the
     static and the eager decode keep the same cache, bit for bit.
     """
 
@@ -116,8 +115,12 @@ def write_kv_columns(
     sin: torch.Tensor,
 ) -> None:
     """k_cache[layer, b, columns[b]] = RoPE(k[b, 0]) and v_cache[...] = v[b, 0] for every row b, in
-    place (k, v: [B, 1, kv_heads, head_dim]): through a one-column staging cache by `write_kv` (the
-    fused kernel on Hopper, so RoPE(k) is rounded as in every other cache write), then a scatter."""
+    place (k, v: [B, 1, kv_heads, head_dim]; columns in [0, max_len)). On Hopper the fused kernel
+    writes each row at its column (one launch, RoPE(k) rounded as in every other cache write);
+    elsewhere through a one-column staging cache by `write_kv`, then a scatter."""
+    if _fused_write_applies(k_cache, v_cache, k, v, cos, sin):
+        extension().kv_cache_write_rope_columns(k_cache, v_cache, layer, columns, k, v, cos, sin)
+        return
     batch, _, heads, head_dim = k.shape
     stage_k = torch.empty((1, batch, 1, heads, head_dim), device=k_cache.device, dtype=k_cache.dtype)
     stage_v = torch.empty_like(stage_k)

@@ -82,6 +82,19 @@ def test_summary_computes_the_headline_ratios():
     assert figures["ffn_inference_speedup_by_nnz"] == pytest.approx({"15": 2.4, "30": 2.0})
 
 
+def test_decode_speedup_takes_the_compiled_steps_where_both_have_them():
+    compiled = {("dense", 1): 150.0, ("cuda", 1): 270.0}
+    with_compiled = [
+        r | {"decode_graph_compiled_tokens_per_s": compiled[r["impl"], r["batch"]]}
+        if (r.get("impl"), r.get("batch")) in compiled
+        else r
+        for r in rows()
+    ]
+    figures = summary(with_compiled, FULL)
+    assert figures["decode_speedup"] == pytest.approx({"1": 1.8, "8": 1.25, "64": 1.05})
+    assert figures["decode_speedup_uncompiled"] == pytest.approx({"1": 1.6, "8": 1.25, "64": 1.05})
+
+
 def test_summary_of_missing_parts_and_cpu_peaks_is_none():
     cpu = [r | {"peak_mem_gib": float("nan")} if r["part"] == "train" else r for r in rows()]
     figures = summary([r for r in cpu if r["part"] == "train"], FULL)
@@ -99,7 +112,7 @@ def test_markdown_shows_each_figure_against_its_target():
     assert "| train_peak_mem_ratio | 0.600 | <= 0.6 | yes |" in md
     assert "| decode_speedup/8 | 1.250 | >= 1.35 | **no** |" in md
     assert "| ffn_train_speedup | 2.000 | >= 2.2 | **no** |" in md
-    assert "| 64 | cuda | 510,000 | 200,000 | 1,575 | 6,300 | 20.00 | 100.0% |" in md
+    assert "| 64 | cuda | 510,000 | 200,000 | 1,575 | 6,300 | - | 20.00 | 100.0% |" in md
     assert "| inference | 16384 | 30 / 29.5 | 4.800 | 2.400 | 2.00x |" in md
     assert "commit `abc1234`" in md and "A note." in md and "weights 265 s" in md
     # A run cut short: the parts not reached leave no table behind.

@@ -5,7 +5,7 @@ import pytest
 import torch
 from ffn_patterns import needs_hopper
 
-from sparse_llm.model.kv_cache import write_kv
+from sparse_llm.model.kv_cache import write_kv, write_kv_columns
 from sparse_llm.model.rope import RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.gpu
@@ -40,3 +40,31 @@ def test_fused_write_matches_pytorch(per_row_positions, batch, tokens, heads, he
     untouched = torch.ones(shape, dtype=torch.bool, device="cuda")
     untouched[layer, :, start : start + tokens] = False
     assert (k_cache[untouched] == 7.0).all() and (v_cache[untouched] == 7.0).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize(("batch", "heads", "head_dim"), [(3, 2, 16), (8, 32, 64)])
+def test_column_write_equals_a_write_at_each_rows_start(batch, heads, head_dim):
+    """write_kv_columns (the fused kernel, each row at its own device-side column) leaves the cache
+    bit for bit as write_kv of each row at that column does; a row past the cache is not written."""
+    layers, layer, max_len = 2, 1, 32
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    k, v = (torch.randn(batch, 1, heads, head_dim, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    rope = RotaryEmbedding(head_dim, 1e4, max_len).cuda()
+    columns = torch.randperm(max_len, generator=gen, device="cuda")[:batch]
+    cos, sin = rope(1, torch.bfloat16, columns.view(batch, 1))
+    shape = (layers, batch, max_len, heads, head_dim)
+    got_k, got_v, want_k, want_v = (
+        torch.full(shape, 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    write_kv_columns(got_k, got_v, layer, columns, k, v, cos, sin)
+    for row, column in enumerate(columns.tolist()):
+        one = slice(row, row + 1)
+        row_k, row_v = want_k[:, one].clone(), want_v[:, one].clone()
+        write_kv(row_k, row_v, layer, column, k[one], v[one], cos[one], sin[one])
+        want_k[:, one], want_v[:, one] = row_k, row_v
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+    outside = torch.full_like(got_k, 7.0)
+    write_kv_columns(outside, outside.clone(), layer, torch.full_like(columns, max_len), k, v, cos, sin)
+    assert (outside == 7.0).all()

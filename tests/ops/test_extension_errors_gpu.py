@@ -60,15 +60,19 @@ def _ffn_inputs():
     return x, wg, wu, wd
 
 
-def _kv_write(ext, layer, start):
-    """kv_cache_write_rope of 4 tokens at `start` into layer `layer` of a 2-layer cache of 8."""
+def _kv_write(ext, layer, start, columns=None):
+    """kv_cache_write_rope of 4 tokens at `start` (or kv_cache_write_rope_columns at `columns`) into
+    layer `layer` of a 2-layer cache of 8."""
     layers, batch, max_len, heads, head_dim, tokens = 2, 1, 8, 2, 16, 4
     k_cache, v_cache = (
         torch.zeros(layers, batch, max_len, heads, head_dim, device="cuda", dtype=BF16) for _ in range(2)
     )
     k, v = (torch.randn(batch, tokens, heads, head_dim, device="cuda", dtype=BF16) for _ in range(2))
     cos, sin = (torch.randn(tokens, head_dim, device="cuda", dtype=BF16) for _ in range(2))
-    ext.kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
+    if columns is None:
+        ext.kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
+    else:
+        ext.kv_cache_write_rope_columns(k_cache, v_cache, layer, columns, k, v, cos, sin)
 
 
 def _pack(ext, threshold=64):
@@ -177,6 +181,13 @@ CASES = {
         lambda ext: _kv_write(ext, layer=5, start=0),
         "layer 5 out of range",
         lambda ext: _kv_write(ext, layer=1, start=4),
+    ),
+    "kv_cache_write_rope_columns int32 columns": (
+        lambda ext: _kv_write(
+            ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.int32)
+        ),
+        "columns must be a contiguous int64 CUDA vector",
+        lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.long)),
     ),
     "ffn_train_forward D not a multiple of 8": (
         lambda ext: ext.ffn_train_forward(
