@@ -420,3 +420,22 @@ def test_kernels_decode_ffn_in_graphs_equals_eager():
         # After each batch: the larger one's cache memory replaces the first's (its slot dropped).
         captured |= {key[0]: slot.capture for key, slot in decoder.slots.items()}
     assert captured == {3: True, rows + 1: False}
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_compiled_step_with_the_kernels_ffn_above_one_row():
+    """Inductor's step with the kernels' in-place decode FFN at 8 rows (a [B, 1, D] residual stream
+    that the op mutates, where Inductor's scheduler once failed) compiles, is captured, and its
+    first step gives every row the token the uncompiled graph gives (peaked logits: bf16 rounding
+    of the fused norms does not flip them)."""
+    model = _cuda_model()
+    sparse = model.with_ffn_plan(FFNPlan.resolve("cuda", model.config, "cuda", torch.bfloat16))
+    if why_not_graph(sparse, 8) is not None:
+        pytest.skip(why_not_graph(sparse, 8))
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    plain = generate_ids(sparse, prompts, greedy(2), decoder=StaticDecoder(sparse, capture=True))
+    compiled = generate_ids(
+        sparse, prompts, greedy(2), decoder=StaticDecoder(sparse, capture=True, compile=True)
+    )
+    assert [row[1] for row in compiled.tokens] == [row[1] for row in plain.tokens]
