@@ -38,8 +38,8 @@ def twell_ffn_add_(
     heavy_threshold: int,
 ) -> None:
     """out += twell_ffn_forward(x, ...) in place (x, out: [M, D], bf16 contiguous, not
-    overlapping). The declared mutation lets Inductor keep it in place on an intermediate such as the residual
-    stream, where the rows with no active unit cost nothing."""
+    overlapping). The declared mutation lets Inductor keep it in place on an intermediate such as
+    the residual stream, where the rows with no active unit cost nothing."""
     extension().ffn_add_(out, x, wg, wu, wd, wd_t, heavy_threshold)
 
 
