@@ -40,6 +40,15 @@ lambda 3e-3, 30x too small, and from 0.1, 10x too large; 400-900 steps):
   Start from a lambda that is too small rather than too large, after a warm-up past the first
   collapse of L0: on the tiny model at gain 0.1, 16 runs from 3e-3 (L0 above the target; 8 seeds,
   1 and 2 threads) ended within 9% of it, 7 runs from 0.1 (L0 far below) 1-15% below it.
+- reinit_hold_fraction 0.5: a dead-unit reinit revives units that then fire on many tokens for a
+  while (L0 several times the target), and an integral that follows that burst leaves lambda far
+  too high afterwards: L0 then sits under the target until the next reinit (~20% under on the
+  100m recipe, `recipe_100m_h200.md`). Holding the integral through the first half of each
+  period removed that bias on the tiny CPU model (target L0 20, reinit every 50 steps, 400 steps,
+  2 seeds; mean L0 over the second half of each period after step 100): 13.1 / 13.7 with no hold,
+  18.0 / 17.4 holding 10 steps, 21.1 / 21.9 holding 25; lambda ended 5-7x lower and the
+  validation loss a little lower (5.69 against 5.71, 5.75 against 5.85). Not yet measured at
+  paper scale (the 100m table's reinit row predates it).
 - EPS_FRACTION 1%: L0 can be exactly 0 (every unit silent on a step); e is then bounded
   (log 0.01 = -4.6) whatever the target's scale, instead of -inf.
 - coeff_min 1e-8, coeff_max 1: far outside any useful value (the paper uses 2e-5 to 3e-4; the
@@ -106,6 +115,14 @@ class L1Controller:
         width = max(2, len(str(self.num_layers - 1)))
         return {f"l1_coeff/layer_{i:0{width}d}": c for i, c in enumerate(self.coefficients(step))}
 
+    def holding(self, step: int) -> bool:
+        """Whether the integral holds still at optimizer step `step` (0-based): in the first
+        `controller.reinit_hold_fraction` of the steps after a dead-unit reinit (it runs after every
+        `reinit.every` completed steps, so its burst shows from step k x every on)."""
+        reinit = self.cfg.reinit
+        hold = int(self.cfg.controller.reinit_hold_fraction * reinit.every)
+        return reinit.enabled and step >= reinit.every and step % reinit.every < hold
+
     def update(self, l0_per_layer: Sequence[float], step: int) -> None:
         """Adapt after optimizer step `step` from that step's L0 of every layer (global over
         processes); the result applies from step `step + 1`."""
@@ -117,6 +134,8 @@ class L1Controller:
         eps = EPS_FRACTION * self.target_l0
         gain = self.cfg.controller.gain
         self._error = [math.log((l0 + eps) / self.target_l0) for l0 in l0s]
+        if self.holding(step):
+            return
         # log(c) += gain * error, as a product: c starts exactly at l1_coeff.
         self._integral = [
             self._clamp(c * math.exp(gain * e)) for c, e in zip(self._integral, self._error, strict=True)

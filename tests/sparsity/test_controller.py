@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from sparse_llm.config import ConfigError, L1ControllerConfig, SparsityConfig, load_config
+from sparse_llm.config import ConfigError, L1ControllerConfig, ReinitConfig, SparsityConfig, load_config
 from sparse_llm.model import FFNStats
 from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.sparsity.controller import EPS_FRACTION
@@ -60,6 +60,34 @@ def test_integral_accumulates_and_holds_at_the_target():
     held = ctl.coefficient(10)
     ctl.update([8.0 - 0.08] * 2, step=10)  # L0 + eps == target: e = 0
     assert ctl.coefficient(11) == pytest.approx(held, rel=1e-15)
+
+
+def test_integral_holds_still_after_each_reinit_while_the_p_term_acts():
+    """With reinit every 10 steps and a hold of 0.3 of that: the updates of steps 10-12 and 20-22
+    (the revived units' burst) leave the integral as it was; the P term still answers their error."""
+    cfg = SparsityConfig(
+        l1_coeff=1e-3,
+        target_l0=8.0,
+        reinit=ReinitConfig(enabled=True, every=10),
+        controller=L1ControllerConfig(gain=0.1, p_gain=1.0, reinit_hold_fraction=0.3),
+    )
+    held, free = L1Controller(cfg, LAYERS, H), controller(gain=0.1, p_gain=1.0)
+    assert [s for s in range(25) if held.holding(s)] == [10, 11, 12, 20, 21, 22]
+    for step in range(10):  # no reinit yet: both move alike
+        held.update([16.0, 16.0], step)
+        free.update([16.0, 16.0], step)
+    assert held.state_dict() == free.state_dict()
+    integral = held.state_dict()["integral"]
+    held.update([64.0, 64.0], step=10)  # the burst after the reinit of completed step 10
+    assert held.state_dict()["integral"] == integral
+    e = math.log((64.0 + EPS_FRACTION * 8.0) / 8.0)
+    assert held.coefficient(11) == pytest.approx(integral[0] * math.exp(e), rel=1e-12)
+    held.update([16.0, 16.0], step=13)  # past the hold: the integral moves again
+    assert held.state_dict()["integral"][0] > integral[0]
+    without_reinit = SparsityConfig(
+        l1_coeff=1e-3, target_l0=8.0, controller=L1ControllerConfig(reinit_hold_fraction=0.3)
+    )
+    assert not any(L1Controller(without_reinit, LAYERS, H).holding(s) for s in range(30))
 
 
 def test_global_coefficient_follows_the_mean_over_layers():
