@@ -1,22 +1,22 @@
 """The headline figures, dense against sparse side by side in one process on 1b weights at L0 ~30.
 
     python benchmarks/headline.py --model runs/sparse_1b --out-dir benchmarks/results
-    python benchmarks/headline.py --quick        # makes the weights first: ~9.5 min on an H100
+    python benchmarks/headline.py --quick        # makes the weights first: ~11 min on an H100
     make bench-headline                          # that, into $OUT; MODEL=<run dir>: these weights, full
 
 Parts, in this order; the report is rewritten after each, so a run cut short keeps what it measured:
 
-| part | what | H100 seconds, --quick (measured at 4368863 / d65c52b) |
+| part | what | H100 seconds, --quick (measured at fa58a6b / d65c52b) |
 |---|---|---|
-| weights | without --model: `benchmarks/sparse_weights.py --preset 1b --target-l0 30` in a subprocess | 310-330 |
+| weights | without --model: `benchmarks/sparse_weights.py --preset 1b --target-l0 30` in a subprocess | 300-330 |
 | l0 | L0 on held-out text of the weights used (`sparse_weights.heldout_l0`) | 2-3 |
 | train | the training step, dense vs cuda FFN, compiled, 8 x 2048 tokens, AdamW, peak memory (`model_step.time_impl`) | 112 |
-| inference | prefill 64 x 1920 (compiled, both) and eager greedy decode at batch 1, 8, 64 (`inference.run_impl`); graph-captured decode at context 1024, plain and Inductor-compiled (`inference.time_decode_step`) | 85 + ~90 for the compiled steps |
+| inference | prefill 64 x 1920 (compiled, both) and eager greedy decode at batch 1, 8, 64 (`inference.run_impl`); graph-captured decode at context 1024, plain and Inductor-compiled (`inference.time_decode_step`) | 181 |
 | ffn | the FFN training op and inference forward, standard workload at 15 and 30 non-zeros (`ffn.bench_train_one`, `ffn.bench_one`) | ~40 (estimate) |
 
-Compilation is most of train, inference and ffn (two graphs each); with the weights made first and
-the build, ~9.5 minutes: at the device's 10-minute call limit, so split it with --parts where
-needed (`make bench-headline` runs it whole). Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
+Compilation is most of train, inference and ffn (two graphs each, six compiled decode steps);
+with the weights made first and the build, ~11 minutes: past a 10-minute device call, so split it
+with --parts there (each call making its weights; `make bench-headline` runs it whole). Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
 ($GIT_COMMIT or git), date, the measured L0, the ratios `train_step_speedup`, `train_peak_mem_ratio`,
 `prefill_speedup`, `decode_speedup` (per batch; compiled steps where measured, `decode_speedup_uncompiled`
 beside), `ffn_train_speedup` (at 30 non-zeros), each against
@@ -286,11 +286,12 @@ def summary(rows: list[dict[str, Any]], budget: Budget) -> dict[str, Any]:
     out["prefill_compiled"] = key == "prefill_compiled_tokens_per_s"
     out["decode_speedup"] = {}
     out["decode_speedup_uncompiled"] = {}
+    (_, compiled_key), (_, plain_key) = DECODE_MODES
     for batch in budget.decode_batches:
         dense, sparse = _pair(rows, "inference", batch=batch)
-        # Both paths graph-captured, as the targets ask; compiled before capture where measured.
-        (_, compiled_key), (_, plain_key) = DECODE_MODES
-        key = compiled_key if dense and compiled_key in dense else plain_key
+        # Both paths graph-captured, as the targets ask; compiled before capture where both were.
+        both_compiled = dense and sparse and compiled_key in dense and compiled_key in sparse
+        key = compiled_key if both_compiled else plain_key
         out["decode_speedup"][str(batch)] = _ratio(sparse and sparse.get(key), dense and dense.get(key))
         out["decode_speedup_uncompiled"][str(batch)] = _ratio(
             sparse and sparse.get(plain_key), dense and dense.get(plain_key)

@@ -206,8 +206,8 @@ void ffn_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const 
 }
 
 // k_cache[layer, b, c:c + T] = rope(k[b]) and v_cache[...] = v[b], in place (kv_cache.cuh), with
-// c = start for every row, or c = columns[b] (int64 [B] on the device: no host read; a row whose
-// columns fall outside the cache is not written).
+// c = start for every row, or c = columns[b] (int64 [B] on the device, start 0: no host read; the
+// caller keeps them in range, and a row whose columns fall outside the cache is never written).
 // Caches: [layers, B, max_len, heads, head_dim], contiguous; k, v: [B, T, heads, head_dim] with
 // the same strides, contiguous but for the token stride (e.g. views of one q|k|v tensor);
 // cos, sin: T x head_dim values shared by the rows or B x T x head_dim, contiguous; all bf16.
@@ -237,8 +237,8 @@ void write_rope(at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer, int64_t
                ") exceed the cache's ", max_len);
   SL_CHECK_ARG(!columns.has_value() || (columns->is_cuda() && columns->device() == k.device() &&
                                         columns->scalar_type() == at::kLong && columns->dim() == 1 &&
-                                        columns->size(0) == batch && columns->is_contiguous() && start == 0),
-               "columns must be a contiguous int64 CUDA vector of B = ", batch, " start columns (start 0)");
+                                        columns->size(0) == batch && columns->is_contiguous()),
+               "columns must be a contiguous int64 vector of B = ", batch, " start columns on k's device");
   SL_CHECK_ARG(head_dim % 16 == 0, "head_dim must be a multiple of 16, got ", head_dim);
   const bool shared = cos.numel() == tokens * head_dim;
   SL_CHECK_ARG((shared || cos.numel() == batch * tokens * head_dim) && sin.sizes() == cos.sizes(),

@@ -177,8 +177,8 @@ class L1ControllerConfig:
     coeff_min: float = checked(1e-8, gt=0)  # the coefficient is clamped to [coeff_min, coeff_max]
     coeff_max: float = checked(1.0, gt=0)
     per_layer: bool = False  # one coefficient per layer, each driven by its own layer's L0
-    # With sparsity.reinit: the integral holds still for this share of each reinit period after a
-    # reinit, while the revived units' burst of activity passes (the P term still answers it).
+    # With sparsity.reinit: after a reinit that revived units, the integral holds still for this
+    # share of the reinit period, while their burst of activity passes (the P term answers it).
     reinit_hold_fraction: float = checked(0.5, ge=0, lt=1)
 
 

@@ -115,10 +115,18 @@ def write_kv_columns(
     sin: torch.Tensor,
 ) -> None:
     """k_cache[layer, b, columns[b]] = RoPE(k[b, 0]) and v_cache[...] = v[b, 0] for every row b, in
-    place (k, v: [B, 1, kv_heads, head_dim]; columns in [0, max_len)). On Hopper the fused kernel
-    writes each row at its column (one launch, RoPE(k) rounded as in every other cache write);
-    elsewhere through a one-column staging cache by `write_kv`, then a scatter."""
-    if _fused_write_applies(k_cache, v_cache, k, v, cos, sin):
+    place (k, v: [B, 1, kv_heads, head_dim]; columns: int64 [B], each in [0, max_len): the
+    caller's contract, not checked here, which would read the device). On Hopper the fused kernel
+    writes each row at its column (one launch, RoPE(k) rounded as in every other cache write; it
+    never writes outside the cache); elsewhere through a one-column staging cache by `write_kv`,
+    then a scatter (which raises on a column out of range)."""
+    if k.shape[1] != 1:
+        raise ValueError(f"write_kv_columns writes one token a row, got k of shape {tuple(k.shape)}")
+    if (
+        _fused_write_applies(k_cache, v_cache, k, v, cos, sin)
+        and columns.device == k.device
+        and columns.is_contiguous()
+    ):
         extension().kv_cache_write_rope_columns(k_cache, v_cache, layer, columns, k, v, cos, sin)
         return
     batch, _, heads, head_dim = k.shape

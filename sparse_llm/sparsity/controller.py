@@ -40,9 +40,10 @@ lambda 3e-3, 30x too small, and from 0.1, 10x too large; 400-900 steps):
   Start from a lambda that is too small rather than too large, after a warm-up past the first
   collapse of L0: on the tiny model at gain 0.1, 16 runs from 3e-3 (L0 above the target; 8 seeds,
   1 and 2 threads) ended within 9% of it, 7 runs from 0.1 (L0 far below) 1-15% below it.
-- reinit_hold_fraction 0.5: a dead-unit reinit revives units that then fire on many tokens for a
-  while (L0 several times the target), and an integral that follows that burst leaves lambda far
-  too high afterwards: L0 then sits under the target until the next reinit (~20% under on the
+- reinit_hold_fraction 0.5: a dead-unit reinit that revives units (the reinit callback tells the
+  controller, `reinit_revived_units`) is followed by a burst: the revived units fire on many
+  tokens for a while (L0 several times the target), and an integral that follows that burst
+  leaves lambda far too high afterwards: L0 then sits under the target until the next reinit (~20% under on the
   100m recipe, `recipe_100m_h200.md`). Holding the integral through the first half of each
   period removed that bias on the tiny CPU model (target L0 20, reinit every 50 steps, 400 steps,
   2 seeds; mean L0 over the second half of each period after step 100): 13.1 / 13.7 with no hold,
@@ -85,6 +86,7 @@ class L1Controller:
         # controlled coefficient; lambda = clamp(integral x exp(p_gain x error)).
         self._integral = [self._clamp(cfg.l1_coeff)] * n
         self._error = [0.0] * n
+        self._hold = (0, 0)  # the steps [start, end) the integral holds still (after a reinit)
 
     def _clamp(self, value: float) -> float:
         return min(max(value, self.cfg.controller.coeff_min), self.cfg.controller.coeff_max)
@@ -115,13 +117,17 @@ class L1Controller:
         width = max(2, len(str(self.num_layers - 1)))
         return {f"l1_coeff/layer_{i:0{width}d}": c for i, c in enumerate(self.coefficients(step))}
 
+    def reinit_revived_units(self, completed_steps: int) -> None:
+        """A dead-unit reinit after `completed_steps` optimizer steps revived units: their burst of
+        activity shows from step `completed_steps` (0-based) on, and the integral holds still for
+        the first `controller.reinit_hold_fraction` of the reinit period from there."""
+        hold = round(self.cfg.controller.reinit_hold_fraction * self.cfg.reinit.every)
+        self._hold = (completed_steps, completed_steps + hold)
+
     def holding(self, step: int) -> bool:
-        """Whether the integral holds still at optimizer step `step` (0-based): in the first
-        `controller.reinit_hold_fraction` of the steps after a dead-unit reinit (it runs after every
-        `reinit.every` completed steps, so its burst shows from step k x every on)."""
-        reinit = self.cfg.reinit
-        hold = int(self.cfg.controller.reinit_hold_fraction * reinit.every)
-        return reinit.enabled and step >= reinit.every and step % reinit.every < hold
+        """Whether the integral holds still at optimizer step `step` (0-based)."""
+        start, end = self._hold
+        return start <= step < end
 
     def update(self, l0_per_layer: Sequence[float], step: int) -> None:
         """Adapt after optimizer step `step` from that step's L0 of every layer (global over
@@ -143,7 +149,12 @@ class L1Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable; Python's JSON floats round-trip exactly."""
-        return {"integral": list(self._integral), "error": list(self._error), "per_layer": self.per_layer}
+        return {
+            "integral": list(self._integral),
+            "error": list(self._error),
+            "per_layer": self.per_layer,
+            "hold": list(self._hold),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         integral = [float(v) for v in state["integral"]]
@@ -155,3 +166,5 @@ class L1Controller:
                 f"{len(self._integral)} (sparsity.controller.per_layer={self.per_layer})"
             )
         self._integral, self._error = integral, error
+        start, end = state.get("hold", (0, 0))  # absent: written before the hold existed
+        self._hold = (int(start), int(end))

@@ -9,8 +9,9 @@ Config entries under `callbacks:` name a Callback subclass and its arguments:
 Callbacks run on every data-parallel rank (a callback that writes files should check the
 rank itself). The trainer object they receive exposes: `model` (the unwrapped
 SparseLlamaForCausalLM), `optimizer` (torch AdamW), `cfg` (RunConfig), `step` (completed
-optimizer steps), `sparsity` (SparsityMonitor), `run_dir` (Path) and `reinit_generator`
-(torch.Generator seeded identically on all ranks).
+optimizer steps), `sparsity` (SparsityMonitor), `run_dir` (Path), `reinit_generator`
+(torch.Generator seeded identically on all ranks) and `l1_controller` (the L1Controller of a
+target sparsity, else None).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class DeadUnitReinitCallback(Callback):
             generator=trainer.reinit_generator,
         )
         trainer.sparsity.reset_units(dead)
+        if revived and trainer.l1_controller is not None:  # the controller holds through the burst
+            trainer.l1_controller.reinit_revived_units(step)
         metrics["reinit/revived"] = float(revived)
         width = max(2, len(str(dead.shape[0] - 1)))
         for layer, count in enumerate(dead.sum(-1).tolist()):

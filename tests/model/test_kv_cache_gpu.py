@@ -46,7 +46,8 @@ def test_fused_write_matches_pytorch(per_row_positions, batch, tokens, heads, he
 @pytest.mark.parametrize(("batch", "heads", "head_dim"), [(3, 2, 16), (8, 32, 64)])
 def test_column_write_equals_a_write_at_each_rows_start(batch, heads, head_dim):
     """write_kv_columns (the fused kernel, each row at its own device-side column) leaves the cache
-    bit for bit as write_kv of each row at that column does; a row past the cache is not written."""
+    bit for bit as write_kv of each row at that column does; in a launch whose odd rows point past
+    the cache (a broken caller contract), the kernel writes the even rows and nothing outside."""
     layers, layer, max_len = 2, 1, 32
     gen = torch.Generator(device="cuda").manual_seed(batch)
     k, v = (torch.randn(batch, 1, heads, head_dim, generator=gen, device="cuda").bfloat16() for _ in range(2))
@@ -65,6 +66,9 @@ def test_column_write_equals_a_write_at_each_rows_start(batch, heads, head_dim):
         want_k[:, one], want_v[:, one] = row_k, row_v
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
-    outside = torch.full_like(got_k, 7.0)
-    write_kv_columns(outside, outside.clone(), layer, torch.full_like(columns, max_len), k, v, cos, sin)
-    assert (outside == 7.0).all()
+    odd_out = columns.clone()
+    odd_out[1::2] = max_len
+    mixed_k, mixed_v = (torch.full(shape, 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    write_kv_columns(mixed_k, mixed_v, layer, odd_out, k, v, cos, sin)
+    assert torch.equal(mixed_k[:, 0::2], want_k[:, 0::2]) and torch.equal(mixed_v[:, 0::2], want_v[:, 0::2])
+    assert (mixed_k[:, 1::2] == 7.0).all() and (mixed_v[:, 1::2] == 7.0).all()

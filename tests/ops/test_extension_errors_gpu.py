@@ -186,7 +186,17 @@ CASES = {
         lambda ext: _kv_write(
             ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.int32)
         ),
-        "columns must be a contiguous int64 CUDA vector",
+        "columns must be a contiguous int64 vector",
+        lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.long)),
+    ),
+    "kv_cache_write_rope_columns columns of the wrong length": (
+        lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(2, device="cuda", dtype=torch.long)),
+        "columns must be a contiguous int64 vector of B = 1",
+        lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.long)),
+    ),
+    "kv_cache_write_rope_columns columns on the CPU": (
+        lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(1, dtype=torch.long)),
+        "start columns on k's device",
         lambda ext: _kv_write(ext, layer=1, start=0, columns=torch.zeros(1, device="cuda", dtype=torch.long)),
     ),
     "ffn_train_forward D not a multiple of 8": (

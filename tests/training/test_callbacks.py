@@ -9,9 +9,9 @@ import pytest
 import torch
 from callback_targets import Recorder
 
-from sparse_llm.config import ConfigError, ModelConfig, RunConfig
+from sparse_llm.config import ConfigError, ModelConfig, ReinitConfig, RunConfig, SparsityConfig
 from sparse_llm.model import FFNStats, build_model
-from sparse_llm.sparsity import SparsityMonitor
+from sparse_llm.sparsity import L1Controller, SparsityMonitor
 from sparse_llm.training.callbacks import (
     Callback,
     CallbackList,
@@ -111,6 +111,7 @@ def make_trainer():
         sparsity=SparsityMonitor(LAYERS, H, dead_window_tokens=10),
         run_dir=Path("."),
         reinit_generator=torch.Generator().manual_seed(0),
+        l1_controller=None,
     )
 
 
@@ -137,6 +138,29 @@ def test_dead_unit_reinit_callback():
     gate0_after = trainer.model.model.layers[0].mlp.gate_proj.weight.detach()
     assert not torch.equal(gate0_after[3], gate0[3])
     assert torch.equal(gate0_after[:3], gate0[:3]) and torch.equal(gate0_after[4:], gate0[4:])
+
+
+def _with_dead_units(trainer, dead: bool) -> None:
+    """One step's counts: unit 3 of layer 0 silent over 10 tokens (dead), or every unit firing."""
+    fire = torch.ones(LAYERS, H, dtype=torch.int64)
+    fire[0, 3] = 0 if dead else 1
+    hist = torch.zeros(LAYERS, H + 1, dtype=torch.int64)
+    hist[:, 5] = 10
+    trainer.sparsity.update(FFNStats(torch.zeros(LAYERS), counts_from_hist(hist), fire))
+    trainer.sparsity.end_step(lambda t: t)
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_a_reinit_that_revives_units_holds_the_controllers_integral(dead):
+    """Under a target, a reinit that revived units starts the controller's hold (half of the
+    10-step period: steps 10-14); one that found no dead unit leaves the controller alone."""
+    trainer = make_trainer()
+    sparsity = SparsityConfig(l1_coeff=1e-3, target_l0=4.0, reinit=ReinitConfig(enabled=True, every=10))
+    trainer.l1_controller = L1Controller(sparsity, LAYERS, H)
+    _with_dead_units(trainer, dead)
+    DeadUnitReinitCallback(every=10).on_step_end(trainer, 10, {})
+    held = [step for step in range(30) if trainer.l1_controller.holding(step)]
+    assert held == ([10, 11, 12, 13, 14] if dead else [])
 
 
 def test_dead_unit_reinit_callback_rejects_bad_interval():
