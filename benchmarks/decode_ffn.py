@@ -2,6 +2,7 @@
 one CUDA graph: what the bytes allow at 1, 8 and 64 rows.
 
     python benchmarks/decode_ffn.py [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
+    python benchmarks/decode_ffn.py --rows 1 8 --splits 1 2 4 8 16   # ours at each CTA split too
 
 Each graph runs `--layers` FFNs with distinct weights (more bytes than the L2 holds, so every layer
 reads its weights from memory as in a model), out += ffn(x) into one residual. Dense: the three
@@ -42,6 +43,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="per-kernel times of one eager call of each, per case"
     )
+    p.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time ours with these CTAs per row in up/down (the op's tuning knob; default: its choice)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
     return p.parse_args()
@@ -72,7 +80,16 @@ def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
         for name, fn in (("dense", dense), ("ours", ours)):
             print(f"-- rows {rows}, nnz {nnz:g}: {name}")
             print_profile(fn)
+
+    def ours_split(splits: int) -> Callable[[], None]:
+        def run() -> None:
+            for wg, wu, _, wd_t in weights:
+                torch.ops.sparse_llm.ffn_decode_add_(out, x, wg, wu, wd_t, splits)
+
+        return run
+
     dense_ms, ours_ms = graph_ms(dense, args.reps), graph_ms(ours, args.reps)
+    by_splits = {s: 1e3 * graph_ms(ours_split(s), args.reps) / layers for s in args.splits}
     active = [int((torch.relu(x @ wg.T) > 0).any(0).sum()) for wg, *_ in weights]  # union per layer
     nnz_measured = statistics.fmean(
         float((torch.relu(x @ wg.T) > 0).sum(1).float().mean()) for wg, *_ in weights
@@ -88,6 +105,7 @@ def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
         "speedup": dense_ms / ours_ms,
         "dense_gbs": dense_bytes / dense_ms / 1e6,
         "ours_gbs": ours_bytes / ours_ms / 1e6,
+        "ours_us_per_layer_by_splits": by_splits,
     }
 
 
@@ -104,6 +122,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r['rows']} | {r['nnz']:.1f} | {r['union_units']:.0f} | {r['dense_us_per_layer']:.1f} | "
             f"{r['ours_us_per_layer']:.1f} | {r['speedup']:.2f}x | {r['dense_gbs']:,.0f} | {r['ours_gbs']:,.0f} |"
         )
+    swept = sorted({s for r in rows for s in r["ours_us_per_layer_by_splits"]})
+    if swept:
+        lines += [
+            "",
+            "Ours, us a layer, at each count of CTAs a row's up/down shares (`--splits`; the table above: the op's choice):",
+            "",
+            "| rows | nnz/token | " + " | ".join(f"splits {s}" for s in swept) + " |",
+            "|---:|---:|" + "---:|" * len(swept),
+        ]
+        for r in rows:
+            cells = [f"{r['ours_us_per_layer_by_splits'][s]:.1f}" for s in swept]
+            lines.append(f"| {r['rows']} | {r['nnz']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

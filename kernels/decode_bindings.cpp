@@ -17,12 +17,14 @@ using sparse_llm_glue::check_matrix;
 // tokens with many active units), so a batch of 64 still gives each row 8 CTAs (measured on an
 // H100 at 64 rows: 55 us with 2 a row, the heavy rows' CTAs running long after the rest).
 int decode_splits(int64_t rows) { return static_cast<int>(std::clamp<int64_t>(512 / std::max<int64_t>(rows, 1), 1, 16)); }
+constexpr int64_t kMaxSplits = 64;  // of an explicit `splits` (a CUDA grid's x extent takes far more)
 
 // out += relu(x Wg^T) * (x Wu^T) Wd^T in place; x: [M, D]; wg, wu, wd_t (= Wd^T): [H, D]; out: M x D
 // values, contiguous; all bf16 on one GPU. Exact for every pattern (decode_ffn.cuh: the record holds
-// every unit).
+// every unit). `splits`: the CTAs a row's up/down shares, 0 for decode_splits' choice (a speed knob
+// only, for tuning: each value gives an exact result, in its own fixed summation order).
 void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
-                     const at::Tensor& wd_t) {
+                     const at::Tensor& wd_t, int64_t splits) {
   check_matrix(x, "x");
   check_matrix(wg, "wg");
   check_matrix(wu, "wu");
@@ -42,16 +44,17 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
   SL_CHECK_ARG(rows <= 65535, "at most 65535 rows (a CUDA grid's y extent), got ", rows);
   SL_CHECK_ARG(sparse_llm::decode_segments(static_cast<int>(hidden)) <= sparse_llm::kDecodeMaxSegments,
                "H must be at most ", sparse_llm::kDecodeMaxSegments * sparse_llm::kDecodeSegUnits, ", got ", hidden);
+  SL_CHECK_ARG(splits >= 0 && splits <= kMaxSplits, "splits must be in [0, ", kMaxSplits, "], got ", splits);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = sparse_llm_glue::current_stream();
   const int n_seg = sparse_llm::decode_segments(static_cast<int>(hidden));
-  const int splits = decode_splits(rows);
+  const int row_splits = splits > 0 ? static_cast<int>(splits) : decode_splits(rows);
   auto opts = x.options();
   at::Tensor seg_count = at::empty({rows, n_seg}, opts.dtype(at::kInt));
   at::Tensor seg_unit = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kInt));
   at::Tensor seg_gate = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kFloat));
-  at::Tensor partial = at::empty({rows, splits, dim}, opts.dtype(at::kFloat));
+  at::Tensor partial = at::empty({rows, row_splits, dim}, opts.dtype(at::kFloat));
   at::Tensor arrivals = at::zeros({rows}, opts.dtype(at::kInt));
   if (rows <= sparse_llm::kDecodeFusedRows) {
     check_cuda(sparse_llm::launch_decode_gate(bf16_ptr(x), dim, bf16_ptr(wg), static_cast<int>(rows),
@@ -69,7 +72,7 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
   check_cuda(sparse_llm::launch_decode_updown_add(bf16_ptr(x), dim, bf16_ptr(wu), bf16_ptr(wd_t),
                                                   static_cast<int>(rows), static_cast<int>(dim),
                                                   static_cast<int>(hidden), seg_count.data_ptr<int32_t>(),
-                                                  seg_unit.data_ptr<int32_t>(), seg_gate.data_ptr<float>(), splits,
+                                                  seg_unit.data_ptr<int32_t>(), seg_gate.data_ptr<float>(), row_splits,
                                                   partial.data_ptr<float>(), arrivals.data_ptr<int32_t>(),
                                                   bf16_mut_ptr(out), stream),
              "decode_updown_add");
@@ -80,6 +83,8 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
 void register_decode_ops(pybind11::module_& m) {
   m.def("ffn_decode_add_", sparse_llm_glue::guarded<&ffn_decode_add_>,
         "out += the exact FFN of a few rows x, in place, with no host read (CUDA-graph capturable); "
-        "wd_t is Wd^T ([H, D])");
+        "wd_t is Wd^T ([H, D]); splits: CTAs a row's up/down shares, 0 for the default",
+        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("wg"), pybind11::arg("wu"), pybind11::arg("wd_t"),
+        pybind11::arg("splits") = 0);
   m.attr("decode_max_dim") = sparse_llm::kDecodeMaxDim;
 }

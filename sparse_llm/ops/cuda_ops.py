@@ -50,16 +50,22 @@ def _(out, x, wg, wu, wd, wd_t, heavy_threshold):
 
 @torch.library.custom_op("sparse_llm::ffn_decode_add_", mutates_args=("out",))
 def ffn_decode_add_(
-    out: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd_t: torch.Tensor
+    out: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd_t: torch.Tensor,
+    splits: int = 0,
 ) -> None:
     """out += ffn(x) for a few rows (x: [M, D], M <= DECODE_MAX_ROWS; wg, wu, wd_t = Wd^T: [H, D];
     out: [M, D]; bf16 contiguous) with no host read, so a decode step can be captured in a
-    CUDA graph (kernels/decode_ffn.cu). Exact on every pattern."""
-    extension().ffn_decode_add_(out, x, wg, wu, wd_t)
+    CUDA graph (kernels/decode_ffn.cu). Exact on every pattern. `splits` (0: the kernels' choice)
+    is a speed knob for tuning: the CTAs a row's up/down shares."""
+    extension().ffn_decode_add_(out, x, wg, wu, wd_t, splits)
 
 
 @ffn_decode_add_.register_fake
-def _(out, x, wg, wu, wd_t):
+def _(out, x, wg, wu, wd_t, splits=0):
     return None
 
 

@@ -44,6 +44,20 @@ def test_standard_shapes_are_exact(m, nnz):
     _assert_exact(ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda"), w.x, w.wg, w.wu, w.wd)
 
 
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_every_split_of_up_down_is_exact(m, splits):
+    """The tuning knob moves work between CTAs only: each count gives an exact result, the same on
+    every call."""
+    w = make_workload(m, 2048, 5632, 30, seed=m + splits, device="cuda")
+    out = torch.zeros_like(w.x)
+    torch.ops.sparse_llm.ffn_decode_add_(out, w.x, w.wg, w.wu, w.wd.t().contiguous(), splits)
+    _assert_exact(out, w.x, w.wg, w.wu, w.wd)
+    again = torch.zeros_like(w.x)
+    torch.ops.sparse_llm.ffn_decode_add_(again, w.x, w.wg, w.wu, w.wd.t().contiguous(), splits)
+    assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_add_is_out_plus_forward_and_depends_on_the_inputs_only(m):
     w = make_workload(m, 2048, 5632, 30, seed=m, device="cuda")

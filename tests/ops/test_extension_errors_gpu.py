@@ -249,6 +249,11 @@ CASES = {
         "wg, wu and wd_t must all be",
         lambda ext: ext.ffn_decode_add_(*_decode_args(64)),
     ),
+    "ffn_decode_add_ too many splits": (
+        lambda ext: ext.ffn_decode_add_(*_decode_args(64), 65),
+        "splits must be in",
+        lambda ext: ext.ffn_decode_add_(*_decode_args(64), 64),
+    ),
     "ffn_decode_add_ out of the wrong size": (
         lambda ext: ext.ffn_decode_add_(
             *_with(_decode_args(64), 0, torch.zeros(3, 64, device="cuda", dtype=BF16))
