@@ -34,24 +34,25 @@ def test_compiled_stats_match_eager(grad):
     torch.testing.assert_close(compiled.l1, eager.l1, rtol=2e-2, atol=0)
 
 
-@pytest.mark.gpu
-def test_cuda_ffn_impl_matches_dense_logits():
+def _dense_and_cuda_models(dtype: torch.dtype | None = None):
+    """A small dense model and the same weights with ffn_impl="cuda", both in eval mode (in `dtype`
+    where given), and token ids for them."""
     torch.manual_seed(0)
     dense_cfg = ModelConfig(
         vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
     )
-    dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().eval()
-    sparse = (
-        build_model(
-            ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}),
-            device="cuda",
-            compute_dtype=torch.bfloat16,
-        )
-        .cuda()
-        .eval()
-    )
+    models = [
+        build_model(cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().to(dtype).eval()
+        for cfg in (dense_cfg, ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}))
+    ]
+    dense, sparse = models
     sparse.load_state_dict(dense.state_dict())
-    ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
+    return dense, sparse, torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_ffn_impl_matches_dense_logits():
+    dense, sparse, ids = _dense_and_cuda_models()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         expected = dense(ids).logits.float()
         got = sparse(ids).logits.float()
@@ -69,23 +70,7 @@ def test_bf16_cuda_inference_adds_into_the_residual_eager_and_compiled(cached):
     so the check is the dense model's own compiled-vs-eager gap, which a lost add would exceed."""
     from sparse_llm.model.kv_cache import KVCache
 
-    torch.manual_seed(0)
-    dense_cfg = ModelConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4
-    )
-    dense = build_model(dense_cfg, device="cuda", compute_dtype=torch.bfloat16).cuda().bfloat16().eval()
-    sparse = (
-        build_model(
-            ModelConfig(**{**dense_cfg.__dict__, "ffn_impl": "cuda"}),
-            device="cuda",
-            compute_dtype=torch.bfloat16,
-        )
-        .cuda()
-        .bfloat16()
-        .eval()
-    )
-    sparse.load_state_dict(dense.state_dict())
-    ids = torch.randint(0, dense_cfg.vocab_size, (4, 200), device="cuda")
+    dense, sparse, ids = _dense_and_cuda_models(torch.bfloat16)
 
     def logits(model):
         cache = KVCache(model.config, 4, 200, "cuda", torch.bfloat16) if cached else None
