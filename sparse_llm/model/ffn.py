@@ -29,6 +29,7 @@ from sparse_llm.config import ModelConfig
 from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.ops.ffn import ffn_add_, ffn_forward
 from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.relu_gate import relu_gate_stats
 from sparse_llm.ops.select import PHASES, FFNSelection, select_ffn
 from sparse_llm.ops.train_block import ffn_block_train
 
@@ -164,6 +165,10 @@ class GatedMLP(nn.Module):
         return ffn_forward(*operands, impl=impl, wd_t=self._down_transposed(operands[0].dtype, impl))
 
     def dense_forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple]:
+        if with_stats and self.act is F.relu:  # the product and its statistics in one pass
+            g, u = self.gate_proj(x), self.up_proj(x)
+            hidden, l1, nnz_per_token, fire_counts = relu_gate_stats(g.flatten(0, -2), u.flatten(0, -2))
+            return self.down_proj(hidden.view(g.shape)), (l1.mean(), nnz_per_token, fire_counts)
         a = self.act(self.gate_proj(x))
         hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)

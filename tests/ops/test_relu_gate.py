@@ -1,0 +1,74 @@
+"""The dense FFN's gate product with its statistics in one pass (sparse_llm/ops/relu_gate.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ffn_patterns import needs_hopper
+
+from sparse_llm.ops.activation_counts import activation_counts_reference
+from sparse_llm.ops.relu_gate import relu_gate_stats, relu_gate_stats_reference
+
+
+def _inputs(rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """Gate and up projections with the patterns that matter: a row with no active unit, a row
+    with every unit active, a unit that never fires."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    g = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+    u = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+    g[0] = -1.0
+    g[1] = g[1].abs() + 0.5
+    g[:, 3] = -1.0
+    return g, u
+
+
+def test_values_and_statistics_are_those_of_the_plain_ops():
+    g, u = _inputs(9, 40, torch.float32)
+    h, l1, nnz, fire = relu_gate_stats(g, u)
+    plain = torch.relu(g) * u
+    assert torch.equal(h, plain)
+    assert torch.equal(l1, plain.abs().sum(-1, dtype=torch.float32))
+    want_nnz, want_fire = activation_counts_reference(torch.relu(g))
+    assert torch.equal(nnz, want_nnz) and torch.equal(fire, want_fire)
+    assert nnz[0] == 0 and nnz[1] == 39 and fire[3] == 0
+
+
+def test_gradients_are_those_of_the_plain_ops():
+    """Through h and through the per-row L1 (fp32, as the loss sums it)."""
+    g, u = (t.double().requires_grad_() for t in _inputs(6, 24, torch.float32))
+    w, c = torch.randn(6, 24, dtype=torch.float64), torch.randn(6)
+    h, l1, _, _ = relu_gate_stats(g, u)
+    ((h * w).sum() + (l1 * c).sum()).backward()
+    g2, u2 = (t.detach().clone().requires_grad_() for t in (g, u))
+    h2 = torch.relu(g2) * u2
+    ((h2 * w).sum() + (h2.abs().sum(-1, dtype=torch.float32) * c).sum()).backward()
+    torch.testing.assert_close(g.grad, g2.grad)
+    torch.testing.assert_close(u.grad, u2.grad)
+
+
+def test_op_registration():
+    g, u = _inputs(5, 16, torch.float32)
+    torch.library.opcheck(relu_gate_stats, (g.requires_grad_(), u.requires_grad_()))
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "hidden"), [(37, 200), (16384, 5632)])
+def test_the_triton_kernel_equals_the_reference(rows, hidden):
+    """bf16 on the GPU: h and the counts exactly the reference's, the L1 rows within fp32 summation
+    order; the gradients of a loss through h and the L1 rows within bf16 rounding."""
+    g, u = _inputs(rows, hidden, torch.bfloat16, "cuda", seed=rows)
+    got, want = relu_gate_stats(g, u), relu_gate_stats_reference(g, u)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-3)
+
+    w = torch.randn_like(g)
+    c = torch.randn(rows, device="cuda")
+    grads = []
+    for fn in (relu_gate_stats, relu_gate_stats_reference):
+        g1, u1 = g.clone().requires_grad_(), u.clone().requires_grad_()
+        h, l1, _, _ = fn(g1, u1)
+        ((h.float() * w.float()).sum() + (l1 * c).sum()).backward()
+        grads.append((g1.grad, u1.grad))
+    for got_grad, want_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad)
