@@ -48,7 +48,8 @@ def parse_args() -> argparse.Namespace:
         type=int,
         nargs="*",
         default=[],
-        help="also time ours with these CTAs per row in up/down (the op's tuning knob; default: its choice)",
+        help="also time ours with up/down as its own launch over these CTAs a row (the op's tuning knob; "
+        "the main table: its default plan, one launch at 1 row)",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
@@ -126,7 +127,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     if swept:
         lines += [
             "",
-            "Ours, us a layer, at each count of CTAs a row's up/down shares (`--splits`; the table above: the op's choice):",
+            "Ours, us a layer, with up/down as its own launch over `--splits` CTAs a row (the table above: the default plan, "
+            "the whole FFN in one launch at 1 row):",
             "",
             "| rows | nnz/token | " + " | ".join(f"splits {s}" for s in swept) + " |",
             "|---:|---:|" + "---:|" * len(swept),

@@ -21,8 +21,10 @@ constexpr int64_t kMaxSplits = 64;  // of an explicit `splits` (a CUDA grid's x 
 
 // out += relu(x Wg^T) * (x Wu^T) Wd^T in place; x: [M, D]; wg, wu, wd_t (= Wd^T): [H, D]; out: M x D
 // values, contiguous; all bf16 on one GPU. Exact for every pattern (decode_ffn.cuh: the record holds
-// every unit). `splits`: the CTAs a row's up/down shares, 0 for decode_splits' choice (a speed knob
-// only, for tuning: each value gives an exact result, in its own fixed summation order).
+// every unit). `splits`: 0 for the default plan (one row: the whole FFN in one launch; more: the
+// gate, then up/down over decode_splits' CTAs a row); else up/down as its own launch over that
+// many CTAs a row, whatever the rows (a speed knob, for tuning and comparison: each value gives an
+// exact result, in its own fixed summation order).
 void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
                      const at::Tensor& wd_t, int64_t splits) {
   check_matrix(x, "x");
@@ -49,11 +51,21 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = sparse_llm_glue::current_stream();
   const int n_seg = sparse_llm::decode_segments(static_cast<int>(hidden));
-  const int row_splits = splits > 0 ? static_cast<int>(splits) : decode_splits(rows);
   auto opts = x.options();
   at::Tensor seg_count = at::empty({rows, n_seg}, opts.dtype(at::kInt));
   at::Tensor seg_unit = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kInt));
   at::Tensor seg_gate = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kFloat));
+  if (splits == 0 && rows <= sparse_llm::kDecodeOneLaunchRows && n_seg <= sparse_llm::kDecodeOneLaunchMaxSegments) {
+    at::Tensor arrivals = at::zeros({1}, opts.dtype(at::kInt));
+    check_cuda(sparse_llm::launch_decode_ffn_add(bf16_ptr(x), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t),
+                                                 static_cast<int>(rows), static_cast<int>(dim),
+                                                 static_cast<int>(hidden), seg_count.data_ptr<int32_t>(),
+                                                 seg_unit.data_ptr<int32_t>(), seg_gate.data_ptr<float>(),
+                                                 arrivals.data_ptr<int32_t>(), bf16_mut_ptr(out), stream),
+               "decode_ffn_add");
+    return;
+  }
+  const int row_splits = splits > 0 ? static_cast<int>(splits) : decode_splits(rows);
   at::Tensor partial = at::empty({rows, row_splits, dim}, opts.dtype(at::kFloat));
   at::Tensor arrivals = at::zeros({rows}, opts.dtype(at::kInt));
   if (rows <= sparse_llm::kDecodeFusedRows) {
@@ -83,7 +95,8 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
 void register_decode_ops(pybind11::module_& m) {
   m.def("ffn_decode_add_", sparse_llm_glue::guarded<&ffn_decode_add_>,
         "out += the exact FFN of a few rows x, in place, with no host read (CUDA-graph capturable); "
-        "wd_t is Wd^T ([H, D]); splits: CTAs a row's up/down shares, 0 for the default",
+        "wd_t is Wd^T ([H, D]); splits: 0 for the default plan, else up/down as its own launch over that "
+        "many CTAs a row",
         pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("wg"), pybind11::arg("wu"), pybind11::arg("wd_t"),
         pybind11::arg("splits") = 0);
   m.attr("decode_max_dim") = sparse_llm::kDecodeMaxDim;

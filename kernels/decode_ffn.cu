@@ -1,5 +1,6 @@
-// The decode FFN (decode_ffn.cuh): two launches (from 3 rows: cuBLAS's gate, the compaction and
-// up/down), no host read, so a decode step can be captured in a CUDA graph.
+// The decode FFN (decode_ffn.cuh), with no host read, so a decode step can be captured in a CUDA
+// graph. One row: one launch (decode_ffn_kernel, below). 2 rows: the gate GEMV with the
+// compaction, then up/down. More rows: cuBLAS's gate, the compaction, then up/down.
 //   gate     one CTA per segment of 32 units; each warp streams 4 rows of Wg (16-byte loads) and
 //            dots them with every input row; the segment's active units are then compacted with
 //            one ballot per row. The bytes read are Wg's, once, whatever the number of rows.
@@ -43,14 +44,13 @@ __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int l
   if (lane == 0) seg_count[record] = __popc(mask);
 }
 
-// kRows: the rows' accumulators a lane keeps (rows <= kRows).
+// The gate of segment `seg` (kDecodeSegUnits units) for every row, rounded to bf16 as the dense
+// path's gate GEMM output is (so the same units fire), into gates[m][unit in segment]; the caller
+// synchronises before reading them. kRows: the rows' accumulators a lane keeps (rows <= kRows).
 template <int kRows>
-__global__ void __launch_bounds__(kGateThreads, 2)
-    decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
-                       int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
-                       float* __restrict__ seg_gate) {
-  __shared__ float gates[kRows][kDecodeSegUnits];
-  const int seg = blockIdx.x;
+__device__ __forceinline__ void gate_segment(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
+                                             const __nv_bfloat16* __restrict__ wg, int rows, int dim, int hidden,
+                                             int seg, float (&gates)[kRows][kDecodeSegUnits]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vecs = dim / kChunk;
   const int first_unit = seg * kDecodeSegUnits + warp * kUnitsPerWarp;
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kGateThreads, 2)
   float acc[kUnitsPerWarp][kRows] = {};
   const uint4* w[kUnitsPerWarp];
 #pragma unroll
-  for (int u = 0; u < kUnitsPerWarp; ++u)  // units past H read row 0 and are dropped below
+  for (int u = 0; u < kUnitsPerWarp; ++u)  // units past H read row 0 and are dropped by the caller
     w[u] = reinterpret_cast<const uint4*>(wg + static_cast<int64_t>(first_unit + u < hidden ? first_unit + u : 0) * dim);
   for (int v0 = lane; v0 < vecs; v0 += 32 * kGateLoads) {
     uint4 wv[kUnitsPerWarp][kGateLoads];  // every load of this pass issued before any is used
@@ -93,10 +93,20 @@ __global__ void __launch_bounds__(kGateThreads, 2)
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       if (m >= rows) break;
-      // Rounded to bf16 as the dense path's gate GEMM output is: the same units fire.
       const float g = __bfloat162float(__float2bfloat16(warp_sum(acc[u][m])));
       if (lane == 0) gates[m][warp * kUnitsPerWarp + u] = g;
     }
+}
+
+template <int kRows>
+__global__ void __launch_bounds__(kGateThreads, 2)
+    decode_gate_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ wg,
+                       int rows, int dim, int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
+                       float* __restrict__ seg_gate) {
+  __shared__ float gates[kRows][kDecodeSegUnits];
+  const int seg = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  gate_segment<kRows>(x, x_stride, wg, rows, dim, hidden, seg, gates);
   __syncthreads();
   const int n_seg = gridDim.x;
   for (int m = warp; m < rows; m += kGateWarps)
@@ -258,6 +268,167 @@ cudaError_t launch_updown(const __nv_bfloat16* x, int64_t x_stride, const __nv_b
   return cudaGetLastError();
 }
 
+// The whole FFN of one row in one launch. A CTA per segment computes its gates (gate_segment),
+// then for each of its active units the up projection and h = relu(g) * u (a warp a unit), lists
+// them in the segment's record (unit, h; in unit order) and asks L2 for the unit's row of Wd^T.
+// The last kFinishers CTAs to arrive (an arrival counter) wait for the rest, then each adds one
+// slice of y = sum of h_j Wd^T[j] into out: a warp per eighth of the list (units k = warp mod 8),
+// a lane per 8 values of the slice, the warps' sums in a fixed tree. Every lane has only a few
+// rows to load (~4 at 30 active units), so the tail after the gate is a few memory round trips,
+// and the result depends on the inputs only.
+constexpr int kFinishers = 8;
+constexpr int kListChunk = 512;  // list entries a finisher stages in shared memory at a time
+constexpr int kDownLoads = 4;    // rows of Wd^T a lane has in flight
+constexpr int kUpVecs = kDecodeMaxDim / kChunk / 32;  // 16-byte vectors of a row a lane holds
+static_assert(kGateWarps == kFinishers, "a finisher's warps take the list's units round robin");
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__global__ void __launch_bounds__(kGateThreads, 2)
+    decode_ffn_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ wg,
+                      const __nv_bfloat16* __restrict__ wu, const __nv_bfloat16* __restrict__ wd_t, int dim,
+                      int hidden, int32_t* __restrict__ seg_count, int32_t* __restrict__ seg_unit,
+                      float* __restrict__ seg_h, int32_t* __restrict__ arrivals, __nv_bfloat16* __restrict__ out) {
+  __shared__ float gates[1][kDecodeSegUnits];
+  __shared__ int active_lane[kDecodeSegUnits];  // the segment's active units, in order
+  __shared__ int active_count;
+  __shared__ int offsets[kDecodeOneLaunchMaxSegments + 1];  // finishers: where each segment's units start
+  __shared__ int list_unit[kListChunk];
+  __shared__ float list_h[kListChunk];
+  __shared__ float4 sums[kGateWarps / 2][32][2];  // finishers: the warps' tree
+  __shared__ int ticket;
+  const int seg = blockIdx.x, n_seg = gridDim.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int vecs = dim / kChunk;
+
+  gate_segment<1>(x, dim, wg, 1, dim, hidden, seg, gates);
+  __syncthreads();
+  if (warp == 0) {  // the compaction: one ballot
+    const bool active = seg * kDecodeSegUnits + lane < hidden && gates[0][lane] > 0.0f;
+    const unsigned mask = __ballot_sync(kFullMask, active);
+    if (active) active_lane[__popc(mask & ((1u << lane) - 1u))] = lane;
+    if (lane == 0) {
+      active_count = __popc(mask);
+      seg_count[seg] = __popc(mask);
+      __threadfence();  // each writer fences its own writes; the barrier below orders them all
+    }
+  }
+  __syncthreads();
+  for (int slot = warp; slot < active_count; slot += kGateWarps) {  // up and h, a warp a unit
+    const int unit_lane = active_lane[slot];
+    const int64_t unit = static_cast<int64_t>(seg) * kDecodeSegUnits + unit_lane;
+    const uint4* up = reinterpret_cast<const uint4*>(wu + unit * dim);
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    uint4 uv[kUpVecs], xv[kUpVecs];
+#pragma unroll
+    for (int i = 0; i < kUpVecs; ++i)  // every load issued before any is used
+      if (lane + 32 * i < vecs) {
+        uv[i] = __ldg(up + lane + 32 * i);
+        xv[i] = __ldg(xr + lane + 32 * i);
+      }
+    if (lane * 64 < dim) prefetch_l2(wd_t + unit * dim + lane * 64);  // the row's 128-byte lines
+    float part = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kUpVecs; ++i)
+      if (lane + 32 * i < vecs) part += dot_bf16x8(xv[i], uv[i]);
+    // u and h rounded to bf16 as the dense path rounds them (its up GEMM's output and the product).
+    const float u = __bfloat162float(__float2bfloat16(warp_sum(part)));
+    const float h = __bfloat162float(__float2bfloat16(gates[0][unit_lane] * u));
+    if (lane == 0) {
+      const int64_t record = static_cast<int64_t>(seg) * kDecodeSegUnits + slot;
+      seg_unit[record] = static_cast<int32_t>(unit);
+      seg_h[record] = h;
+      __threadfence();
+    }
+  }
+  __syncthreads();  // every record of the CTA written and fenced before it counts as arrived
+  const int finishers = min(kFinishers, n_seg);
+  if (threadIdx.x == 0) {
+    ticket = atomicAdd(arrivals, 1);
+    // The last `finishers` to arrive wait for the others: the CTAs not yet arrived are finishers
+    // too (resident or scheduled as the others exit), so the wait always ends.
+    if (ticket >= n_seg - finishers)
+      while (atomicAdd(arrivals, 0) < n_seg) __nanosleep(64);
+    __threadfence();  // the other CTAs' records are read after their arrivals
+  }
+  __syncthreads();
+  const int finisher = ticket - (n_seg - finishers);
+  if (finisher < 0) return;
+
+  for (int s = threadIdx.x; s < n_seg; s += kGateThreads)  // L2 reads: written by other SMs
+    offsets[s + 1] = __ldcg(seg_count + s);
+  __syncthreads();
+  if (warp == 0) {  // their inclusive prefix in place
+    int carry = 0;
+    for (int base = 0; base < n_seg; base += 32) {
+      const int s = base + lane;
+      const int inclusive = warp_inclusive_scan(s < n_seg ? offsets[s + 1] : 0, lane);
+      if (s < n_seg) offsets[s + 1] = carry + inclusive;
+      carry += __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (lane == 0) offsets[0] = 0;
+  }
+  __syncthreads();
+  const int total = offsets[n_seg];
+  if (total == 0) return;  // no unit fired: out + 0 is out
+
+  // This finisher's slice of the row: `per` vectors (<= 32: vecs <= kDecodeMaxDim / kChunk), a lane each.
+  const int per = (vecs + finishers - 1) / finishers;
+  const int v = finisher * per + lane;
+  const bool mine = lane < per && v < vecs;
+  float acc[kChunk] = {};
+  for (int base = 0; base < total; base += kListChunk) {
+    const int n = min(kListChunk, total - base);
+    for (int i = threadIdx.x; i < n; i += kGateThreads) {  // the list's next entries, in unit order
+      const int k = base + i;
+      int lo = 0, hi = n_seg;  // the segment holding entry k: the last with offsets[s] <= k
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] <= k) lo = mid; else hi = mid;
+      }
+      const int64_t record = static_cast<int64_t>(lo) * kDecodeSegUnits + (k - offsets[lo]);
+      list_unit[i] = __ldcg(seg_unit + record);
+      list_h[i] = __ldcg(seg_h + record);
+    }
+    __syncthreads();
+    if (mine)
+      for (int i0 = warp; i0 < n; i0 += kGateWarps * kDownLoads) {
+        uint4 dv[kDownLoads];
+#pragma unroll
+        for (int j = 0; j < kDownLoads; ++j) {
+          const int i = i0 + j * kGateWarps;
+          if (i < n) dv[j] = __ldg(reinterpret_cast<const uint4*>(wd_t + static_cast<int64_t>(list_unit[i]) * dim) + v);
+        }
+#pragma unroll
+        for (int j = 0; j < kDownLoads; ++j) {
+          const int i = i0 + j * kGateWarps;
+          if (i < n) axpy_bf16x8(list_h[i], dv[j], acc);
+        }
+      }
+    __syncthreads();
+  }
+  // The warps' sums in a fixed tree (w += w + half, half = 4, 2, 1), then out += bf16(y), rounded
+  // as a separate add would be.
+  for (int half = kGateWarps / 2; half > 0; half /= 2) {
+    if (warp >= half && warp < 2 * half) {
+      sums[warp - half][lane][0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      sums[warp - half][lane][1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    __syncthreads();
+    if (warp < half) {
+      const float4 lo = sums[warp][lane][0], hi = sums[warp][lane][1];
+      acc[0] += lo.x; acc[1] += lo.y; acc[2] += lo.z; acc[3] += lo.w;
+      acc[4] += hi.x; acc[5] += hi.y; acc[6] += hi.z; acc[7] += hi.w;
+    }
+    __syncthreads();
+  }
+  if (warp == 0 && mine) {
+    float rounded[kChunk];
+    bf16x8_to_float(float_to_bf16x8(acc), rounded);
+    add8(out, v, rounded);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wg, int rows, int dim,
@@ -303,6 +474,20 @@ cudaError_t launch_decode_updown_add(const __nv_bfloat16* x, int64_t x_stride, c
     err = launch_updown<8>(x, x_stride, wu, wd_t, rows, dim, n_seg, seg_count, seg_unit, seg_gate, splits, partial,
                            arrivals, out, stream);
   return err;
+}
+
+cudaError_t launch_decode_ffn_add(const __nv_bfloat16* x, const __nv_bfloat16* wg,
+                                  const __nv_bfloat16* wu, const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
+                                  int32_t* seg_count, int32_t* seg_unit, float* seg_h, int32_t* arrivals,
+                                  __nv_bfloat16* out, cudaStream_t stream) {
+  if (rows > kDecodeOneLaunchRows || dim % kChunk != 0 || dim > kDecodeMaxDim ||
+      decode_segments(hidden) > kDecodeOneLaunchMaxSegments)
+    return cudaErrorInvalidValue;
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  static_assert(kDecodeOneLaunchRows == 1, "the kernel takes one row");
+  decode_ffn_kernel<<<decode_segments(hidden), kGateThreads, 0, stream>>>(x, wg, wu, wd_t, dim, hidden, seg_count,
+                                                                          seg_unit, seg_h, arrivals, out);
+  return cudaGetLastError();
 }
 
 }  // namespace sparse_llm

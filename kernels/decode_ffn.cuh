@@ -28,6 +28,20 @@ inline int decode_segments(int hidden) { return (hidden + kDecodeSegUnits - 1) /
 // the 48 KiB of shared memory a launch gets without opting in.
 constexpr int kDecodeMaxSegments = (48 * 1024 / 4 - 4 * kDecodeMaxDim) - 4;
 
+// Rows up to which the whole FFN is one launch (the kernel takes one row), and segments up to
+// which (a finishing CTA's prefix over them lives in static shared memory): H up to 32768.
+constexpr int kDecodeOneLaunchRows = 1;
+constexpr int kDecodeOneLaunchMaxSegments = 1024;
+
+// The whole FFN of one row in one launch, out += y as launch_decode_updown_add defines it. The
+// segment CTAs list (unit, h = relu(g) * u rounded to bf16) in the record (seg_count, seg_unit,
+// seg_h: as above, h in place of the gate); the last few to arrive (arrivals: one int32, zero on
+// entry) wait for the rest and add y, each a slice, in a fixed order into out. dim <= kDecodeMaxDim.
+cudaError_t launch_decode_ffn_add(const __nv_bfloat16* x, const __nv_bfloat16* wg,
+                                  const __nv_bfloat16* wu, const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
+                                  int32_t* seg_count, int32_t* seg_unit, float* seg_h, int32_t* arrivals,
+                                  __nv_bfloat16* out, cudaStream_t stream);
+
 // The gate GEMV fused with ReLU and the compaction: g = x Wg^T in fp32 for rows <= kDecodeFusedRows.
 // x: [rows, dim] (row stride x_stride elements), wg: [hidden, dim], contiguous bf16, dim % 8 == 0.
 cudaError_t launch_decode_gate(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* wg, int rows, int dim,

@@ -59,8 +59,9 @@ def ffn_decode_add_(
 ) -> None:
     """out += ffn(x) for a few rows (x: [M, D], M <= DECODE_MAX_ROWS; wg, wu, wd_t = Wd^T: [H, D];
     out: [M, D]; bf16 contiguous) with no host read, so a decode step can be captured in a
-    CUDA graph (kernels/decode_ffn.cu). Exact on every pattern. `splits` (0: the kernels' choice)
-    is a speed knob for tuning: the CTAs a row's up/down shares."""
+    CUDA graph (kernels/decode_ffn.cu). Exact on every pattern. `splits` is a speed knob for
+    tuning: 0 for the kernels' plan (one row: the whole FFN in one launch), else up/down as its
+    own launch over that many CTAs a row."""
     extension().ffn_decode_add_(out, x, wg, wu, wd_t, splits)
 
 

@@ -25,7 +25,8 @@ def _assert_exact(out, x, wg, wu, wd):
     assert err <= 2 * err_dense + ABS_FLOOR, f"error {err:.3e} vs dense bf16 {err_dense:.3e}"
 
 
-# 1 and 2 rows take the fused gate GEMV, more rows cuBLAS's gate and the compaction kernel.
+# 1 row takes the whole FFN in one launch, 2 the gate GEMV then up/down, more cuBLAS's gate, the
+# compaction and up/down.
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(
     ("m", "d", "h"), [(1, 2048, 5632), (2, 256, 704), (3, 256, 696), (64, 2048, 5632), (5, 8, 40)]
@@ -56,6 +57,24 @@ def test_every_split_of_up_down_is_exact(m, splits):
     again = torch.zeros_like(w.x)
     torch.ops.sparse_llm.ffn_decode_add_(again, w.x, w.wg, w.wu, w.wd.t().contiguous(), splits)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("pattern", ["all_active", "random"])
+def test_a_hidden_too_wide_for_one_launch_takes_the_split_path_exactly(pattern):
+    """Past kDecodeOneLaunchMaxSegments segments (H > 32768) one row falls back to gate + up/down."""
+    x, wg, wu, wd = gpu_pattern(pattern, 1, 8, 33_000, seed=11)
+    _assert_exact(ops.ffn_forward(x, wg, wu, wd, impl="cuda"), x, wg, wu, wd)
+
+
+def test_one_launch_and_split_paths_agree():
+    """The default plan at one row (one launch) and up/down as its own launch differ only in the
+    order of the down projection's fp32 sum."""
+    w = make_workload(1, 2048, 5632, 120, seed=1, device="cuda")
+    wd_t = w.wd.t().contiguous()
+    one, split = torch.zeros_like(w.x), torch.zeros_like(w.x)
+    torch.ops.sparse_llm.ffn_decode_add_(one, w.x, w.wg, w.wu, wd_t, 0)
+    torch.ops.sparse_llm.ffn_decode_add_(split, w.x, w.wg, w.wu, wd_t, 16)
+    torch.testing.assert_close(one, split, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("m", [1, 8, 64])
