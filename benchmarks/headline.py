@@ -16,7 +16,8 @@ Parts, in this order; the report is rewritten after each, so a run cut short kee
 
 Compilation is most of train, inference and ffn (two graphs each, six compiled decode steps);
 with the weights made first and the build, ~11 minutes: past a 10-minute device call, so split it
-with --parts there (each call making its weights; `make bench-headline` runs it whole). Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
+with --parts there (the weights made first, kept on the machine, and --model in each call) and
+join the reports with --merge (`make bench-headline` runs it whole). Writes `headline_<gpu>.json` and `.md` into --out-dir: device, commit
 ($GIT_COMMIT or git), date, the measured L0, the ratios `train_step_speedup`, `train_peak_mem_ratio`,
 `prefill_speedup`, `decode_speedup` (per batch; compiled steps where measured, `decode_speedup_uncompiled`
 beside), `ffn_train_speedup` (at 30 non-zeros), each against
@@ -137,6 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument(
         "--tag", default=None, help="file name suffix: headline_<tag>.json (default: the GPU, e.g. h100)"
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: join these reports (--parts of one set of weights, from separate calls) into one",
     )
     args = p.parse_args(argv)
     args.budget_name = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -450,6 +459,47 @@ def write_outputs(report: dict[str, Any], out_dir: Path, tag: str) -> tuple[Path
     return json_path, md_path
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from reports of different parts on the same weights (the same device, weights,
+    held-out L0 and budget), e.g. from calls each short enough for a time limit. The run fields are
+    the first report's; `calls` keeps each one's commit, date and parts; the ratios are recomputed."""
+    if len(reports) < 2:
+        raise ValueError("--merge needs at least two reports")
+    first = reports[0]
+    for other in reports[1:]:
+        for key in ("device", "model", "budget_name", "budget", "target_l0"):
+            if other.get(key) != first.get(key):
+                raise ValueError(f"reports differ in {key}: {first.get(key)!r} against {other.get(key)!r}")
+        if first["l0"] is None or other["l0"] is None or abs(other["l0"] - first["l0"]) > 1e-3:
+            raise ValueError(f"reports measured different weights: L0 {first['l0']} against {other['l0']}")
+    parts = [sorted({r["part"] for r in report["rows"]}) for report in reports]
+    seen: set[str] = set()
+    for report_parts in parts:
+        if seen & set(report_parts):
+            raise ValueError(f"part(s) {sorted(seen & set(report_parts))} measured in more than one report")
+        seen |= set(report_parts)
+    rows = [row for report in reports for row in report["rows"]]
+    budget = Budget(**{k: tuple(v) if isinstance(v, list) else v for k, v in first["budget"].items()})
+    calls = [
+        {"commit": r["commit"], "date": r["date"], "parts": p, "seconds": r["seconds"]}
+        for r, p in zip(reports, parts, strict=True)
+    ]
+    commits = list(dict.fromkeys(r["commit"] for r in reports))
+    run = {k: v for k, v in first.items() if k not in ("rows", "budget", "seconds", "notes", "calls")}
+    run["commit"] = " + ".join(commits)
+    run["date"] = max(r["date"] for r in reports)
+    seconds = dict(first["seconds"]) | {
+        p: sec for r in reports[1:] for p, sec in r["seconds"].items() if p != "l0"
+    }
+    notes = list(dict.fromkeys(note for r in reports for note in r["notes"]))
+    notes.append(
+        "Joined from "
+        + "; ".join(f"{', '.join(c['parts'])} at {c['commit']} ({c['date']})" for c in calls)
+        + " (`headline.py --merge`): one set of weights, one device."
+    )
+    return build_report(run, rows, budget, {"seconds": seconds, "notes": notes, "calls": calls})
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def timed(seconds: dict[str, float], part: str, fn: Callable[[], Any]) -> Any:
     """fn(), its wall seconds recorded under `part`."""
@@ -462,6 +512,11 @@ def timed(seconds: dict[str, float], part: str, fn: Callable[[], Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.merge:
+        report = merge_reports([json.loads(path.read_text()) for path in args.merge])
+        paths = write_outputs(report, args.out_dir, args.tag or gpu_tag(report["device"]))
+        print(f"headline: wrote {paths[0]} and {paths[1]}")
+        return report
     budget: Budget = args.budget
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     meta = collect_run_info(torch.device(device), world_size=1)

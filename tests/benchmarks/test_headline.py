@@ -14,6 +14,7 @@ from benchmarks.headline import (
     gpu_tag,
     main,
     markdown,
+    merge_reports,
     parse_args,
     summary,
     write_outputs,
@@ -118,6 +119,39 @@ def test_markdown_shows_each_figure_against_its_target():
     # A run cut short: the parts not reached leave no table behind.
     short = markdown(build_report(META, rows()[:2], FULL, extra(l0=None)))
     assert "Training step" in short and "Inference" not in short and "l0 (held-out" not in short
+
+
+def test_merge_joins_parts_measured_in_separate_calls(tmp_path):
+    by_part = {
+        part: [r for r in rows() if r["part"].startswith(part)] for part in ("train", "inference", "ffn")
+    }
+    train = build_report(META, by_part["train"] + by_part["ffn"], FULL, extra())
+    later = META | {"commit": "def5678", "date": "2026-11-26"}
+    inference = build_report(
+        later, by_part["inference"], FULL, extra(seconds={"l0": 2.0, "inference": 180.0})
+    )
+    merged = merge_reports([train, inference])
+    whole = build_report(META, rows(), FULL, extra())
+    for key in ("train_step_speedup", "prefill_speedup", "decode_speedup", "ffn_train_speedup", "l0"):
+        assert merged[key] == whole[key]
+    assert merged["commit"] == "abc1234 + def5678" and merged["date"] == "2026-11-26"
+    assert [c["parts"] for c in merged["calls"]] == [["ffn_inference", "ffn_train", "train"], ["inference"]]
+    assert merged["seconds"] == {"weights": 265.0, "train": 120.0, "inference": 180.0}
+    assert "--merge" in merged["notes"][-1]
+    # The CLI writes the joined report; reports of different weights or a part twice are refused.
+    paths = []
+    for name, report in (("a", train), ("b", inference)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    joined = main(["--merge", *map(str, paths), "--out-dir", str(tmp_path)])
+    assert joined["rows"] == json.loads(json.dumps(merged["rows"]))
+    assert (tmp_path / "headline_h100.md").exists()
+    with pytest.raises(ValueError, match="different weights"):
+        merge_reports([train, inference | {"l0": 31.0}])
+    with pytest.raises(ValueError, match="model"):
+        merge_reports([train, inference | {"model": "/other"}])
+    with pytest.raises(ValueError, match="more than one"):
+        merge_reports([train, train])
 
 
 def test_write_outputs_names_the_files_by_gpu(tmp_path):
