@@ -1,5 +1,6 @@
-"""Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the TwELL
-inference forward, its in-place add into a residual, and the training forward + backward."""
+"""Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the
+inference forward (TwELL, or the decode FFN up to 64 rows), its in-place add into a residual, and the
+training forward + backward."""
 
 import sys
 from pathlib import Path
@@ -11,8 +12,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 from benchmarks.common import make_workload
 from sparse_llm import ops
 
-# M, D, H, nnz, threshold; the last case is past masked_gate_min_rows (the masked gate and pack).
-CASES = [(67, 256, 1000, 20, 16), (5, 24, 40, 3, 2), (130, 8192, 256, 5, 512), (65536, 64, 1000, 5, 16)]
+# M, D, H, nnz, threshold; up to 64 rows the inference ops take the decode FFN (one row: its one-launch
+# kernel; two: the gate GEMV then up/down; five: cuBLAS's gate, the compaction, up/down); the last
+# case is past masked_gate_min_rows (the masked gate and pack).
+CASES = [
+    (1, 2048, 5632, 30, 16),
+    (2, 256, 704, 20, 16),
+    (67, 256, 1000, 20, 16),
+    (5, 24, 40, 3, 2),
+    (130, 8192, 256, 5, 512),
+    (65536, 64, 1000, 5, 16),
+]
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
