@@ -55,7 +55,7 @@ void ffn_decode_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& wg,
   at::Tensor seg_count = at::empty({rows, n_seg}, opts.dtype(at::kInt));
   at::Tensor seg_unit = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kInt));
   at::Tensor seg_gate = at::empty({rows, n_seg, sparse_llm::kDecodeSegUnits}, opts.dtype(at::kFloat));
-  if (splits == 0 && rows <= sparse_llm::kDecodeOneLaunchRows && n_seg <= sparse_llm::kDecodeOneLaunchMaxSegments) {
+  if (splits == 0 && sparse_llm::decode_one_launch_applies(rows, dim, hidden)) {
     at::Tensor arrivals = at::zeros({1}, opts.dtype(at::kInt));
     check_cuda(sparse_llm::launch_decode_ffn_add(bf16_ptr(x), bf16_ptr(wg), bf16_ptr(wu), bf16_ptr(wd_t),
                                                  static_cast<int>(rows), static_cast<int>(dim),

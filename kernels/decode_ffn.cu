@@ -1,6 +1,7 @@
 // The decode FFN (decode_ffn.cuh), with no host read, so a decode step can be captured in a CUDA
 // graph. One row: one launch (decode_ffn_kernel, below). 2 rows: the gate GEMV with the
-// compaction, then up/down. More rows: cuBLAS's gate, the compaction, then up/down.
+// compaction, then up/down. More rows: cuBLAS's gate, the compaction, then up/down. An explicit
+// `splits` (the binding's tuning knob) runs up/down as its own launch at any row count.
 //   gate     one CTA per segment of 32 units; each warp streams 4 rows of Wg (16-byte loads) and
 //            dots them with every input row; the segment's active units are then compacted with
 //            one ballot per row. The bytes read are Wg's, once, whatever the number of rows.
@@ -271,16 +272,15 @@ cudaError_t launch_updown(const __nv_bfloat16* x, int64_t x_stride, const __nv_b
 // The whole FFN of one row in one launch. A CTA per segment computes its gates (gate_segment),
 // then for each of its active units the up projection and h = relu(g) * u (a warp a unit), lists
 // them in the segment's record (unit, h; in unit order) and asks L2 for the unit's row of Wd^T.
-// The last kFinishers CTAs to arrive (an arrival counter) wait for the rest, then each adds one
+// The last kDecodeFinishers CTAs to arrive (an arrival counter) wait for the rest, then each adds one
 // slice of y = sum of h_j Wd^T[j] into out: a warp per eighth of the list (units k = warp mod 8),
 // a lane per 8 values of the slice, the warps' sums in a fixed tree. Every lane has only a few
 // rows to load (~4 at 30 active units), so the tail after the gate is a few memory round trips,
 // and the result depends on the inputs only.
-constexpr int kFinishers = 8;
 constexpr int kListChunk = 512;  // list entries a finisher stages in shared memory at a time
 constexpr int kDownLoads = 4;    // rows of Wd^T a lane has in flight
 constexpr int kUpVecs = kDecodeMaxDim / kChunk / 32;  // 16-byte vectors of a row a lane holds
-static_assert(kGateWarps == kFinishers, "a finisher's warps take the list's units round robin");
+static_assert(kGateWarps == kDecodeFinishers, "a finisher's warps take the list's units round robin");
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
@@ -310,7 +310,6 @@ __global__ void __launch_bounds__(kGateThreads, 2)
     if (lane == 0) {
       active_count = __popc(mask);
       seg_count[seg] = __popc(mask);
-      __threadfence();  // each writer fences its own writes; the barrier below orders them all
     }
   }
   __syncthreads();
@@ -338,15 +337,17 @@ __global__ void __launch_bounds__(kGateThreads, 2)
       const int64_t record = static_cast<int64_t>(seg) * kDecodeSegUnits + slot;
       seg_unit[record] = static_cast<int32_t>(unit);
       seg_h[record] = h;
-      __threadfence();
     }
   }
-  __syncthreads();  // every record of the CTA written and fenced before it counts as arrived
-  const int finishers = min(kFinishers, n_seg);
+  __syncthreads();  // every record of the CTA written ...
+  const int finishers = min(kDecodeFinishers, n_seg);  // decode_one_launch_finishers
   if (threadIdx.x == 0) {
+    __threadfence();  // ... and, through this fence after the barrier, visible to every SM first
     ticket = atomicAdd(arrivals, 1);
     // The last `finishers` to arrive wait for the others: the CTAs not yet arrived are finishers
-    // too (resident or scheduled as the others exit), so the wait always ends.
+    // too, resident or scheduled as the others exit, so the wait ends as long as the GPU has a
+    // CTA slot besides the (at most 7) waiting ones. CUDA does not promise that scheduling, but
+    // every GPU this runs on (a whole Hopper, 264 slots for these CTAs) gives it.
     if (ticket >= n_seg - finishers)
       while (atomicAdd(arrivals, 0) < n_seg) __nanosleep(64);
     __threadfence();  // the other CTAs' records are read after their arrivals
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(kGateThreads, 2)
   const int total = offsets[n_seg];
   if (total == 0) return;  // no unit fired: out + 0 is out
 
-  // This finisher's slice of the row: `per` vectors (<= 32: vecs <= kDecodeMaxDim / kChunk), a lane each.
+  // This finisher's slice of the row: `per` vectors, a lane each (<= 32: decode_one_launch_applies).
   const int per = (vecs + finishers - 1) / finishers;
   const int v = finisher * per + lane;
   const bool mine = lane < per && v < vecs;
@@ -480,9 +481,7 @@ cudaError_t launch_decode_ffn_add(const __nv_bfloat16* x, const __nv_bfloat16* w
                                   const __nv_bfloat16* wu, const __nv_bfloat16* wd_t, int rows, int dim, int hidden,
                                   int32_t* seg_count, int32_t* seg_unit, float* seg_h, int32_t* arrivals,
                                   __nv_bfloat16* out, cudaStream_t stream) {
-  if (rows > kDecodeOneLaunchRows || dim % kChunk != 0 || dim > kDecodeMaxDim ||
-      decode_segments(hidden) > kDecodeOneLaunchMaxSegments)
-    return cudaErrorInvalidValue;
+  if (!decode_one_launch_applies(rows, dim, hidden) || dim % kChunk != 0) return cudaErrorInvalidValue;
   if (rows == 0 || hidden == 0) return cudaSuccess;
   static_assert(kDecodeOneLaunchRows == 1, "the kernel takes one row");
   decode_ffn_kernel<<<decode_segments(hidden), kGateThreads, 0, stream>>>(x, wg, wu, wd_t, dim, hidden, seg_count,

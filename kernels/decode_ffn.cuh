@@ -32,6 +32,17 @@ constexpr int kDecodeMaxSegments = (48 * 1024 / 4 - 4 * kDecodeMaxDim) - 4;
 // which (a finishing CTA's prefix over them lives in static shared memory): H up to 32768.
 constexpr int kDecodeOneLaunchRows = 1;
 constexpr int kDecodeOneLaunchMaxSegments = 1024;
+constexpr int kDecodeFinishers = 8;  // CTAs that add the down projection, a slice of the row each
+
+inline int decode_one_launch_finishers(int n_seg) { return n_seg < kDecodeFinishers ? n_seg : kDecodeFinishers; }
+
+// Whether rows x dim x hidden take the one-launch kernel: one row, a prefix that fits, and each
+// finisher's slice at most 32 vectors of 8 (a lane each; few segments mean few finishers).
+inline bool decode_one_launch_applies(int64_t rows, int64_t dim, int64_t hidden) {
+  const int n_seg = decode_segments(static_cast<int>(hidden));
+  return rows <= kDecodeOneLaunchRows && dim <= kDecodeMaxDim && n_seg >= 1 &&
+         n_seg <= kDecodeOneLaunchMaxSegments && dim <= 8 * 32 * decode_one_launch_finishers(n_seg);
+}
 
 // The whole FFN of one row in one launch, out += y as launch_decode_updown_add defines it. The
 // segment CTAs list (unit, h = relu(g) * u rounded to bf16) in the record (seg_count, seg_unit,

@@ -299,6 +299,7 @@ class StaticDecoder:
         if why:
             raise ValueError(f"cannot capture the decode step: {why}")
         self.model, self.capture = model, capture
+        model.prepare_inference()  # Wd^T made before the step is traced or captured
         # `compile`: the step's forward through Inductor, once per batch size and cache length (on
         # the first, uncaptured warm-up step), then captured: RMSNorm, RoPE, the residual adds and
         # casts fuse into a few kernels a layer, where eager runs ~40 small ones (most of a dense

@@ -171,7 +171,9 @@ def compile_prefill(model: SparseLlamaForCausalLM, **compile_kwargs) -> Callable
     eager RMSNorm, rotary and residual passes cost as much as the attention they surround.
     Decode (one token per row) is launch-bound instead: CUDA graphs take it (the Generator's
     `decode`, sparse_llm.inference.decode). Each FFN implementation compiles once, on its first
-    prefill."""
+    prefill. The kernels' Wd^T copies are made first (`prepare_inference`), so no trace holds a
+    transpose."""
+    model.prepare_inference()
     return torch.compile(model, **compile_kwargs)
 
 

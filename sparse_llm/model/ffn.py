@@ -183,10 +183,19 @@ class GatedMLP(nn.Module):
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 
+    @torch.no_grad()
+    def prepare_inference(self, dtype: torch.dtype) -> None:
+        """Make Wd^T for the sparse inference kernels now (if a prefill or decode phase runs them),
+        before a graph is traced or captured: a trace that finds the cache empty transposes Wd
+        inside the graph, and every replay then pays that pass (~14 us a 1b layer on an H100,
+        a fifth of a captured decode step at batch 1)."""
+        if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
+            self.down_t_cache.get(self.down_proj.weight, dtype)
+
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
         """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference
-        or with autograd (the op then transposes itself). Traced by torch.compile, the copy an eager
-        call made, if any (a compiled decode step runs eagerly first: its warm-up)."""
+        or with autograd (the op then transposes itself). Traced by torch.compile, the copy made
+        before (`prepare_inference`, or an eager call), else None: the op transposes in the graph."""
         if impl != "cuda" or torch.is_grad_enabled():
             return None
         if torch.compiler.is_compiling():

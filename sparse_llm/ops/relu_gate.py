@@ -50,7 +50,7 @@ if triton is not None:
         hidden: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
-    ):  # fmt: skip  (hidden a constant: one compilation per model width, a loop of known length)
+    ):  # hidden a constant: one compilation per model width, a loop of known length
         row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = row < rows
         l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -62,7 +62,8 @@ if triton is not None:
             offset = row[:, None].to(tl.int64) * hidden + col[None, :]
             g = tl.load(g_ptr + offset, mask=ok, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + offset, mask=ok, other=0.0).to(tl.float32)
-            h = (tl.maximum(g, 0.0) * u).to(h_ptr.dtype.element_ty)
+            # relu keeps a NaN gate's NaN, as torch.relu does: a diverging run shows in h.
+            h = (tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL) * u).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + offset, h, mask=ok)
             active = (g > 0.0).to(tl.int32)
             l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)

@@ -305,3 +305,23 @@ def test_down_transpose_cache_refreshes_in_place_and_is_shared():
         a.mlp.down_t_cache is b.mlp.down_t_cache
         for a, b in zip(model.model.layers, other.model.layers, strict=True)
     )
+
+
+def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
+    """Before a prefill or decode graph is traced (StaticDecoder, compile_prefill), each layer's
+    Wd^T is made for a plan whose prefill or decode runs the kernels, in the weights' dtype; a
+    trace that found the cache empty would transpose Wd inside every replayed step."""
+    from sparse_llm.model.ffn import FFNPlan
+    from sparse_llm.ops.select import FFNSelection
+
+    model = build_model(small_config()).to(torch.bfloat16)
+    model.prepare_inference()  # dense everywhere: nothing to make
+    assert all(layer.mlp.down_t_cache.tensor is None for layer in model.model.layers)
+    dense = FFNSelection("dense", "dense was asked for")
+    # The plan as resolve() gives it on a Hopper GPU (a CPU cannot resolve "cuda").
+    decode_only = model.with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
+    decode_only.prepare_inference()
+    for layer in decode_only.model.layers:
+        wd_t = layer.mlp.down_t_cache.tensor
+        assert wd_t is not None and wd_t.dtype == torch.bfloat16 and wd_t.is_contiguous()
+        assert torch.equal(wd_t, layer.mlp.down_proj.weight.t())

@@ -59,6 +59,18 @@ def test_every_split_of_up_down_is_exact(m, splits):
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("pattern", ["all_active", "random", "one_hot"])
+@pytest.mark.parametrize(
+    ("d", "h"),
+    # One launch with few finishers (H 100: 4 segments; H 32: 1, a slice of 256 values), and shapes
+    # whose slices would pass 32 vectors a lane, which take the split path instead.
+    [(200, 100), (256, 32), (8, 40), (1024, 64), (2048, 40), (264, 32)],
+)
+def test_one_row_at_small_and_odd_shapes_is_exact(pattern, d, h):
+    x, wg, wu, wd = gpu_pattern(pattern, 1, d, h, seed=d + h)
+    _assert_exact(ops.ffn_forward(x, wg, wu, wd, impl="cuda"), x, wg, wu, wd)
+
+
 @pytest.mark.parametrize("pattern", ["all_active", "random"])
 def test_a_hidden_too_wide_for_one_launch_takes_the_split_path_exactly(pattern):
     """Past kDecodeOneLaunchMaxSegments segments (H > 32768) one row falls back to gate + up/down."""
@@ -89,8 +101,11 @@ def test_add_is_out_plus_forward_and_depends_on_the_inputs_only(m):
         assert torch.equal(again, expected)
 
 
-def test_a_captured_graph_replays_new_inputs_exactly():
-    w = make_workload(8, 2048, 5632, 30, seed=3, device="cuda")
+@pytest.mark.parametrize(
+    "m", [1, 8]
+)  # one row: the one-launch kernel, its arrival counter zeroed in the graph
+def test_a_captured_graph_replays_new_inputs_exactly(m):
+    w = make_workload(m, 2048, 5632, 30, seed=3, device="cuda")
     wd_t = w.wd.t().contiguous()
     x = torch.zeros_like(w.x)
     out = torch.zeros_like(w.x)
@@ -108,7 +123,7 @@ def test_a_captured_graph_replays_new_inputs_exactly():
     with torch.cuda.graph(graph):
         step()
     for seed in (11, 12):
-        fresh = make_workload(8, 2048, 5632, 30, seed=seed, device="cuda").x
+        fresh = make_workload(m, 2048, 5632, 30, seed=seed, device="cuda").x
         x.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()

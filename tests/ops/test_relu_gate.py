@@ -72,3 +72,14 @@ def test_the_triton_kernel_equals_the_reference(rows, hidden):
         grads.append((g1.grad, u1.grad))
     for got_grad, want_grad in zip(*grads, strict=True):
         torch.testing.assert_close(got_grad, want_grad)
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_a_nan_gate_gives_a_nan_product_as_torch_relu_does():
+    """A diverging run shows in h: the kernel's relu keeps NaN (torch.relu(nan) is nan)."""
+    g, u = _inputs(40, 300, torch.bfloat16, "cuda", seed=5)
+    g[2, 5] = float("nan")
+    h = relu_gate_stats(g, u)[0]
+    assert torch.isnan(h[2, 5]) and torch.isnan(relu_gate_stats_reference(g, u)[0][2, 5])
+    assert torch.isfinite(h[3:]).all()
