@@ -102,6 +102,14 @@ def relu_gate_stats_kernel(
     return h, l1, nnz, fire.to(torch.int64)
 
 
+def _check_operands(g: torch.Tensor, u: torch.Tensor) -> None:
+    if g.dim() != 2 or g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+        raise ValueError(
+            "relu_gate_stats takes g and u of one [M, H] shape, dtype and device; got "
+            f"{g.dtype} {tuple(g.shape)} on {g.device} and {u.dtype} {tuple(u.shape)} on {u.device}"
+        )
+
+
 @torch.library.custom_op("sparse_llm::relu_gate_stats", mutates_args=())
 def relu_gate_stats(
     g: torch.Tensor, u: torch.Tensor
@@ -109,6 +117,7 @@ def relu_gate_stats(
     """For the gate's pre-activation g and the up projection u ([M, H], one dtype):
     (h = relu(g) * u, l1 per row = sum |h| in fp32, active units per row, fire count per unit);
     differentiable in g and u through h and l1."""
+    _check_operands(g, u)
     if kernel_applies(g, u):
         return relu_gate_stats_kernel(g, u)
     return relu_gate_stats_reference(g, u)
@@ -116,6 +125,7 @@ def relu_gate_stats(
 
 @relu_gate_stats.register_fake
 def _(g, u):
+    _check_operands(g, u)
     rows, hidden = g.shape
     return (
         torch.empty_like(g),

@@ -142,6 +142,31 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _kernels_launched(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize(("m", "splits", "one_launch"), [(1, 0, True), (1, 16, False), (2, 0, False)])
+def test_one_row_is_one_kernel_of_ours(m, splits, one_launch):
+    """The default plan at one row is decode_ffn_kernel alone (with the arrival counter's fill);
+    an explicit split, or a second row, runs the gate and up/down as their own launches."""
+    w = make_workload(m, 2048, 5632, 30, seed=9, device="cuda")
+    wd_t, out = w.wd.t().contiguous(), torch.zeros_like(w.x)
+    names = _kernels_launched(
+        lambda: torch.ops.sparse_llm.ffn_decode_add_(out, w.x, w.wg, w.wu, wd_t, splits)
+    )
+    ours = [n for n in names if "sparse_llm" in n]
+    if one_launch:
+        assert len(ours) == 1 and "decode_ffn_kernel" in ours[0], names
+    else:
+        assert not any("decode_ffn_kernel" in n for n in ours) and any("decode_updown" in n for n in ours), (
+            names
+        )
+
+
 def test_decode_rows_bound_matches_the_kernel_choice():
     """Past DECODE_MAX_ROWS the TwELL path runs; both agree within the contract."""
     w = make_workload(DECODE_MAX_ROWS + 1, 2048, 5632, 30, seed=9, device="cuda")

@@ -46,6 +46,15 @@ def test_gradients_are_those_of_the_plain_ops():
     torch.testing.assert_close(u.grad, u2.grad)
 
 
+def test_operands_of_other_shapes_or_dtypes_are_refused():
+    g, u = _inputs(5, 16, torch.float32)
+    for bad_u in (u[:, :8], u.double()):
+        with pytest.raises(ValueError, match="one \\[M, H\\] shape, dtype and device"):
+            relu_gate_stats(g, bad_u)
+    with pytest.raises(ValueError, match="one \\[M, H\\] shape"):
+        relu_gate_stats(g[None], u[None])
+
+
 def test_op_registration():
     g, u = _inputs(5, 16, torch.float32)
     torch.library.opcheck(relu_gate_stats, (g.requires_grad_(), u.requires_grad_()))
