@@ -30,7 +30,7 @@ from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.ops.ffn import ffn_add_, ffn_forward
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.relu_gate import relu_gate_stats
-from sparse_llm.ops.select import PHASES, FFNSelection, select_ffn
+from sparse_llm.ops.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
 from sparse_llm.ops.train_block import ffn_block_train
 
 
@@ -184,13 +184,13 @@ class GatedMLP(nn.Module):
         return (x.to(dtype), *(w.to(dtype) for w in weights))
 
     @torch.no_grad()
-    def prepare_inference(self, dtype: torch.dtype) -> None:
-        """Make Wd^T for the sparse inference kernels now (if a prefill or decode phase runs them),
-        before a graph is traced or captured: a trace that finds the cache empty transposes Wd
-        inside the graph, and every replay then pays that pass (~14 us a 1b layer on an H100,
-        a fifth of a captured decode step at batch 1)."""
+    def prepare_inference(self) -> None:
+        """Make Wd^T for the sparse inference kernels now (if a prefill or decode phase runs them;
+        in bfloat16, the kernels' one dtype), before a graph is traced or captured: a trace that
+        finds the cache empty transposes Wd inside the graph, and every replay then pays that
+        pass (~14 us a 1b layer on an H100, a sixth of a captured decode step at batch 1)."""
         if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
-            self.down_t_cache.get(self.down_proj.weight, dtype)
+            self.down_t_cache.get(self.down_proj.weight, KERNEL_DTYPE)
 
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
         """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference

@@ -121,10 +121,10 @@ class SparseLlamaForCausalLM(nn.Module):
         self.reset_parameters()
 
     def prepare_inference(self) -> None:
-        """Make what the sparse inference kernels read (each layer's Wd^T, in the weights' dtype)
-        before a prefill or decode graph is traced or captured (GatedMLP.prepare_inference)."""
+        """Make what the sparse inference kernels read (each layer's Wd^T) before a prefill or
+        decode graph is traced or captured (GatedMLP.prepare_inference)."""
         for layer in self.model.layers:
-            layer.mlp.prepare_inference(self.lm_head.weight.dtype)
+            layer.mlp.prepare_inference()
 
     def with_ffn_plan(self, plan: FFNPlan) -> SparseLlamaForCausalLM:
         """A model with `plan` that shares this one's parameters and buffers (no copy): how a

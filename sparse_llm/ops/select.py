@@ -30,6 +30,7 @@ PHASES = ("train", "eval", "prefill", "decode")
 
 # What the CUDA kernels accept (kernels/twell.cuh): 16-byte rows of bf16, bounded D.
 CUDA_MAX_DIM = 8192
+KERNEL_DTYPE = torch.bfloat16  # the only dtype the CUDA kernels compute in
 CUDA_ALIGN = 8
 # The training backward orders its entries by unit with a shared-memory histogram of H counters
 # (kernels/csr.cuh, kMaxColumnSortHidden).
@@ -136,7 +137,7 @@ def select_ffn(
 def _inputs_unsupported(
     phase: str, dtype: torch.dtype, dim: int, hidden: int, contiguous: bool
 ) -> str | None:
-    if dtype != torch.bfloat16:
+    if dtype != KERNEL_DTYPE:
         return f"the kernels take bfloat16, got {dtype}"
     if dim % CUDA_ALIGN or not CUDA_ALIGN <= dim <= CUDA_MAX_DIM:
         return f"the kernels need D a multiple of {CUDA_ALIGN} in [{CUDA_ALIGN}, {CUDA_MAX_DIM}], got {dim}"

@@ -309,12 +309,13 @@ def test_down_transpose_cache_refreshes_in_place_and_is_shared():
 
 def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
     """Before a prefill or decode graph is traced (StaticDecoder, compile_prefill), each layer's
-    Wd^T is made for a plan whose prefill or decode runs the kernels, in the weights' dtype; a
-    trace that found the cache empty would transpose Wd inside every replayed step."""
+    Wd^T is made for a plan whose prefill or decode runs the kernels, in their bfloat16 (an fp32
+    model runs them under autocast); a trace that found the cache empty would transpose Wd inside
+    every replayed step."""
     from sparse_llm.model.ffn import FFNPlan
     from sparse_llm.ops.select import FFNSelection
 
-    model = build_model(small_config()).to(torch.bfloat16)
+    model = build_model(small_config())
     model.prepare_inference()  # dense everywhere: nothing to make
     assert all(layer.mlp.down_t_cache.tensor is None for layer in model.model.layers)
     dense = FFNSelection("dense", "dense was asked for")
@@ -324,4 +325,4 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
     for layer in decode_only.model.layers:
         wd_t = layer.mlp.down_t_cache.tensor
         assert wd_t is not None and wd_t.dtype == torch.bfloat16 and wd_t.is_contiguous()
-        assert torch.equal(wd_t, layer.mlp.down_proj.weight.t())
+        assert torch.equal(wd_t, layer.mlp.down_proj.weight.t().to(torch.bfloat16))
