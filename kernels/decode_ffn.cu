@@ -45,6 +45,37 @@ __device__ __forceinline__ void compact_segment(int m, int seg, int n_seg, int l
   if (lane == 0) seg_count[record] = __popc(mask);
 }
 
+// offsets[s] = where segment s's units start in a row's list, offsets[n_seg] = the row's total,
+// from the row's counts (written by another CTA or launch: read through L2), in shared memory
+// (n_seg + 1 ints). Called by the whole CTA; ends with a barrier.
+__device__ __forceinline__ void segment_offsets(const int32_t* __restrict__ counts, int n_seg, int* offsets) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int s = threadIdx.x; s < n_seg; s += blockDim.x)  // the counts in one coalesced pass,
+    offsets[s + 1] = __ldcg(counts + s);
+  __syncthreads();
+  if (warp == 0) {  // then their inclusive prefix in place, from shared memory
+    int carry = 0;
+    for (int base = 0; base < n_seg; base += 32) {
+      const int s = base + lane;
+      const int inclusive = warp_inclusive_scan(s < n_seg ? offsets[s + 1] : 0, lane);
+      if (s < n_seg) offsets[s + 1] = carry + inclusive;
+      carry += __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (lane == 0) offsets[0] = 0;
+  }
+  __syncthreads();
+}
+
+// The segment holding list entry k: the last s with offsets[s] <= k.
+__device__ __forceinline__ int segment_of(const int* offsets, int n_seg, int k) {
+  int lo = 0, hi = n_seg;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (offsets[mid] <= k) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 // The gate of segment `seg` (kDecodeSegUnits units) for every row, rounded to bf16 as the dense
 // path's gate GEMM output is (so the same units fire), into gates[m][unit in segment]; the caller
 // synchronises before reading them. kRows: the rows' accumulators a lane keeps (rows <= kRows).
@@ -143,20 +174,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int vecs = dim / kChunk;
 
-  for (int s = threadIdx.x; s < n_seg; s += kThreads)  // the counts in one coalesced pass,
-    offsets[s + 1] = seg_count[static_cast<int64_t>(m) * n_seg + s];
-  __syncthreads();
-  if (warp == 0) {  // then their inclusive prefix in place, from shared memory
-    int carry = 0;
-    for (int base = 0; base < n_seg; base += 32) {
-      const int s = base + lane;
-      const int inclusive = warp_inclusive_scan(s < n_seg ? offsets[s + 1] : 0, lane);
-      if (s < n_seg) offsets[s + 1] = carry + inclusive;
-      carry += __shfl_sync(kFullMask, inclusive, 31);
-    }
-    if (lane == 0) offsets[0] = 0;
-  }
-  __syncthreads();
+  segment_offsets(seg_count + static_cast<int64_t>(m) * n_seg, n_seg, offsets);
   const int total = offsets[n_seg];
 
   uint4 xv[kVecs];
@@ -167,11 +185,7 @@ __global__ void __launch_bounds__(kThreads)
     if (lane + 32 * i < vecs) xv[i] = __ldg(xr + lane + 32 * i);
 
   for (int k = split * kWarps + warp; k < total; k += splits * kWarps) {
-    int lo = 0, hi = n_seg;  // the segment holding list entry k: the last with offsets[s] <= k
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (offsets[mid] <= k) lo = mid; else hi = mid;
-    }
+    const int lo = segment_of(offsets, n_seg, k);
     const int64_t slot = (static_cast<int64_t>(m) * n_seg + lo) * kDecodeSegUnits + (k - offsets[lo]);
     const int64_t unit = seg_unit[slot];
     const float gate = seg_gate[slot];
@@ -356,20 +370,7 @@ __global__ void __launch_bounds__(kGateThreads, 2)
   const int finisher = ticket - (n_seg - finishers);
   if (finisher < 0) return;
 
-  for (int s = threadIdx.x; s < n_seg; s += kGateThreads)  // L2 reads: written by other SMs
-    offsets[s + 1] = __ldcg(seg_count + s);
-  __syncthreads();
-  if (warp == 0) {  // their inclusive prefix in place
-    int carry = 0;
-    for (int base = 0; base < n_seg; base += 32) {
-      const int s = base + lane;
-      const int inclusive = warp_inclusive_scan(s < n_seg ? offsets[s + 1] : 0, lane);
-      if (s < n_seg) offsets[s + 1] = carry + inclusive;
-      carry += __shfl_sync(kFullMask, inclusive, 31);
-    }
-    if (lane == 0) offsets[0] = 0;
-  }
-  __syncthreads();
+  segment_offsets(seg_count, n_seg, offsets);  // written by other SMs in this launch
   const int total = offsets[n_seg];
   if (total == 0) return;  // no unit fired: out + 0 is out
 
@@ -382,11 +383,7 @@ __global__ void __launch_bounds__(kGateThreads, 2)
     const int n = min(kListChunk, total - base);
     for (int i = threadIdx.x; i < n; i += kGateThreads) {  // the list's next entries, in unit order
       const int k = base + i;
-      int lo = 0, hi = n_seg;  // the segment holding entry k: the last with offsets[s] <= k
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (offsets[mid] <= k) lo = mid; else hi = mid;
-      }
+      const int lo = segment_of(offsets, n_seg, k);
       const int64_t record = static_cast<int64_t>(lo) * kDecodeSegUnits + (k - offsets[lo]);
       list_unit[i] = __ldcg(seg_unit + record);
       list_h[i] = __ldcg(seg_h + record);
