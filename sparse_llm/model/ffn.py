@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparse_llm.config import ModelConfig
+from sparse_llm.model.derived_weights import DerivedWeight, transposed
 from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.ops.ffn import ffn_add_, ffn_forward
 from sparse_llm.ops.precision import autocast_dtype
@@ -96,35 +97,6 @@ class FFNPlan:
         return "; ".join(parts)
 
 
-class DownTransposeCache:
-    """Wd^T ([H, D], contiguous) for the sparse inference kernels, which read a unit's down
-    projection as a row: transposing per call is a pass over Wd as long as a decode step's whole
-    sparse FFN. Made on first use (H x D more memory, 23 MB a 1b layer), remade when the weight
-    changes (its address or version), in place where the shape allows, so that a CUDA graph
-    captured on it keeps a valid address. A graph replays what it captured: weights changed after
-    the capture reach it only through a new capture."""
-
-    def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
-        self._key: tuple | None = None
-
-    def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, dtype)
-        if self._key != key:
-            t = self.tensor
-            if (
-                t is not None
-                and t.shape == weight.shape[::-1]
-                and t.dtype == dtype
-                and t.device == weight.device
-            ):
-                t.copy_(weight.detach().t())
-            else:
-                self.tensor = weight.detach().to(dtype).t().contiguous()
-            self._key = key
-        return self.tensor
-
-
 class GatedMLP(nn.Module):
     """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu."""
 
@@ -139,8 +111,9 @@ class GatedMLP(nn.Module):
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints. Read only when the train phase is not dense.
         self.dense_fallback = False
-        # A cache, not state: Wd^T for the sparse inference kernels (shared by with_ffn_plan).
-        self.down_t_cache = DownTransposeCache()
+        # A cache, not state: Wd^T for the sparse inference kernels (shared by with_ffn_plan;
+        # H x D more memory, 23 MB a 1b layer).
+        self.down_t_cache = DerivedWeight(transposed)
 
     def impl(self, phase: str) -> str:
         """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
@@ -190,18 +163,17 @@ class GatedMLP(nn.Module):
         finds the cache empty transposes Wd inside the graph, and every replay then pays that
         pass (~14 us a 1b layer on an H100, a sixth of a captured decode step at batch 1)."""
         if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
-            self.down_t_cache.get(self.down_proj.weight, KERNEL_DTYPE)
+            self.down_t_cache.get([self.down_proj.weight], KERNEL_DTYPE)
 
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
-        """Wd^T for the sparse inference kernels (see DownTransposeCache); None for the reference
+        """Wd^T for the sparse inference kernels (model/derived_weights.py); None for the reference
         or with autograd (the op then transposes itself). Traced by torch.compile, the copy made
         before (`prepare_inference`, or an eager call), else None: the op transposes in the graph."""
         if impl != "cuda" or torch.is_grad_enabled():
             return None
         if torch.compiler.is_compiling():
-            cached = self.down_t_cache.tensor
-            return cached if cached is not None and cached.dtype == dtype else None
-        return self.down_t_cache.get(self.down_proj.weight, dtype)
+            return self.down_t_cache.traced(dtype)
+        return self.down_t_cache.get([self.down_proj.weight], dtype)
 
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
         """residual + self(x) for sparse inference, added in place into `residual` (the residual

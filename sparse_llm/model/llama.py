@@ -121,9 +121,11 @@ class SparseLlamaForCausalLM(nn.Module):
         self.reset_parameters()
 
     def prepare_inference(self) -> None:
-        """Make what the sparse inference kernels read (each layer's Wd^T) before a prefill or
-        decode graph is traced or captured (GatedMLP.prepare_inference)."""
+        """Make what inference reads besides the parameters (each layer's [Wq; Wk; Wv], and Wd^T
+        where the sparse kernels run) before a prefill or decode graph is traced or captured
+        (model/derived_weights.py)."""
         for layer in self.model.layers:
+            layer.self_attn.prepare_inference()
             layer.mlp.prepare_inference()
 
     def with_ffn_plan(self, plan: FFNPlan) -> SparseLlamaForCausalLM:
@@ -142,7 +144,9 @@ class SparseLlamaForCausalLM(nn.Module):
             other.lm_head.weight = other.model.embed_tokens.weight
         other.set_ffn_dense_fallback(self.ffn_dense_fallback())
         for mine, theirs in zip(self.model.layers, other.model.layers, strict=True):
-            theirs.mlp.down_t_cache = mine.mlp.down_t_cache  # one Wd^T copy for models sharing weights
+            # One copy of each derived weight for models that share their weights.
+            theirs.mlp.down_t_cache = mine.mlp.down_t_cache
+            theirs.self_attn.qkv_cache = mine.self_attn.qkv_cache
         return other.train(self.training)
 
     def ffn_dense_fallback(self) -> list[bool]:

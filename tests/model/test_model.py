@@ -284,27 +284,62 @@ def test_swiglu_runs_dense_and_refuses_the_sparse_paths():
     assert out.ffn_stats.l1.shape == (2,)
 
 
-def test_down_transpose_cache_refreshes_in_place_and_is_shared():
-    """The sparse inference kernels' Wd^T: remade when the weight changes, at the same address
-    (a captured CUDA graph keeps it), and one copy for models that share their weights."""
-    from sparse_llm.model.ffn import DownTransposeCache
+def test_derived_weights_refresh_in_place_and_are_shared():
+    """Inference's derived weights (Wd^T, [Wq; Wk; Wv]): remade when a source weight changes, at
+    the same address (a captured CUDA graph keeps it), and one copy for models that share their
+    weights."""
+    from sparse_llm.model.derived_weights import DerivedWeight, stacked_rows, transposed
 
     weight = torch.randn(4, 6)
-    cache = DownTransposeCache()
-    first = cache.get(weight, torch.float32)
+    cache = DerivedWeight(transposed)
+    first = cache.get([weight], torch.float32)
     assert torch.equal(first, weight.t()) and first.is_contiguous()
     with torch.no_grad():
         weight.mul_(2)
-    again = cache.get(weight, torch.float32)
+    again = cache.get([weight], torch.float32)
     assert again is first and torch.equal(again, weight.t())
-    assert cache.get(weight, torch.float64).dtype == torch.float64
+    assert cache.get([weight], torch.float64).dtype == torch.float64
+    assert cache.traced(torch.float64) is cache.tensor and cache.traced(torch.bfloat16) is None
+
+    a, b = torch.randn(4, 6), torch.randn(2, 6)
+    stacked = DerivedWeight(stacked_rows)
+    first = stacked.get([a, b], torch.float32)
+    assert torch.equal(first, torch.cat([a, b]))
+    with torch.no_grad():
+        b.add_(1)  # a change to any source remakes it
+    assert stacked.get([a, b], torch.float32) is first and torch.equal(first[4:], b)
 
     model = build_model(small_config())
     other = model.with_ffn_plan(model.ffn_plan)
-    assert all(
-        a.mlp.down_t_cache is b.mlp.down_t_cache
-        for a, b in zip(model.model.layers, other.model.layers, strict=True)
-    )
+    for mine, theirs in zip(model.model.layers, other.model.layers, strict=True):
+        assert mine.mlp.down_t_cache is theirs.mlp.down_t_cache
+        assert mine.self_attn.qkv_cache is theirs.self_attn.qkv_cache
+
+
+def test_inference_projects_qkv_in_one_gemm_with_the_same_result():
+    """With a KV cache and no autograd, q, k and v come from one GEMM over [Wq; Wk; Wv]: the
+    logits equal those of the three projections (the model without a cache), and the stacked copy
+    follows a change of the weights."""
+    from sparse_llm.model import KVCache
+
+    torch.manual_seed(0)
+    model = build_model(small_config()).eval()
+    ids = torch.randint(0, 97, (2, 7))
+
+    def cached_logits() -> torch.Tensor:
+        cache = KVCache(model.config, 2, 16, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            return model(ids, cache=cache).logits
+
+    for _ in range(2):
+        with torch.no_grad():
+            plain = model(ids).logits
+        torch.testing.assert_close(cached_logits(), plain, rtol=1e-5, atol=1e-5)
+        layer = model.model.layers[0].self_attn
+        assert layer.qkv_cache.tensor is not None
+        assert torch.equal(layer.qkv_cache.tensor, torch.cat(layer._projection_weights()))
+        with torch.no_grad():
+            layer.k_proj.weight.mul_(-1.5)  # the next round must see the new weight
 
 
 def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
@@ -316,8 +351,9 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
     from sparse_llm.ops.select import FFNSelection
 
     model = build_model(small_config())
-    model.prepare_inference()  # dense everywhere: nothing to make
+    model.prepare_inference()  # dense everywhere: no Wd^T, only the stacked q/k/v weights
     assert all(layer.mlp.down_t_cache.tensor is None for layer in model.model.layers)
+    assert all(layer.self_attn.qkv_cache.tensor is not None for layer in model.model.layers)
     dense = FFNSelection("dense", "dense was asked for")
     # The plan as resolve() gives it on a Hopper GPU (a CPU cannot resolve "cuda").
     decode_only = model.with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
