@@ -189,9 +189,9 @@ class GatedMLP(nn.Module):
         self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, impl: str, with_stats: bool
     ) -> tuple[torch.Tensor, tuple]:
         """residual + self(norm(residual)) for training, through `ops.ffn_block_train`: it saves
-        the residual stream only on the tokens with an active unit plus a compact record of the
-        active units (no dense M x H tensor, no norm output), and gives the layer's statistics
-        from the same call."""
+        the normalised rows of the tokens with an active unit (bf16 under autocast) plus a compact
+        record of the active units (no dense M x H tensor, no norm output), and gives the layer's
+        statistics from the same call."""
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         out = ffn_block_train(residual, norm_weight, eps, *weights, impl=impl)
         if not with_stats:

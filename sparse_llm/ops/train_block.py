@@ -6,11 +6,14 @@
 
 Why one op: written as three (norm, ffn_forward_train, residual add), autograd keeps the norm's
 input (the residual stream, float32 under autocast) and the FFN's input (the norm's output) for
-every token. At >= 99% activation sparsity most tokens have no active unit: there the FFN adds
-exactly zero and the norm's gradient is zero. So this op keeps the residual stream only on the
-rows with an active unit and recomputes the norm there in the backward: a token with no active
-unit costs nothing to save. The gradients are the unfused ones up to float32 rounding; the norm
-is transformers' LlamaRMSNorm (sparse_llm.ops.rms_norm). Under autocast the op casts the FFN weights
+every token. A token with no active unit gets exactly zero from the FFN and no gradient through
+its norm, so this op keeps, on the rows with an active unit only, the norm's normalised rows
+(before its scale) and 1 / rms per row, and rebuilds the norm's output there in the backward. Under
+autocast the normalised rows are kept in the compute dtype (bf16: half the fp32 residual's bytes;
+at L0 ~30 about 95% of tokens have an active unit, so this is most of what the op keeps). The
+gradients are the unfused ones up to that rounding: within the exactness contract (twice the dense
+bf16 path's error against float64; tests/ops/test_ops_train_block.py), float32-exact without
+autocast. The norm is transformers' LlamaRMSNorm (sparse_llm.ops.rms_norm). Under autocast the op casts the FFN weights
 itself and keeps the fp32 parameters for the backward, whose op casts them again: autograd (and
 torch.compile) would otherwise keep the bf16 casts from the forward to the backward.
 
@@ -27,13 +30,14 @@ import torch
 from sparse_llm.ops import train_ops
 from sparse_llm.ops.checks import DEFAULT_HEAVY_THRESHOLD
 from sparse_llm.ops.precision import autocast_dtype
-from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
+from sparse_llm.ops.rms_norm import rms_norm_backward_from, rms_norm_stats
 from sparse_llm.ops.train import FFNTrainOutput, TrainImpl, check_train_weights
 from sparse_llm.ops.train_reference import acc_dtype
 
 
 class _FFNBlock(torch.autograd.Function):
-    """x + FFN(rms_norm(x)) for x: [M, D]; saves x on the active rows only (see the module doc).
+    """x + FFN(rms_norm(x)) for x: [M, D]; saves the normalised rows on the active rows only (see
+    the module doc).
     Takes the FFN weights as the caller holds them (the parameters, fp32 under autocast) and casts
     them to the compute dtype for the forward; it saves the parameters, not the casts."""
 
@@ -50,46 +54,62 @@ class _FFNBlock(torch.autograd.Function):
         impl: str,
         heavy_threshold: int,
     ) -> tuple[torch.Tensor, ...]:
-        normed = rms_norm(x, norm_weight, eps, compute_dtype)
-        # The op returns x's active rows (`keep`): as an output of a custom op they are what
-        # torch.compile saves, where an index_select here would be moved into the backward and
-        # the whole x kept for it.
-        y, l1, nnz_per_token, fire_counts, active_rows, x_active, *record = train_ops.train_forward(
-            impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=x
+        # rms_norm, with the normalised rows kept for the backward rather than x: in the compute
+        # dtype where it is narrower (bf16 under autocast: half the fp32 residual's bytes; at L0
+        # ~30 nearly every token has an active unit), with r = 1 / rms(x) per row in float32.
+        xhat, r = rms_norm_stats(x, eps)
+        normed = (norm_weight * xhat).to(compute_dtype)
+        kept = xhat.to(compute_dtype) if compute_dtype.itemsize < xhat.dtype.itemsize else xhat
+        # The op returns those rows where a unit is active (`keep`): as an output of a custom op
+        # they are what torch.compile saves, where an index_select here would be moved into the
+        # backward and the whole input kept for it.
+        y, l1, nnz_per_token, fire_counts, active_rows, xhat_active, *record = train_ops.train_forward(
+            impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=kept
         )
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
-        ctx.save_for_backward(x_active, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
-        ctx.eps, ctx.impl, ctx.rows, ctx.compute_dtype = eps, impl, x.shape[0], compute_dtype
+        ctx.save_for_backward(xhat_active, r, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
+        ctx.eps, ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = (
+            eps,
+            impl,
+            x.shape[0],
+            compute_dtype,
+            x.dtype,
+        )
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
-        ctx.mark_non_differentiable(nnz_per_token, fire_counts, x_active, active_rows, *record)
-        return x + y, l1, nnz_per_token, fire_counts, x_active, active_rows, *record
+        ctx.mark_non_differentiable(nnz_per_token, fire_counts, xhat_active, active_rows, *record)
+        return x + y, l1, nnz_per_token, fire_counts, xhat_active, active_rows, *record
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
-        x_active, active_rows, norm_weight, *saved = ctx.saved_tensors
+        xhat_active, r, active_rows, norm_weight, *saved = ctx.saved_tensors
         dtype = ctx.compute_dtype
+        xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
-            grad_out = x_active.new_zeros((ctx.rows, x_active.shape[1]))
+            grad_out = xhat_active.new_zeros((ctx.rows, xhat_active.shape[1]))
         if grad_l1 is None:
-            grad_l1 = x_active.new_zeros((), dtype=acc_dtype(dtype))
+            grad_l1 = xhat_active.new_zeros((), dtype=acc_dtype(dtype))
         # The norm's output where the FFN reads it (rows with an active unit). The CUDA kernels
         # never read the other rows, so they are left unwritten there (a [M, D] fill a layer less);
         # the reference's dense matmuls read them, so they are zero there.
-        shape = (ctx.rows, x_active.shape[1])
-        make = x_active.new_empty if ctx.impl == "cuda" else x_active.new_zeros
+        shape = (ctx.rows, xhat_active.shape[1])
+        make = xhat_active.new_empty if ctx.impl == "cuda" else xhat_active.new_zeros
         normed = make(shape, dtype=dtype)
-        normed.index_copy_(0, active_rows, rms_norm(x_active, norm_weight, ctx.eps, dtype))
+        normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
         grad_normed, grad_wg, grad_wu, grad_wd = train_ops.train_backward(
             ctx.impl, grad_y, grad_l1, normed, *saved
         )
         # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
-        grad_x_active, grad_norm_weight = rms_norm_backward(
-            grad_normed.index_select(0, active_rows), x_active, norm_weight, ctx.eps
+        grad_x_active, grad_norm_weight = rms_norm_backward_from(
+            grad_normed.index_select(0, active_rows),
+            xhat_active,
+            r.index_select(0, active_rows),
+            norm_weight,
+            ctx.x_dtype,
         )
         grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
         return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None

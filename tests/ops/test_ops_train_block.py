@@ -165,6 +165,37 @@ def test_saves_the_residual_only_on_rows_with_an_active_unit():
     assert activation_bytes(ours) < activation_bytes(before) / 5
 
 
+def test_under_autocast_keeps_the_normalised_rows_in_bf16_within_the_contract():
+    """Under bf16 autocast (an fp32 residual stream) the op keeps the active rows' normalised
+    values in bf16 with 1 / rms per row, half the fp32 rows' bytes; every gradient stays within
+    twice the dense bf16 path's error against float64 (the exactness contract)."""
+    m, d, h = 128, 64, 176
+    for seed, pattern in enumerate(("random", "all_active", "empty_and_dense_rows")):
+        inputs = cpu_inputs(m, d, h, pattern, seed=seed, dtype=torch.float32)
+        inputs[0] = 3 * inputs[0] + 1
+        r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        ours = outputs_and_grads(block("reference"), inputs, r, autocast_device="cpu")
+        dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cpu")
+        exact = outputs_and_grads(dense, [t.double() for t in inputs], r)
+        for name, got, base, want in zip(NAMES, ours, dense_bf16, exact, strict=True):
+            if want.dtype == torch.int64:  # the units that fire in bf16, as in the dense bf16 path
+                assert torch.equal(got, base), name
+                continue
+            scale = want.double().norm().clamp_min(1e-30)
+            err, err_dense = ((t.double() - want.double()).norm() / scale for t in (got, base))
+            assert err <= 2 * err_dense + ABS_FLOOR, (pattern, name, err.item(), err_dense.item())
+
+    x, norm_weight, *params = cpu_inputs(m, d, h, "random", seed=9, dtype=torch.float32)
+
+    def run(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return block("reference")(*args)
+
+    saved = saved_tensors(run, (x, norm_weight, *params))
+    rows = [t for t in saved if t.dim() == 2 and t.shape[1] == d and t.shape[0] <= m and t.shape != (d, h)]
+    assert rows and all(t.dtype == torch.bfloat16 for t in rows), [(tuple(t.shape), t.dtype) for t in rows]
+
+
 def test_saves_the_master_weights_not_their_casts_under_autocast():
     """Under bf16 autocast the FFN runs on bf16 casts of the fp32 weights; the op keeps the fp32
     weights themselves for the backward (no memory: they are the parameters), eager and compiled."""
