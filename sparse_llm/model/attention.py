@@ -16,6 +16,7 @@ from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, stacked_rows
 from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.rope import apply_rotary
+from sparse_llm.ops.decode_attention import decode_attention
 from sparse_llm.ops.linear_add import linear_add_
 from sparse_llm.ops.precision import autocast_dtype
 
@@ -90,9 +91,12 @@ class Attention(nn.Module):
             # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
             # padded or queries start after cached columns; None means plain causal attention
             # (a prefill into an empty cache). A static decode step (ColumnWriteCache) attends
-            # over every column of the cache under its key mask.
+            # over its columns by their bounds (ops.decode_attention).
             is_causal = cache.length == 0 and attn_mask is None
             k, v = cache.update(layer_idx, k, v, cos, sin)
+            if isinstance(cache, ColumnWriteCache):  # a static decode step: the row's columns by bounds
+                out = decode_attention(q, k, v, cache.first_columns, cache.columns)
+                return self._project_out(out.reshape(b, t, -1), residual)
         else:
             k = apply_rotary(k, cos, sin)
             if self.attn_impl == "flash":

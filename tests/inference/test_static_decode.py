@@ -96,7 +96,7 @@ def test_column_write_lands_at_each_rows_column():
     k, v = torch.randn(batch, 1, heads, head_dim), torch.randn(batch, 1, heads, head_dim)
     cos, sin = torch.rand(batch, 1, 1, head_dim), torch.rand(batch, 1, 1, head_dim)
     columns = torch.tensor([3, 0, 15])
-    k_all, v_all = ColumnWriteCache(cache, columns).update(1, k, v, cos, sin)
+    k_all, v_all = ColumnWriteCache(cache, columns, torch.zeros_like(columns)).update(1, k, v, cos, sin)
     assert k_all.shape == v_all.shape == (batch, heads, max_len, head_dim)  # the whole cache
     want_k, want_v = torch.zeros(1, batch, 1, heads, head_dim), torch.zeros(1, batch, 1, heads, head_dim)
     write_kv(want_k, want_v, 0, 0, k, v, cos, sin)
