@@ -91,10 +91,10 @@ class Attention(nn.Module):
             # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
             # padded or queries start after cached columns; None means plain causal attention
             # (a prefill into an empty cache). A static decode step (ColumnWriteCache) attends
-            # over its columns by their bounds (ops.decode_attention).
+            # over its columns by their bounds (ops.decode_attention) when it gives no mask.
             is_causal = cache.length == 0 and attn_mask is None
             k, v = cache.update(layer_idx, k, v, cos, sin)
-            if isinstance(cache, ColumnWriteCache):  # a static decode step: the row's columns by bounds
+            if isinstance(cache, ColumnWriteCache) and attn_mask is None:  # a static step by bounds
                 out = decode_attention(q, k, v, cache.first_columns, cache.columns)
                 return self._project_out(out.reshape(b, t, -1), residual)
         else:

@@ -70,8 +70,9 @@ class ColumnWriteCache:
     """A KVCache as a static-shape decode step sees it (KVCache.update's interface): each row writes
     its one new token at its own column, `columns` ([B] device tensor), and attends to its columns
     `first_columns`..`columns` ([B] device tensor: left padding lies before the first, columns not
-    written yet or stale from an earlier batch after the last), through `ops.decode_attention`.
-    Neither the shapes nor the write position are Python values, so a CUDA graph can capture the
+    written yet or stale from an earlier batch after the last): by those bounds
+    (`ops.decode_attention`) or over all max_len columns under the caller's key mask
+    (`decode_key_mask`), whichever the step chose. Neither the shapes nor the write position are Python values, so a CUDA graph can capture the
     step once and replay it.
 
     The write (`write_kv_columns`) rounds RoPE(k) exactly as every other cache write does, so the
@@ -140,6 +141,19 @@ def write_kv_columns(
     index = columns.view(batch, 1, 1, 1).expand(batch, 1, heads, head_dim)
     k_cache[layer].scatter_(1, index, stage_k[0])
     v_cache[layer].scatter_(1, index, stage_v[0])
+
+
+def decode_key_mask(
+    first_columns: torch.Tensor, columns: torch.Tensor, max_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive attention mask of a static decode step, [B, 1, 1, max_len]: 0 on the columns a
+    row's new token sees (its first real column up to its own), -inf elsewhere (left padding,
+    columns not written yet, stale columns of an earlier batch). Additive and built once per step:
+    SDPA would convert a bool mask in every layer."""
+    cols = torch.arange(max_len, device=columns.device)
+    keep = (cols >= first_columns[:, None]) & (cols <= columns[:, None])
+    mask = torch.zeros(keep.shape, device=columns.device, dtype=dtype).masked_fill_(~keep, float("-inf"))
+    return mask[:, None, None, :]
 
 
 def _fused_write_applies(

@@ -9,6 +9,12 @@ GPU a Triton kernel reads only those: each (row, query head)'s range is cut into
 programs to fill the GPU at batch 1 (flash decoding), each chunk an online softmax in fp32; a second
 kernel merges the chunks of a row and head in a fixed order (deterministic). Elsewhere, SDPA under
 the equivalent mask.
+
+The kernel runs at one row only (`reads_bounds`): there it takes 8.8 us a 1b layer against SDPA's
+10.3 (H100, context 1024; benchmarks/results/decode_attention_h100.md), but from 8 rows cuDNN's
+attention reads the cache faster than this kernel (26.7 against 33.8 us at 8 rows, 180 against 197
+at 64, the best of a sweep of its launch settings), so a step of several rows keeps SDPA under one
+key mask built per step (model/kv_cache.py: decode_key_mask).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ try:
 except ImportError:  # CPU installs: the PyTorch path only
     triton = None
 
-KEYS_PER_STEP = 64
-MAX_CHUNKS = 16
+KERNEL_MAX_ROWS = 1
+MAX_CHUNKS = 32
+PROGRAMS_PER_MULTIPROCESSOR = 8  # chunks enough for this many programs a multiprocessor, at most MAX_CHUNKS
 LOG2_E = 1.4426950408889634
 
 
@@ -106,23 +113,40 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def chunks_for(programs: int, columns: int, multiprocessors: int) -> int:
-    """Chunks a (row, head)'s range is cut into: a power of two, enough that the programs fill the
-    GPU twice over, no more than MAX_CHUNKS nor than the keys allow (a chunk takes KEYS_PER_STEP
-    columns or more)."""
-    wanted = max(1, math.ceil(2 * multiprocessors / programs))
-    most = max(1, min(MAX_CHUNKS, columns // KEYS_PER_STEP))
+    """Chunks a (row, head)'s range is cut into: a power of two, enough for
+    PROGRAMS_PER_MULTIPROCESSOR programs a multiprocessor, at most MAX_CHUNKS, and no more than
+    columns / 32 (a chunk takes 32 columns or more). Measured best at one row, with keys_per_step."""
+    wanted = max(1, math.ceil(PROGRAMS_PER_MULTIPROCESSOR * multiprocessors / programs))
+    most = max(1, min(MAX_CHUNKS, columns // 32))
     return min(1 << (wanted - 1).bit_length(), 1 << (most.bit_length() - 1))
+
+
+def keys_per_step(columns: int, chunks: int) -> int:
+    """Keys a program loads at once: 32 for chunks of 32 columns or fewer, else 64."""
+    return 32 if columns <= 32 * chunks else 64
+
+
+def reads_bounds(batch: int, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a static decode step of `batch` rows attends by its rows' column bounds (the Triton
+    kernel) rather than SDPA over the whole cache under a key mask: at one row, where it is faster."""
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and batch <= KERNEL_MAX_ROWS
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim in (16, 32, 64, 128, 256)
+    )
 
 
 def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Triton kernels take these (checked) operands: on a CUDA device, bf16 or fp16, a
-    power-of-two head dimension, the head dimension contiguous."""
-    head_dim = q.shape[-1]
+    power-of-two head dimension, the head dimension contiguous; any number of rows (the op runs
+    them; where a step uses it is `reads_bounds`' choice)."""
     return (
         triton is not None
         and q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
-        and head_dim in (16, 32, 64, 128, 256)
+        and q.shape[-1] in (16, 32, 64, 128, 256)
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     )
 
@@ -145,7 +169,7 @@ def decode_attention_kernel(
         q, k, v, first_columns, columns, m, totals, acc,
         q_heads, q_heads // kv_heads, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), scale_log2,
-        HEAD_DIM=head_dim, CHUNKS=chunks, BLOCK_N=KEYS_PER_STEP, num_warps=4,
+        HEAD_DIM=head_dim, CHUNKS=chunks, BLOCK_N=keys_per_step(max_len, chunks), num_warps=2, num_stages=3,
     )  # fmt: skip
     _merge_kernel[(programs,)](m, totals, acc, out, HEAD_DIM=head_dim, CHUNKS=chunks, num_warps=4)
     return out

@@ -13,6 +13,8 @@ from sparse_llm.ops.decode_attention import (
     decode_attention,
     decode_attention_reference,
     kernel_applies,
+    keys_per_step,
+    reads_bounds,
 )
 
 
@@ -59,14 +61,21 @@ def test_reference_is_the_softmax_over_each_rows_columns(batch, heads, kv_heads)
 
 
 def test_chunks_fill_the_gpu_and_never_outnumber_the_keys():
-    # A 1b model's 32 heads on an H100's 132 multiprocessors at context 1024.
-    assert chunks_for(32, 1024, 132) == 16  # batch 1
-    assert chunks_for(8 * 32, 1024, 132) == 2  # batch 8
-    assert chunks_for(64 * 32, 1024, 132) == 1  # batch 64
-    assert (
-        chunks_for(32, 200, 132) == 2
-    )  # 200 columns: three chunks of 64 would be the most, a power of two is 2
+    # A 1b model's 32 heads on an H100's 132 multiprocessors.
+    assert chunks_for(32, 1024, 132) == 32  # batch 1, context 1024: chunks of 32 columns
+    assert keys_per_step(1024, 32) == 32 and keys_per_step(2048, 32) == 64
+    assert chunks_for(8 * 32, 1024, 132) == 8
+    assert chunks_for(64 * 32, 1024, 132) == 1
+    assert chunks_for(32, 200, 132) == 4  # 200 columns: six chunks of 32 at most, a power of two is 4
     assert chunks_for(4, 10, 132) == 1
+
+
+def test_a_step_reads_bounds_at_one_row_on_a_gpu_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not reads_bounds(1, torch.bfloat16, cpu, 64)
+    assert not reads_bounds(8, torch.bfloat16, cuda, 64)  # cuDNN's SDPA is faster from 8 rows
+    assert not reads_bounds(1, torch.float32, cuda, 64)
+    assert not reads_bounds(1, torch.bfloat16, cuda, 80)
 
 
 def test_bad_operands_are_clear_errors():
