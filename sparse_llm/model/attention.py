@@ -1,9 +1,10 @@
 """Causal self-attention with RoPE, over a KV cache when decoding.
 
-With a KV cache and no autograd (prefill, decode) q, k and v come from one GEMM over [Wq; Wk; Wv]
-(`qkv_cache`, a copy of the three weights: 25 MB a 1b layer): at a decode step three GEMVs of 8 MB
+At a decode step (one new token a row over a KV cache, no autograd) q, k and v come from one GEMM
+over [Wq; Wk; Wv] (`qkv_cache`, a copy of the three weights: 25 MB a 1b layer): three GEMVs of 8 MB
 each spend most of their time ramping up (21 us a 1b layer on an H100, against ~9 us for the bytes
-of one). Training keeps the three projections, whose parameters a Llama checkpoint names.
+of one). A prefill keeps three GEMMs (one was no faster there: docs/notes/kernels_log.md), and so
+does training, whose parameters a Llama checkpoint names.
 """
 
 from __future__ import annotations
@@ -45,24 +46,22 @@ class Attention(nn.Module):
         captured (a trace uses only a copy made before it)."""
         self.qkv_cache.get(self._projection_weights(), self.q_proj.weight.dtype)
 
-    def _project_qkv(
-        self, x: torch.Tensor, inference: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v: [B, T, features] each; at inference views of one GEMM's output, which the
-        KV-cache write reads at their token stride."""
-        stacked = None
-        if inference:
+    def _project_qkv(self, x: torch.Tensor, stacked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v: [B, T, features] each; `stacked`: views of one GEMM's output over [Wq; Wk; Wv],
+        which the KV-cache write reads at their token stride."""
+        weight = None
+        if stacked:
             dtype = autocast_dtype(x) or x.dtype
             weights = self._projection_weights()
-            stacked = (
+            weight = (
                 self.qkv_cache.traced(dtype)
                 if torch.compiler.is_compiling()
                 else self.qkv_cache.get(weights, dtype)
             )
-        if stacked is None:
+        if weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         sizes = [w.shape[0] for w in self._projection_weights()]
-        q, k, v = F.linear(x, stacked).split(sizes, dim=-1)
+        q, k, v = F.linear(x, weight).split(sizes, dim=-1)
         return q, k, v
 
     def forward(
@@ -80,7 +79,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # Token-major [B, T, heads, head_dim] as the projections leave them: RoPE and the KV-cache
         # write need no transpose; SDPA takes the head-major views.
-        q, k, v = self._project_qkv(x, inference=cache is not None and not torch.is_grad_enabled())
+        q, k, v = self._project_qkv(x, stacked=t == 1 and cache is not None and not torch.is_grad_enabled())
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)

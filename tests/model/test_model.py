@@ -316,25 +316,26 @@ def test_derived_weights_refresh_in_place_and_are_shared():
         assert mine.self_attn.qkv_cache is theirs.self_attn.qkv_cache
 
 
-def test_inference_projects_qkv_in_one_gemm_with_the_same_result():
-    """With a KV cache and no autograd, q, k and v come from one GEMM over [Wq; Wk; Wv]: the
-    logits equal those of the three projections (the model without a cache), and the stacked copy
-    follows a change of the weights."""
+def test_a_decode_step_projects_qkv_in_one_gemm_with_the_same_result():
+    """At a decode step (one token a row over a KV cache, no autograd) q, k and v come from one
+    GEMM over [Wq; Wk; Wv]: the logits equal those of the three projections (the model without a
+    cache), and the stacked copy follows a change of the weights."""
     from sparse_llm.model import KVCache
 
     torch.manual_seed(0)
     model = build_model(small_config()).eval()
     ids = torch.randint(0, 97, (2, 7))
 
-    def cached_logits() -> torch.Tensor:
+    def decoded_logits() -> torch.Tensor:
         cache = KVCache(model.config, 2, 16, device="cpu", dtype=torch.float32)
         with torch.no_grad():
-            return model(ids, cache=cache).logits
+            model(ids[:, :-1], cache=cache)  # the prefill: three GEMMs
+            return model(ids[:, -1:], cache=cache).logits[:, -1]
 
     for _ in range(2):
         with torch.no_grad():
-            plain = model(ids).logits
-        torch.testing.assert_close(cached_logits(), plain, rtol=1e-5, atol=1e-5)
+            plain = model(ids).logits[:, -1]
+        torch.testing.assert_close(decoded_logits(), plain, rtol=1e-5, atol=1e-5)
         layer = model.model.layers[0].self_attn
         assert layer.qkv_cache.tensor is not None
         assert torch.equal(layer.qkv_cache.tensor, torch.cat(layer._projection_weights()))
