@@ -299,7 +299,7 @@ class StaticDecoder:
         if why:
             raise ValueError(f"cannot capture the decode step: {why}")
         self.model, self.capture = model, capture
-        model.prepare_inference()  # Wd^T made before the step is traced or captured
+        model.prepare_inference()  # derived weights (Wd^T, [Wq; Wk; Wv]) made before any trace or capture
         # `compile`: the step's forward through Inductor, once per batch size and cache length (on
         # the first, uncaptured warm-up step), then captured: RMSNorm, RoPE, the residual adds and
         # casts fuse into a few kernels a layer, where eager runs ~40 small ones (most of a dense
@@ -315,6 +315,9 @@ class StaticDecoder:
         """The slot for `batch` rows that need `columns` cache columns and `eos_count` EOS ids. A
         batch the decode FFN cannot capture (`why_not_graph(model, batch)`) runs the same step
         uncaptured: the same tokens, without the graph."""
+        # Derived weights (Wd^T, [Wq; Wk; Wv]) brought up to date in place, where the captured or
+        # compiled steps read them: the weights may have changed since the last batch.
+        self.model.prepare_inference()
         key = (batch, cache_len_bucket(columns))
         slot = self.slots.get(key)
         if slot is None or slot.state.eos.numel() < eos_count:

@@ -97,6 +97,8 @@ def generate_ids(
     device = model.lm_head.weight.device
     padded = left_pad(prompts, device)
     eos = torch.tensor(list(eos_token_ids) if params.stop_at_eos else [], dtype=torch.long, device=device)
+    if prefill_forward is not None:  # a compiled prefill reads the derived weights made before
+        model.prepare_inference()
     forward = model if prefill_forward is None else prefill_forward
 
     def prefill(cache: KVCache) -> torch.Tensor:

@@ -54,7 +54,7 @@ class Attention(nn.Module):
             dtype = autocast_dtype(x) or x.dtype
             weights = self._projection_weights()
             weight = (
-                self.qkv_cache.traced(dtype)
+                self.qkv_cache.traced(dtype, x.device)
                 if torch.compiler.is_compiling()
                 else self.qkv_cache.get(weights, dtype)
             )

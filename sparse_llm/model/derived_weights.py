@@ -29,31 +29,30 @@ def stacked_rows(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.T
 
 
 class DerivedWeight:
-    """`make(weights, dtype)` of some parameters, kept until one of them changes."""
+    """`make(weights, dtype)` of some parameters, one tensor per dtype asked for, each kept until
+    one of its weights changes. One per dtype: a model run both with and without autocast would
+    otherwise swap the tensor, and free the address a captured graph reads."""
 
     def __init__(self, make: Make) -> None:
         self._make = make
-        self.tensor: torch.Tensor | None = None
-        self._key: tuple | None = None
+        self._held: dict[torch.dtype, tuple[tuple, torch.Tensor]] = {}  # dtype: (weights' key, tensor)
 
     def get(self, weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        key = (*((w.data_ptr(), w._version) for w in weights), dtype)
-        if self._key != key:
-            with torch.no_grad():
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        entry = self._held.get(dtype)
+        if entry is None or entry[0] != key:
+            # Made outside inference mode: an inference tensor could not be refreshed in place
+            # later outside it.
+            with torch.inference_mode(False), torch.no_grad():
                 made = self._make([w.detach() for w in weights], dtype)
-            held = self.tensor
-            if held is not None and (held.shape, held.dtype, held.device) == (
-                made.shape,
-                made.dtype,
-                made.device,
-            ):
-                held.copy_(made)
-            else:
-                self.tensor = made
-            self._key = key
-        return self.tensor
+                if entry is not None and (entry[1].shape, entry[1].device) == (made.shape, made.device):
+                    made = entry[1].copy_(made)
+            self._held[dtype] = (key, made)
+        return self._held[dtype][1]
 
-    def traced(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The tensor made before, in `dtype`, else None (the caller then computes without it)."""
-        held = self.tensor
-        return held if held is not None and held.dtype == dtype else None
+    def traced(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The tensor made before, in `dtype` on `device`, else None (the caller then computes
+        without it). It is as current as the last `get`: callers refresh before they trace or
+        replay (`model.prepare_inference`)."""
+        entry = self._held.get(dtype)
+        return entry[1] if entry is not None and entry[1].device == device else None

@@ -172,7 +172,7 @@ class GatedMLP(nn.Module):
         if impl != "cuda" or torch.is_grad_enabled():
             return None
         if torch.compiler.is_compiling():
-            return self.down_t_cache.traced(dtype)
+            return self.down_t_cache.traced(dtype, self.down_proj.weight.device)
         return self.down_t_cache.get([self.down_proj.weight], dtype)
 
     def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:

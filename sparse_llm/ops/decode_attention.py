@@ -138,16 +138,20 @@ def reads_bounds(batch: int, dtype: torch.dtype, device: torch.device, head_dim:
     )
 
 
-def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def kernel_applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_columns: torch.Tensor, columns: torch.Tensor
+) -> bool:
     """Whether the Triton kernels take these (checked) operands: on a CUDA device, bf16 or fp16, a
-    power-of-two head dimension, the head dimension contiguous; any number of rows (the op runs
-    them; where a step uses it is `reads_bounds`' choice)."""
+    power-of-two head dimension, the head dimension and the bounds contiguous, at least one row;
+    any number of rows (the op runs them; where a step uses it is `reads_bounds`' choice)."""
     return (
         triton is not None
         and q.is_cuda
+        and q.shape[0] > 0
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (16, 32, 64, 128, 256)
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and first_columns.stride(0) == columns.stride(0) == 1
     )
 
 
@@ -204,7 +208,7 @@ def decode_attention(
     the host) of k and v: [B, kv_heads, max_len, head_dim] (kv_heads dividing heads); returns
     [B, 1, heads, head_dim], contiguous. Every row must have a column (first <= columns)."""
     _check_operands(q, k, v, first_columns, columns)
-    if kernel_applies(q, k, v):
+    if kernel_applies(q, k, v, first_columns, columns):
         return decode_attention_kernel(q, k, v, first_columns, columns)
     return decode_attention_reference(q, k, v, first_columns, columns)
 

@@ -298,8 +298,20 @@ def test_derived_weights_refresh_in_place_and_are_shared():
         weight.mul_(2)
     again = cache.get([weight], torch.float32)
     assert again is first and torch.equal(again, weight.t())
-    assert cache.get([weight], torch.float64).dtype == torch.float64
-    assert cache.traced(torch.float64) is cache.tensor and cache.traced(torch.bfloat16) is None
+    # One tensor per dtype: asking for another keeps the first (a graph may read its address).
+    doubled = cache.get([weight], torch.float64)
+    assert doubled.dtype == torch.float64 and cache.get([weight], torch.float32) is first
+    cpu = torch.device("cpu")
+    assert cache.traced(torch.float64, cpu) is doubled and cache.traced(torch.bfloat16, cpu) is None
+    assert cache.traced(torch.float32, torch.device("meta")) is None  # made on another device
+
+    # Made under inference mode, refreshed in place outside it (an inference tensor could not be).
+    in_inference = DerivedWeight(transposed)
+    with torch.inference_mode():
+        made = in_inference.get([weight], torch.float32)
+    with torch.no_grad():
+        weight.add_(1)
+    assert in_inference.get([weight], torch.float32) is made and torch.equal(made, weight.t())
 
     a, b = torch.randn(4, 6), torch.randn(2, 6)
     stacked = DerivedWeight(stacked_rows)
@@ -337,10 +349,38 @@ def test_a_decode_step_projects_qkv_in_one_gemm_with_the_same_result():
             plain = model(ids).logits[:, -1]
         torch.testing.assert_close(decoded_logits(), plain, rtol=1e-5, atol=1e-5)
         layer = model.model.layers[0].self_attn
-        assert layer.qkv_cache.tensor is not None
-        assert torch.equal(layer.qkv_cache.tensor, torch.cat(layer._projection_weights()))
+        stacked = layer.qkv_cache.traced(torch.float32, torch.device("cpu"))
+        assert stacked is not None and torch.equal(stacked, torch.cat(layer._projection_weights()))
         with torch.no_grad():
             layer.k_proj.weight.mul_(-1.5)  # the next round must see the new weight
+
+
+def test_a_compiled_decode_step_sees_weights_changed_in_place_once_refreshed():
+    """A trace reads the stacked q/k/v copy made before it; after the weights change, the refresh
+    that StaticDecoder.slot and a compiled prefill run (`prepare_inference`) updates that copy in
+    place, and the compiled step computes with the new weights."""
+    from sparse_llm.inference.decode import StaticDecoder
+    from sparse_llm.model import KVCache
+
+    torch.manual_seed(0)
+    model = build_model(small_config()).eval()
+    ids = torch.randint(0, 97, (1, 5))
+    model.prepare_inference()
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def decoded(m) -> torch.Tensor:
+        cache = KVCache(model.config, 1, 16, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            model(ids[:, :-1], cache=cache)
+            return m(ids[:, -1:], cache=cache).logits[:, -1]
+
+    decoder = StaticDecoder(model, capture=False)
+    torch.testing.assert_close(decoded(compiled), decoded(model))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(-3)  # e.g. load_state_dict into the same tensors
+    decoder.slot(1, 8, 0)  # a decoder refreshes them for every batch
+    torch.testing.assert_close(decoded(compiled), decoded(model))
 
 
 def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
@@ -353,13 +393,16 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
 
     model = build_model(small_config())
     model.prepare_inference()  # dense everywhere: no Wd^T, only the stacked q/k/v weights
-    assert all(layer.mlp.down_t_cache.tensor is None for layer in model.model.layers)
-    assert all(layer.self_attn.qkv_cache.tensor is not None for layer in model.model.layers)
+    cpu = torch.device("cpu")
+    assert all(layer.mlp.down_t_cache.traced(torch.bfloat16, cpu) is None for layer in model.model.layers)
+    assert all(
+        layer.self_attn.qkv_cache.traced(torch.float32, cpu) is not None for layer in model.model.layers
+    )
     dense = FFNSelection("dense", "dense was asked for")
     # The plan as resolve() gives it on a Hopper GPU (a CPU cannot resolve "cuda").
     decode_only = model.with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
     decode_only.prepare_inference()
     for layer in decode_only.model.layers:
-        wd_t = layer.mlp.down_t_cache.tensor
+        wd_t = layer.mlp.down_t_cache.traced(torch.bfloat16, torch.device("cpu"))
         assert wd_t is not None and wd_t.dtype == torch.bfloat16 and wd_t.is_contiguous()
         assert torch.equal(wd_t, layer.mlp.down_proj.weight.t().to(torch.bfloat16))

@@ -111,7 +111,8 @@ def test_kernel_within_twice_sdpas_error_against_float64(batch, heads, kv_heads,
     q, k, v, first, last = _operands(
         batch, heads, kv_heads, max_len, head_dim, torch.bfloat16, "cuda", seed=batch
     )
-    assert kernel_applies(q, k, v)
+    assert kernel_applies(q, k, v, first, last)
+    assert not kernel_applies(q, k, v, torch.stack([first, first], 1)[:, 0], last)  # strided bounds
     got = decode_attention(q, k, v, first, last)
     want = decode_attention_reference(*(t.double() for t in (q, k, v)), first, last)
     sdpa = decode_attention_reference(q, k, v, first, last)
