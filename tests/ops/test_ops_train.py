@@ -287,6 +287,21 @@ def test_cuda_ops_trace_under_fake_tensors():
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
 
 
+def test_cuda_forward_traces_symbolically():
+    """Every dynamic size of the CUDA forward's fake is among its outputs, as torch.compile's
+    tracer requires (a size left pending raises)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward(x, wg, wu, wd, keep):
+        return torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, keep, 64)
+
+    shapes = ((6, 16), (24, 16), (24, 16), (16, 24), (6, 16))
+    traced = make_fx(forward, tracing_mode="symbolic")(
+        *(torch.empty(s, dtype=torch.bfloat16) for s in shapes)
+    )
+    assert any("ffn_train_fwd_cuda" in str(node.target) for node in traced.graph.nodes)
+
+
 @pytest.mark.parametrize(
     ("weight_dtype", "passed_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float64, torch.bfloat16)],
