@@ -1,0 +1,132 @@
+"""How active units spread over the tokens of a training step, layer by layer: what sizes the sparse
+training op's records and its heavy rows' GEMMs (kernels/train_bindings.cpp).
+
+    python benchmarks/row_density.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python benchmarks/row_density.py --tiny      # CPU, seconds: the script end to end
+
+For each layer, over one step's tokens (rows x seq-len of held-out text, the M of one op call):
+L0, the tokens with an active unit (what the FFN block keeps), the largest and the 99th-percentile
+active units of a token, and the heavy rows: tokens with more than `--heavy-threshold` active units,
+which take the dense GEMM path. The forward queues the GEMMs of the first `early` heavy rows before
+its host read (`early`: M / 64 rounded up to a multiple of 64); a sync-free forward would keep
+that capacity and send the rest to an overflow path, so `past early` counts what that path would get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import token_batch, write_report
+from sparse_llm.config import ModelConfig
+from sparse_llm.model import build_model
+from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.training.run_info import collect_run_info
+
+EARLY_ROWS_PER = 64  # kEarlyHeavyRowsPer in kernels/train_bindings.cpp
+HEAVY_ROWS_GRANULE = 64  # kHeavyRowsGranule in kernels/torch_glue.h
+TINY_MODEL = dict(
+    hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=97
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--heavy-threshold", type=int, default=DEFAULT_HEAVY_THRESHOLD)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    args = p.parse_args(argv)
+    if (args.model is None) == (not args.tiny):
+        p.error("give --model or --tiny")
+    return args
+
+
+def early_capacity(tokens: int) -> int:
+    """The heavy rows whose GEMMs the forward queues before its host read, for `tokens` rows."""
+    wanted = -(-tokens // EARLY_ROWS_PER)
+    return -(-wanted // HEAVY_ROWS_GRANULE) * HEAVY_ROWS_GRANULE
+
+
+@torch.no_grad()
+def active_units_per_token(model, ids: torch.Tensor) -> torch.Tensor:
+    """[layers, rows x seq-len] active units of every token, one row of ids at a time."""
+    per_row = [model(row, with_stats=True).ffn_stats.nnz_per_token for row in ids.split(1)]
+    return torch.cat(per_row, dim=1).cpu()
+
+
+def layer_rows(nnz: torch.Tensor, threshold: int) -> list[dict]:
+    tokens = nnz.shape[1]
+    early = early_capacity(tokens)
+    rows = []
+    for layer, counts in enumerate(nnz):
+        heavy = int((counts > threshold).sum())
+        rows.append(
+            {
+                "layer": layer,
+                "l0": counts.float().mean().item(),
+                "active_tokens": (counts > 0).float().mean().item(),
+                "max_units": int(counts.max()),
+                "p99_units": torch.quantile(counts.float(), 0.99).item(),
+                "heavy_rows": heavy,
+                "early": early,
+                "past_early": max(0, heavy - early),
+            }
+        )
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
+        f"{meta['tokens']} tokens ({meta['text']}); heavy threshold {meta['heavy_threshold']}; "
+        f"early capacity {rows[0]['early']} rows.",
+        "",
+        "| layer | L0 | tokens with an active unit | max units | p99 units | heavy rows | past early |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layer']} | {r['l0']:.1f} | {r['active_tokens']:.1%} | {r['max_units']} | "
+            f"{r['p99_units']:.0f} | {r['heavy_rows']} | {r['past_early']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.tiny:
+        torch.manual_seed(0)
+        model, tokenizer, name = build_model(ModelConfig(**TINY_MODEL)), None, "tiny (random)"
+        rows, seq_len = 2, 64
+    else:
+        from sparse_llm.inference import load_model
+
+        loaded = load_model(args.model, device)
+        model, tokenizer, name = loaded.model, loaded.tokenizer, str(args.model)
+        rows, seq_len = args.rows, args.seq_len
+    model.eval()
+    ids, text = token_batch(tokenizer, model.config.vocab_size, rows, seq_len)
+    nnz = active_units_per_token(model, ids.to(device))
+    results = layer_rows(nnz, args.heavy_threshold)
+    meta = {
+        **collect_run_info(device, world_size=1),
+        "model": name,
+        "tokens": nnz.shape[1],
+        "text": text,
+        "heavy_threshold": args.heavy_threshold,
+    }
+    write_report(markdown(meta, results), meta, results, args.json, args.md)
+
+
+if __name__ == "__main__":
+    main()
