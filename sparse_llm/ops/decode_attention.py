@@ -10,8 +10,8 @@ programs to fill the GPU at batch 1 (flash decoding), each chunk an online softm
 kernel merges the chunks of a row and head in a fixed order (deterministic). Elsewhere, SDPA under
 the equivalent mask.
 
-The kernel runs at one row only (`reads_bounds`): there it takes 8.8 us a 1b layer against SDPA's
-10.3 (H100, context 1024; benchmarks/results/decode_attention_h100.md), but from 8 rows cuDNN's
+The kernel runs at one row only (`reads_bounds`): there it takes 9.0 us a 1b layer against SDPA's
+10.4 (H100, context 1024; benchmarks/results/decode_attention_h100.md), but from 8 rows cuDNN's
 attention reads the cache faster than this kernel (26.7 against 33.8 us at 8 rows, 180 against 197
 at 64, the best of a sweep of its launch settings), so a step of several rows keeps SDPA under one
 key mask built per step (model/kv_cache.py: decode_key_mask).
