@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_report
 from benchmarks.decode_ffn import graph_ms
 from benchmarks.inference import copy_bandwidth_gbs
-from sparse_llm.ops.decode_attention import decode_attention
+from sparse_llm.model.kv_cache import decode_key_mask
+from sparse_llm.ops.decode_attention import decode_attention, sdpa_one_query
 from sparse_llm.training.run_info import collect_run_info
 
 
@@ -51,15 +51,11 @@ def bench(rows: int, context: int, args: argparse.Namespace) -> dict:
     q = torch.randn(rows, 1, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
     first = torch.zeros(rows, dtype=torch.long, device=device)
     last = torch.full((rows,), context - 1, dtype=torch.long, device=device)
-    # The additive key mask the step built before (one per step, shared by its layers).
-    cols = torch.arange(context, device=device)
-    keep = (cols >= first[:, None]) & (cols <= last[:, None])
-    mask = torch.zeros(keep.shape, device=device, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
-    mask = mask[:, None, None, :]
+    mask = decode_key_mask(first, last, context, torch.bfloat16)  # one a step, shared by its layers
 
     def sdpa() -> None:
         for k, v in caches:
-            F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+            sdpa_one_query(q, k, v, mask)
 
     def ours() -> None:
         for k, v in caches:

@@ -17,7 +17,6 @@ from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, stacked_rows
 from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.rope import apply_rotary
-from sparse_llm.ops.decode_attention import decode_attention
 from sparse_llm.ops.linear_add import linear_add_
 from sparse_llm.ops.precision import autocast_dtype
 
@@ -49,19 +48,17 @@ class Attention(nn.Module):
     def _project_qkv(self, x: torch.Tensor, stacked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v: [B, T, features] each; `stacked`: views of one GEMM's output over [Wq; Wk; Wv],
         which the KV-cache write reads at their token stride."""
+        weights = self._projection_weights()
         weight = None
         if stacked:
             dtype = autocast_dtype(x) or x.dtype
-            weights = self._projection_weights()
+            compiling = torch.compiler.is_compiling()
             weight = (
-                self.qkv_cache.traced(dtype, x.device)
-                if torch.compiler.is_compiling()
-                else self.qkv_cache.get(weights, dtype)
+                self.qkv_cache.traced(dtype, x.device) if compiling else self.qkv_cache.get(weights, dtype)
             )
         if weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        sizes = [w.shape[0] for w in self._projection_weights()]
-        q, k, v = F.linear(x, weight).split(sizes, dim=-1)
+        q, k, v = F.linear(x, weight).split([w.shape[0] for w in weights], dim=-1)
         return q, k, v
 
     def forward(
@@ -90,12 +87,11 @@ class Attention(nn.Module):
             # write applies RoPE to k). `attn_mask` (bool, [B, 1, T, S]) is given when rows are
             # padded or queries start after cached columns; None means plain causal attention
             # (a prefill into an empty cache). A static decode step (ColumnWriteCache) attends
-            # over its columns by their bounds (ops.decode_attention) when it gives no mask.
+            # as it was made to (ColumnWriteCache.attend).
             is_causal = cache.length == 0 and attn_mask is None
             k, v = cache.update(layer_idx, k, v, cos, sin)
-            if isinstance(cache, ColumnWriteCache) and attn_mask is None:  # a static step by bounds
-                out = decode_attention(q, k, v, cache.first_columns, cache.columns)
-                return self._project_out(out.reshape(b, t, -1), residual)
+            if isinstance(cache, ColumnWriteCache):  # a static decode step: its own attention
+                return self._project_out(cache.attend(q, k, v).reshape(b, t, -1), residual)
         else:
             k = apply_rotary(k, cos, sin)
             if self.attn_impl == "flash":

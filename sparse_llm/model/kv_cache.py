@@ -6,6 +6,7 @@ import torch
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.rope import apply_rotary
+from sparse_llm.ops.decode_attention import column_range_mask, decode_attention, reads_bounds, sdpa_one_query
 from sparse_llm.ops.select import extension, kernels_unavailable
 
 
@@ -70,17 +71,20 @@ class ColumnWriteCache:
     """A KVCache as a static-shape decode step sees it (KVCache.update's interface): each row writes
     its one new token at its own column, `columns` ([B] device tensor), and attends to its columns
     `first_columns`..`columns` ([B] device tensor: left padding lies before the first, columns not
-    written yet or stale from an earlier batch after the last): by those bounds
-    (`ops.decode_attention`) or over all max_len columns under the caller's key mask
-    (`decode_key_mask`), whichever the step chose. Neither the shapes nor the write position are Python values, so a CUDA graph can capture the
-    step once and replay it.
+    written yet or stale from an earlier batch after the last), through `attend`. Neither the
+    shapes nor the write position are Python values, so a CUDA graph can capture the step once and
+    replay it.
+
+    How it attends is fixed when it is made: by the rows' column bounds where that kernel is the
+    faster (`ops.decode_attention.reads_bounds`: one row on a GPU), else SDPA over all max_len
+    columns under one additive key mask, built here once a step (`decode_key_mask`).
 
     The write (`write_kv_columns`) rounds RoPE(k) exactly as every other cache write does, so the
     static and the eager decode keep the same cache, bit for bit.
     """
 
     def __init__(self, cache: KVCache, columns: torch.Tensor, first_columns: torch.Tensor) -> None:
-        _, batch, max_len, _, _ = cache.k.shape
+        _, batch, max_len, _, head_dim = cache.k.shape
         for name, t in (("columns", columns), ("first_columns", first_columns)):
             if t.shape != (batch,) or t.dtype != torch.long:
                 raise ValueError(
@@ -90,6 +94,19 @@ class ColumnWriteCache:
         self.length = max_len  # every column is a candidate; first_columns and columns say which are real
         self.columns = columns
         self.first_columns = first_columns
+        dtype, device = cache.k.dtype, cache.k.device
+        self.key_mask = (
+            None
+            if reads_bounds(batch, dtype, device, head_dim)
+            else decode_key_mask(first_columns, columns, max_len, dtype)
+        )
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of q ([B, 1, heads, head_dim], token-major) over the rows' columns of k and v
+        (`update`'s views); [B, 1, heads, head_dim]."""
+        if self.key_mask is None:
+            return decode_attention(q, k, v, self.first_columns, self.columns)
+        return sdpa_one_query(q, k, v, self.key_mask)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -150,8 +167,7 @@ def decode_key_mask(
     row's new token sees (its first real column up to its own), -inf elsewhere (left padding,
     columns not written yet, stale columns of an earlier batch). Additive and built once per step:
     SDPA would convert a bool mask in every layer."""
-    cols = torch.arange(max_len, device=columns.device)
-    keep = (cols >= first_columns[:, None]) & (cols <= columns[:, None])
+    keep = column_range_mask(first_columns, columns, max_len)
     mask = torch.zeros(keep.shape, device=columns.device, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return mask[:, None, None, :]
 

@@ -24,11 +24,10 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.attention import Attention
 from sparse_llm.model.ffn import FFNPlan, GatedMLP
-from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache, decode_key_mask
+from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.loss import linear_cross_entropy
 from sparse_llm.model.norm import RMSNorm
 from sparse_llm.model.rope import RotaryEmbedding
-from sparse_llm.ops.decode_attention import reads_bounds
 from sparse_llm.ops.stack_layers import stack_layers
 
 
@@ -276,23 +275,16 @@ class SparseLlamaForCausalLM(nn.Module):
         All [B] int64 device tensors: `tokens` (the row's new token), `positions` (its RoPE
         position), `columns` (the cache column it is written to) and `first_columns` (the row's
         first real column; left padding lies before it). The row attends to its columns
-        first_columns..columns. Unlike `forward(cache=...)`, attention reads those columns by
-        their device-side bounds (`ops.decode_attention`, at one row) or runs over all
-        `cache.max_len` columns under a key mask built on the device, and `cache.length` is
+        first_columns..columns. Unlike `forward(cache=...)`, attention takes those columns from
+        their device-side bounds (`ColumnWriteCache.attend`), and `cache.length` is
         neither read nor advanced: the caller advances `positions` and `columns`. The FFN is the
         plan's decode phase, as in `forward`.
         """
         x = self.model.embed_tokens(tokens[:, None])
         cos, sin = self.model.rotary_emb(1, x.dtype, positions[:, None])
         view = ColumnWriteCache(cache, columns, first_columns)
-        attention = self.model.layers[0].self_attn
-        mask = (
-            None  # attention reads each row's columns by their bounds
-            if reads_bounds(x.shape[0], x.dtype, x.device, attention.head_dim)
-            else decode_key_mask(first_columns, columns, cache.max_len, x.dtype)
-        )
         for i, layer in enumerate(self.model.layers):
-            x, _ = layer(x, cos, sin, "decode", False, view, i, mask)
+            x, _ = layer(x, cos, sin, "decode", False, view, i, None)
         return self.lm_head(self.model.norm(x))[:, 0]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -37,16 +37,27 @@ PROGRAMS_PER_MULTIPROCESSOR = 8  # chunks enough for this many programs a multip
 LOG2_E = 1.4426950408889634
 
 
+def column_range_mask(first_columns: torch.Tensor, columns: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_len] bool: True on each row's columns first_columns[b]..columns[b]."""
+    cols = torch.arange(max_len, device=columns.device)
+    return (cols >= first_columns[:, None]) & (cols <= columns[:, None])
+
+
+def sdpa_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of one query a row, q: [B, 1, heads, head_dim] token-major, over k, v: [B, kv_heads,
+    max_len, head_dim] under `mask` ([B, 1, 1, max_len], bool or additive); [B, 1, heads, head_dim]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[2]
+    )
+    return out.transpose(1, 2)
+
+
 def decode_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_columns: torch.Tensor, columns: torch.Tensor
 ) -> torch.Tensor:
     """SDPA of q over the columns first_columns[b]..columns[b] of k and v (see decode_attention)."""
-    cols = torch.arange(k.shape[2], device=k.device)
-    keep = (cols >= first_columns[:, None]) & (cols <= columns[:, None])
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=keep[:, None, None, :], enable_gqa=k.shape[1] != q.shape[2]
-    )
-    return out.transpose(1, 2).contiguous()
+    mask = column_range_mask(first_columns, columns, k.shape[2])[:, None, None, :]
+    return sdpa_one_query(q, k, v, mask).contiguous()
 
 
 if triton is not None:
@@ -126,16 +137,16 @@ def keys_per_step(columns: int, chunks: int) -> int:
     return 32 if columns <= 32 * chunks else 64
 
 
+def _kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    return (
+        triton is not None and dtype in (torch.bfloat16, torch.float16) and head_dim in (16, 32, 64, 128, 256)
+    )
+
+
 def reads_bounds(batch: int, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether a static decode step of `batch` rows attends by its rows' column bounds (the Triton
     kernel) rather than SDPA over the whole cache under a key mask: at one row, where it is faster."""
-    return (
-        triton is not None
-        and device.type == "cuda"
-        and batch <= KERNEL_MAX_ROWS
-        and dtype in (torch.bfloat16, torch.float16)
-        and head_dim in (16, 32, 64, 128, 256)
-    )
+    return device.type == "cuda" and batch <= KERNEL_MAX_ROWS and _kernel_takes(dtype, head_dim)
 
 
 def kernel_applies(
@@ -145,11 +156,9 @@ def kernel_applies(
     power-of-two head dimension, the head dimension and the bounds contiguous, at least one row;
     any number of rows (the op runs them; where a step uses it is `reads_bounds`' choice)."""
     return (
-        triton is not None
-        and q.is_cuda
+        q.is_cuda
         and q.shape[0] > 0
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in (16, 32, 64, 128, 256)
+        and _kernel_takes(q.dtype, q.shape[-1])
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         and first_columns.stride(0) == columns.stride(0) == 1
     )
