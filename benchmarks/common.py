@@ -362,6 +362,14 @@ def token_batch(
     return torch.randint(0, vocab_size, (batch, length), generator=gen), "random tokens"
 
 
+@torch.no_grad()
+def active_units_per_token(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """[layers, rows x seq-len] active FFN units of every token of ids ([rows, seq-len]), one row at
+    a time (the memory of one row's forward)."""
+    per_row = [model(row, with_stats=True).ffn_stats.nnz_per_token for row in ids.split(1)]
+    return torch.cat(per_row, dim=1)
+
+
 def free_memory() -> None:
     """Drop the compiled graphs (they hold the last variant's model) and cached GPU blocks, so that
     each variant starts from the same allocator state."""

@@ -22,7 +22,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import token_batch, write_report
+from benchmarks.common import active_units_per_token, token_batch, write_report
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
@@ -54,13 +54,6 @@ def early_capacity(tokens: int) -> int:
     """The heavy rows whose GEMMs the forward queues before its host read, for `tokens` rows."""
     wanted = -(-tokens // EARLY_ROWS_PER)
     return -(-wanted // HEAVY_ROWS_GRANULE) * HEAVY_ROWS_GRANULE
-
-
-@torch.no_grad()
-def active_units_per_token(model, ids: torch.Tensor) -> torch.Tensor:
-    """[layers, rows x seq-len] active units of every token, one row of ids at a time."""
-    per_row = [model(row, with_stats=True).ffn_stats.nnz_per_token for row in ids.split(1)]
-    return torch.cat(per_row, dim=1).cpu()
 
 
 def layer_rows(nnz: torch.Tensor, threshold: int) -> list[dict]:
@@ -116,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, seq_len = args.rows, args.seq_len
     model.eval()
     ids, text = token_batch(tokenizer, model.config.vocab_size, rows, seq_len)
-    nnz = active_units_per_token(model, ids.to(device))
+    nnz = active_units_per_token(model, ids.to(device)).cpu()
     results = layer_rows(nnz, args.heavy_threshold)
     meta = {
         **collect_run_info(device, world_size=1),

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import model_preset, sparsify, token_batch, write_report
+from benchmarks.common import active_units_per_token, model_preset, sparsify, token_batch, write_report
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.inference import load_model
 from sparse_llm.training.run_info import collect_run_info
@@ -57,11 +57,7 @@ def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
     loaded = load_model(run_dir)
     model = loaded.model
     ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, rows, seq_len)
-    ids = ids.to(model.lm_head.weight.device)
-    total = 0.0
-    for row in ids.split(1):
-        total += model(row, with_stats=True).ffn_stats.nnz_per_token.float().mean().item()
-    return total / ids.shape[0]
+    return active_units_per_token(model, ids.to(model.lm_head.weight.device)).float().mean().item()
 
 
 def main() -> int:
