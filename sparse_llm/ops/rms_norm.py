@@ -14,9 +14,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim: normalised in float32 and cast back to x's dtype
     before the scale, as transformers' LlamaRMSNorm does; then cast to `out_dtype` if given."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * x32.to(x.dtype)
+    out = weight * rms_norm_stats(x, eps)[0]
     return out if out_dtype is None else out.to(out_dtype)
 
 

@@ -70,13 +70,7 @@ class _FFNBlock(torch.autograd.Function):
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
         ctx.save_for_backward(xhat_active, r, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
-        ctx.eps, ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = (
-            eps,
-            impl,
-            x.shape[0],
-            compute_dtype,
-            x.dtype,
-        )
+        ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = impl, x.shape[0], compute_dtype, x.dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
         ctx.mark_non_differentiable(nnz_per_token, fire_counts, xhat_active, active_rows, *record)
