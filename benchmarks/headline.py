@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 
 from benchmarks import ffn, inference
 from benchmarks.common import REPO, free_memory, token_batch
-from benchmarks.model_step import load_weights, model_step_args, time_impl
+from benchmarks.model_step import layer_l0_range, load_weights, model_step_args, time_impl
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
 from sparse_llm.inference import compile_prefill, load_model
@@ -132,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="without --model: where sparse_weights.py writes the weights it makes (pass it as --model later)",
     )
     p.add_argument("--target-l0", type=float, default=30.0, help="L0 of the weights made (and expected)")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="without --model: make the weights with one L1 coefficient per layer (sparse_weights.py --per-layer)",
+    )
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--quick", action="store_true", help="fewer steps, tokens and repetitions")
     p.add_argument("--tiny", action="store_true", help="tiny weights on a CPU: the plumbing end to end")
@@ -154,12 +159,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- the parts -------------------------------------------------------------------------------------
-def make_weights(out: Path, target_l0: float, tiny: bool) -> Path:
+def make_weights(out: Path, target_l0: float, tiny: bool, per_layer: bool) -> Path:
     """Sparse weights at `target_l0` by benchmarks/sparse_weights.py, in a subprocess: its GPU memory
     and compiled graphs are gone when it returns."""
     script = REPO / "benchmarks" / "sparse_weights.py"
     size = TINY_MODEL_ARGS if tiny else ["--preset", "1b"]
     cmd = [sys.executable, str(script), *size, "--target-l0", f"{target_l0:g}", "--out", str(out)]
+    if per_layer:
+        cmd.append("--per-layer")
     print("headline: making the weights:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return out
@@ -382,6 +389,8 @@ def _train_cells(r: dict[str, Any]) -> list[str]:
         f"{r['tokens_per_s']:,.0f}",
         _num(r["peak_mem_gib"], ".2f"),
         f"{r['l0_mean']:.1f}",
+        layer_l0_range(r),
+        str(r["layers_over_dense_above"]) if "layers_over_dense_above" in r else "-",
         f"{r['loss_last']:.4f}",
     ]
 
@@ -416,8 +425,18 @@ def _ffn_cells(r: dict[str, Any]) -> list[str]:
 def _part_tables(rows: list[dict[str, Any]]) -> str:
     """The raw rows of each part, one table a part."""
     lines = _table(
-        "Training step (the L0 the step sees; `ran`: the training FFN that ran):",
-        ["ffn_impl", "ran", "ms/step", "tokens/s", "peak GiB", "L0", "loss"],
+        "Training step (the L0 the step sees, its mean and range over layers; `ran`: the training FFN that ran):",
+        [
+            "ffn_impl",
+            "ran",
+            "ms/step",
+            "tokens/s",
+            "peak GiB",
+            "L0",
+            "L0 of a layer",
+            "layers > ffn_dense_above",
+            "loss",
+        ],
         [_train_cells(r) for r in rows if r["part"] == "train"],
     )
     lines += _table(
@@ -527,11 +546,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{budget.decode_context} (inference.time_decode_step); the eager decode after each prefill is listed "
         "beside them.",
         "Training: our step as benchmarks/model_step.py builds it (L1 term at 2e-5, statistics, fused "
-        "AdamW, torch.compile); `cuda` trains layers denser than model.ffn_dense_above with the dense FFN.",
+        "AdamW, torch.compile), every layer on the FFN named: the trainer's dense fallback is not applied; "
+        "`layers > ffn_dense_above`: those the trainer would run dense (model.ffn_dense_above).",
     ]
     run_dir = args.model
     if run_dir is None:
-        run_dir = timed(seconds, "weights", lambda: make_weights(args.weights_dir, args.target_l0, args.tiny))
+        run_dir = timed(
+            seconds,
+            "weights",
+            lambda: make_weights(args.weights_dir, args.target_l0, args.tiny, args.per_layer),
+        )
     extra = {"model": str(run_dir), "weights_made_here": args.model is None, "budget_name": args.budget_name}
     extra["target_l0"] = args.target_l0
     extra.update(seconds=seconds, notes=notes, l0=None)

@@ -240,6 +240,11 @@ def time_impl(
     record["loss_first"], record["loss_last"] = losses[0], losses[-1]
     record["l0_mean"] = l0.mean().item()
     record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
+    # Every layer runs `impl` here: the trainer's dense fallback (training/ffn_fallback.py) is not
+    # applied, so a sparse step times the kernels on layers the trainer would run dense.
+    record["l0_per_layer"] = l0.tolist()
+    dense_above = mcfg.ffn_dense_above * mcfg.intermediate_size
+    record["layers_over_dense_above"] = sum(v > dense_above for v in record["l0_per_layer"])
     # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block).
     record["active_token_fraction"] = active.item()
     return record
@@ -279,8 +284,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         + f", timed on {meta['tokens']}. Ratios are against the first FFN at the same micro-batch and norm setting.",
         "",
         "| micro-batch | recompute norms | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
-        "| at step start GiB | held by forward GiB | L0 | sparsity | tokens with an active unit | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| at step start GiB | held by forward GiB | L0 | L0 of a layer | sparsity | tokens with an active unit "
+        "| loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = next(
@@ -293,10 +299,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r['micro_batch']} | {r.get('recompute_norms', 'off')} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
-            f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {100 * r['sparsity']:.2f}% "
+            f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {layer_l0_range(r)} "
+            f"| {100 * r['sparsity']:.2f}% "
             f"| {100 * r['active_token_fraction']:.1f}% | {r['loss_last']:.4f} |"
         )
     return "\n".join(lines + pairings_markdown(rows)) + "\n"
+
+
+def layer_l0_range(record: dict) -> str:
+    """The smallest and largest L0 of a layer in a time_impl record, as "min - max"."""
+    per_layer = record.get("l0_per_layer")
+    return f"{min(per_layer):.1f} - {max(per_layer):.1f}" if per_layer else "-"
 
 
 def pairings_markdown(rows: list[dict]) -> list[str]:

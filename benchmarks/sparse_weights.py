@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import active_units_per_token, model_preset, sparsify, token_batch, write_report
 from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.config import ModelConfig
 from sparse_llm.inference import load_model
 from sparse_llm.training.run_info import collect_run_info
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU (a smoke test)")
@@ -48,20 +49,31 @@ def parse_args() -> argparse.Namespace:
         help="steps of the linear L1 ramp before the controller adapts; default 100 (1b), 30 (--tiny)",
     )
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows L0 is measured on")
-    return p.parse_args()
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="hold every layer at the target (sparsity.controller.per_layer) instead of the mean over layers",
+    )
+    return p.parse_args(argv)
 
 
 @torch.no_grad()
-def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
-    """Mean active FFN units per token over layers, on held-out text, with the saved weights."""
+def heldout_layer_l0(run_dir: Path, rows: int, seq_len: int) -> list[float]:
+    """Active FFN units per token of each layer, on held-out text, with the saved weights."""
     loaded = load_model(run_dir)
     model = loaded.model
     ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, rows, seq_len)
-    return active_units_per_token(model, ids.to(model.lm_head.weight.device)).float().mean().item()
+    return active_units_per_token(model, ids.to(model.lm_head.weight.device)).float().mean(dim=1).tolist()
 
 
-def main() -> int:
-    args = parse_args()
+def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
+    """Mean active FFN units per token over layers, on held-out text, with the saved weights."""
+    per_layer = heldout_layer_l0(run_dir, rows, seq_len)
+    return sum(per_layer) / len(per_layer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.tiny
     if args.tiny:
         model = {
@@ -88,17 +100,27 @@ def main() -> int:
         l1_warmup_end=warmup,
         data={"max_documents": 300} if args.tiny else None,
         train={"device": "cuda" if on_gpu else "cpu", "compile": on_gpu, "log_every": max(1, steps // 60)},
-        overrides=[f"sparsity.target_l0={args.target_l0}"],
+        overrides=[
+            f"sparsity.target_l0={args.target_l0}",
+            f"sparsity.controller.per_layer={str(args.per_layer).lower()}",
+        ],
     )
     seconds = time.perf_counter() - start
     last = [r for r in read_metrics(args.out) if "l0/mean" in r][-1]
-    l0 = heldout_l0(args.out, args.eval_rows, seq_len)
+    layer_l0 = heldout_layer_l0(args.out, args.eval_rows, seq_len)
+    l0 = sum(layer_l0) / len(layer_l0)
+    # The cuda training step runs a layer denser than this many units with the dense FFN.
+    dense_above = model.get("ffn_dense_above", ModelConfig.ffn_dense_above) * model["intermediate_size"]
     row = {
         "preset": "tiny" if args.tiny else args.preset,
         "target_l0": args.target_l0,
         "heldout_l0": l0,
         "train_l0_last": last["l0/mean"],
         "l1_coeff_last": last.get("l1_coeff"),
+        "per_layer_controller": args.per_layer,
+        "heldout_layer_l0": layer_l0,
+        "dense_above_units": dense_above,
+        "layers_dense_above": sum(v > dense_above for v in layer_l0),
         "steps": steps,
         "tokens_per_step": batch * seq_len,
         "seconds": seconds,
@@ -111,7 +133,14 @@ def main() -> int:
         "| target L0 | L0 on held-out text | L0 last training step | L1 coeff last | steps | tokens/step | s |\n"
         "|---|---|---|---|---|---|---|\n"
         f"| {args.target_l0:g} | {l0:.2f} | {row['train_l0_last']:.2f} | {row['l1_coeff_last']} | {steps} "
-        f"| {row['tokens_per_step']} | {seconds:.0f} |\n"
+        f"| {row['tokens_per_step']} | {seconds:.0f} |\n\n"
+        f"Controller: {'one L1 coefficient per layer' if args.per_layer else 'one L1 coefficient, the mean L0'}. "
+        f"Held-out L0 by layer (min {min(layer_l0):.1f}, max {max(layer_l0):.1f}; "
+        f"{row['layers_dense_above']} of {len(layer_l0)} above the {dense_above:g} units past which the "
+        "cuda training step runs a layer dense):\n\n"
+        "| layer | " + " | ".join(str(i) for i in range(len(layer_l0))) + " |\n"
+        "|---|" + "---|" * len(layer_l0) + "\n"
+        "| L0 | " + " | ".join(f"{v:.1f}" for v in layer_l0) + " |\n"
     )
     write_report(text, meta, [row], args.out / "sparse_weights.json", args.out / "sparse_weights.md")
     return 0

@@ -189,5 +189,7 @@ def test_headline_tiny_runs_end_to_end(tmp_path):
         and written["device"]
         and written["train_step_speedup"] == report["train_step_speedup"]
     )
+    train = [r for r in written["rows"] if r["part"] == "train"]
+    assert all(len(r["l0_per_layer"]) == 2 and r["layers_over_dense_above"] in (0, 1, 2) for r in train)
     sparse = [r for r in written["rows"] if r["part"] == "inference" and r["impl"] != "dense"]
     assert sparse and all(r["tokens_match_dense"] > 0.5 for r in sparse)
