@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 
 from benchmarks import ffn, inference
 from benchmarks.common import REPO, free_memory, token_batch
-from benchmarks.model_step import layer_l0_range, load_weights, model_step_args, time_impl
+from benchmarks.model_step import layer_l0_range, load_weights, model_step_args, ran_label, time_impl
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
 from sparse_llm.inference import compile_prefill, load_model
@@ -133,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--target-l0", type=float, default=30.0, help="L0 of the weights made (and expected)")
     p.add_argument(
+        "--fallback",
+        action="store_true",
+        help="the cuda step runs layers over model.ffn_dense_above dense, as the trainer does",
+    )
+    p.add_argument(
         "--per-layer",
         action="store_true",
         help="without --model: make the weights with one L1 coefficient per layer (sparse_weights.py --per-layer)",
@@ -172,8 +177,9 @@ def make_weights(out: Path, target_l0: float, tiny: bool, per_layer: bool) -> Pa
     return out
 
 
-def train_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str, Any]]:
-    """The training step, dense then cuda FFN, on the same weights and held-out tokens."""
+def train_rows(run_dir: Path, budget: Budget, device: str, fallback: bool) -> list[dict[str, Any]]:
+    """The training step, dense then cuda FFN, on the same weights and held-out tokens; with
+    `fallback` the cuda step runs the layers the trainer would run dense with the dense FFN."""
     cfg, state, tokenizer = load_weights(run_dir)
     ids, _ = token_batch(tokenizer, cfg.vocab_size, budget.micro_batch, budget.seq_len + 1)
     step_args = model_step_args(
@@ -182,6 +188,7 @@ def train_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str, Any
         compile=device == "cuda",
         l1=2e-5,  # model_step.py's default: the L1 term at the paper's coefficient
         micro_batch=budget.micro_batch,
+        fallback=fallback,
     )
     rows = []
     for impl in ("dense", "cuda"):
@@ -384,7 +391,7 @@ def _table(title: str, header: list[str], cells: list[list[str]]) -> list[str]:
 def _train_cells(r: dict[str, Any]) -> list[str]:
     return [
         r["impl"],
-        r.get("train_ffn", "dense"),
+        ran_label(r),
         f"{r['ms_step']:.1f}",
         f"{r['tokens_per_s']:,.0f}",
         _num(r["peak_mem_gib"], ".2f"),
@@ -546,8 +553,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{budget.decode_context} (inference.time_decode_step); the eager decode after each prefill is listed "
         "beside them.",
         "Training: our step as benchmarks/model_step.py builds it (L1 term at 2e-5, statistics, fused "
-        "AdamW, torch.compile), every layer on the FFN named: the trainer's dense fallback is not applied; "
-        "`layers > ffn_dense_above`: those the trainer would run dense (model.ffn_dense_above).",
+        "AdamW, torch.compile); "
+        + (
+            "the cuda step runs the layers over model.ffn_dense_above dense, as the trainer does (--fallback)."
+            if args.fallback
+            else "every layer on the FFN named (no dense fallback); `layers > ffn_dense_above`: those the "
+            "trainer would run dense."
+        ),
     ]
     run_dir = args.model
     if run_dir is None:
@@ -570,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra["l0"] = timed(seconds, "l0", lambda: heldout_l0(run_dir, budget.l0_rows, budget.seq_len))
     report_so_far()
     if "train" in args.parts:
-        rows += timed(seconds, "train", lambda: train_rows(run_dir, budget, device))
+        rows += timed(seconds, "train", lambda: train_rows(run_dir, budget, device, args.fallback))
         report_so_far()
     if "inference" in args.parts:
         rows += timed(seconds, "inference", lambda: inference_rows(run_dir, budget, device))

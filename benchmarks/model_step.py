@@ -39,6 +39,7 @@ from sparse_llm.model import build_model
 from sparse_llm.model.compiling import compile_model
 from sparse_llm.ops.select import select_ffn
 from sparse_llm.sparsity.penalty import l1_penalty
+from sparse_llm.training.ffn_fallback import apply_density_fallback
 from sparse_llm.training.run_info import collect_run_info
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -83,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
+    p.add_argument(
+        "--fallback",
+        action="store_true",
+        help="sparse impls: run the layers the trainer would run dense (L0 over model.ffn_dense_above, "
+        "training/ffn_fallback.py) with the dense FFN, from the L0 of the warm-up steps",
+    )
     p.add_argument(
         "--profile",
         type=Path,
@@ -207,6 +214,15 @@ def time_impl(
 
     for _ in range(args.warmup):
         step()
+    if args.fallback and impl != "dense":
+        # The trainer's rule on the L0 the warm-up saw, then warm up again: the compiled graphs of
+        # the layers that switched are traced anew.
+        l0_per_layer = step()[1].tolist()
+        record["dense_fallback_layers"] = int(
+            apply_density_fallback(model, l0_per_layer, mcfg.ffn_dense_above)["ffn_fallback/dense_layers"]
+        )
+        for _ in range(args.warmup):
+            step()
     first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]
     if args.profile is not None and first_variant:
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -240,8 +256,8 @@ def time_impl(
     record["loss_first"], record["loss_last"] = losses[0], losses[-1]
     record["l0_mean"] = l0.mean().item()
     record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
-    # Every layer runs `impl` here: the trainer's dense fallback (training/ffn_fallback.py) is not
-    # applied, so a sparse step times the kernels on layers the trainer would run dense.
+    # Without --fallback every layer runs `impl`: a sparse step then times the kernels on layers the
+    # trainer would run dense (training/ffn_fallback.py).
     record["l0_per_layer"] = l0.tolist()
     dense_above = mcfg.ffn_dense_above * mcfg.intermediate_size
     record["layers_over_dense_above"] = sum(v > dense_above for v in record["l0_per_layer"])
@@ -296,7 +312,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         mem_ratio = r["peak_mem_gib"] / base["peak_mem_gib"] if base["peak_mem_gib"] > 0 else float("nan")
         lines.append(
-            f"| {r['micro_batch']} | {r.get('recompute_norms', 'off')} | {r['impl']}{' (' + r['train_ffn'] + ')' if 'train_ffn' in r else ''} "
+            f"| {r['micro_batch']} | {r.get('recompute_norms', 'off')} | {r['impl']}{' (' + ran_label(r) + ')' if 'train_ffn' in r else ''} "
             f"| {r['ms_step']:.1f} | {r['tokens_per_s']:.0f} | {base['ms_step'] / r['ms_step']:.2f}x "
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {layer_l0_range(r)} "
@@ -304,6 +320,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {100 * r['active_token_fraction']:.1f}% | {r['loss_last']:.4f} |"
         )
     return "\n".join(lines + pairings_markdown(rows)) + "\n"
+
+
+def ran_label(record: dict) -> str:
+    """The training FFN a time_impl record ran, with the layers that fell back to dense if any."""
+    ran = record.get("train_ffn", "dense")
+    layers = record.get("dense_fallback_layers")
+    return f"{ran}, {layers} layers dense" if layers else ran
 
 
 def layer_l0_range(record: dict) -> str:
@@ -338,13 +361,21 @@ def pairings_markdown(rows: list[dict]) -> list[str]:
 
 
 def model_step_args(
-    *, steps: int, warmup: int, compile: bool, l1: float, micro_batch: int, seed: int = 0
+    *,
+    steps: int,
+    warmup: int,
+    compile: bool,
+    l1: float,
+    micro_batch: int,
+    seed: int = 0,
+    fallback: bool = False,
 ) -> argparse.Namespace:
     """What benchmarks/model_step.time_impl reads from its command line: one micro-batch, norms
     saved (its default), no profile or memory snapshot."""
     return argparse.Namespace(
         seed=seed,
         compile=compile,
+        fallback=fallback,
         warmup=warmup,
         steps=steps,
         l1=l1,
