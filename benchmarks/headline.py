@@ -158,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure nothing: join these reports (--parts of one set of weights, from separate calls) into one",
     )
     args = p.parse_args(argv)
+    if args.per_layer and args.model is not None:
+        p.error("--per-layer makes the weights: it does not apply to --model")
     args.budget_name = "tiny" if args.tiny else "quick" if args.quick else "full"
     args.budget = {"tiny": TINY, "quick": QUICK, "full": FULL}[args.budget_name]
     return args
@@ -570,6 +572,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     extra = {"model": str(run_dir), "weights_made_here": args.model is None, "budget_name": args.budget_name}
     extra["target_l0"] = args.target_l0
+    extra.update(per_layer_weights=args.per_layer, fallback=args.fallback)
     extra.update(seconds=seconds, notes=notes, l0=None)
     rows: list[dict[str, Any]] = []
 

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import (
+    free_memory,
     kernel_table,
     memory_peak_table,
     model_preset,
@@ -88,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fallback",
         action="store_true",
         help="sparse impls: run the layers the trainer would run dense (L0 over model.ffn_dense_above, "
-        "training/ffn_fallback.py) with the dense FFN, from the L0 of the warm-up steps",
+        "training/ffn_fallback.py) with the dense FFN, decided from one step after the warm-up, which "
+        "then runs again",
     )
     p.add_argument(
         "--profile",
@@ -214,8 +216,8 @@ def time_impl(
 
     for _ in range(args.warmup):
         step()
-    if args.fallback and impl != "dense":
-        # The trainer's rule on the L0 the warm-up saw, then warm up again: the compiled graphs of
+    if args.fallback and model.ffn_plan.impl("train") != "dense":
+        # The trainer's rule on the L0 of one more step, then warm up again: the compiled graphs of
         # the layers that switched are traced anew.
         l0_per_layer = step()[1].tolist()
         record["dense_fallback_layers"] = int(
@@ -259,8 +261,8 @@ def time_impl(
     # Without --fallback every layer runs `impl`: a sparse step then times the kernels on layers the
     # trainer would run dense (training/ffn_fallback.py).
     record["l0_per_layer"] = l0.tolist()
-    dense_above = mcfg.ffn_dense_above * mcfg.intermediate_size
-    record["layers_over_dense_above"] = sum(v > dense_above for v in record["l0_per_layer"])
+    record["dense_above_units"] = mcfg.ffn_dense_above * mcfg.intermediate_size
+    record["layers_over_dense_above"] = sum(v > record["dense_above_units"] for v in record["l0_per_layer"])
     # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block).
     record["active_token_fraction"] = active.item()
     return record
@@ -403,12 +405,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
-    rows = [
-        time_impl(impl, recompute, mcfg, state, ids, args, device)
-        for ids, _ in batches.values()
-        for recompute in args.recompute_norms
-        for impl in args.impls
-    ]
+    rows = []
+    for ids, _ in batches.values():
+        for recompute in args.recompute_norms:
+            for impl in args.impls:
+                rows.append(time_impl(impl, recompute, mcfg, state, ids, args, device))
+                free_memory()  # each variant compiles its own graphs (dynamo's cache has a limit)
     write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 

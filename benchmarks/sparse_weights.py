@@ -4,13 +4,16 @@
     python benchmarks/sparse_weights.py --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
 
 On the 1b preset (H100): 800 steps of 8 x 2048 tokens, L1 ramped to 1e-3 over 100 steps (where
-L0 is near 30-50), then the controller's defaults; about 4.5 minutes. Trains through the trainer itself (`benchmarks.common.sparsify`, i.e. `sparse_llm.train.run`) with
-the L1 coefficient driven to the target by the sparsity controller (`sparsity.target_l0`), then
-measures L0 (mean active FFN units per token, over layers) on held-out text of the embedded corpus
-with the saved weights, and writes `<out>/sparse_weights.json` and `.md`: the target, the L0 on
-held-out text, the L0 of the last logged training step, the steps, the seconds, device, commit,
-date. The run directory holds the final checkpoint, which `sparse_llm.inference.load_model(out)`
-and the other benchmarks (`--model <out>`) read.
+L0 is near 30-50), then the controller's defaults; about 4.5 minutes. Trains through the trainer
+itself (`benchmarks.common.sparsify`, i.e. `sparse_llm.train.run`) with the L1 coefficient driven
+to the target by the sparsity controller (`sparsity.target_l0`), then measures L0 (mean active FFN
+units per token, over layers, and each layer's) on held-out text of the embedded corpus with the
+saved weights, and writes `<out>/sparse_weights.json` and `.md`: the target, the L0 on held-out
+text and by layer, the layers over `model.ffn_dense_above` (which the trainer runs dense), the L0
+of the last logged training step, the steps, the seconds, device, commit, date. `--per-layer`
+drives each layer to the target with its own coefficient (`sparsity.controller.per_layer`)
+instead of the mean over layers. The run directory holds the final checkpoint, which
+`sparse_llm.inference.load_model(out)` and the other benchmarks (`--model <out>`) read.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     last = [r for r in read_metrics(args.out) if "l0/mean" in r][-1]
     layer_l0 = heldout_layer_l0(args.out, args.eval_rows, seq_len)
     l0 = sum(layer_l0) / len(layer_l0)
-    # The cuda training step runs a layer denser than this many units with the dense FFN.
+    # The trainer runs a layer denser than this many units with the dense FFN (training/ffn_fallback.py).
     dense_above = model.get("ffn_dense_above", ModelConfig.ffn_dense_above) * model["intermediate_size"]
     row = {
         "preset": "tiny" if args.tiny else args.preset,
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Controller: {'one L1 coefficient per layer' if args.per_layer else 'one L1 coefficient, the mean L0'}. "
         f"Held-out L0 by layer (min {min(layer_l0):.1f}, max {max(layer_l0):.1f}; "
         f"{row['layers_dense_above']} of {len(layer_l0)} above the {dense_above:g} units past which the "
-        "cuda training step runs a layer dense):\n\n"
+        "trainer runs a layer dense):\n\n"
         "| layer | " + " | ".join(str(i) for i in range(len(layer_l0))) + " |\n"
         "|---|" + "---|" * len(layer_l0) + "\n"
         "| L0 | " + " | ".join(f"{v:.1f}" for v in layer_l0) + " |\n"
