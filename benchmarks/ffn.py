@@ -262,6 +262,21 @@ def saved_bytes(fn: Callable, inputs: Sequence[torch.Tensor]) -> int:
     return sum(saved.values())
 
 
+def forward_backward(fn: Callable, grad_l1: torch.Tensor) -> Callable:
+    """fn(x, wg, wu, wd) -> (y, l1) as one training call: the forward, the backward of
+    <1, y> + grad_l1 * l1, the gradients dropped. `grad_l1` is made once, on fn's device: a tensor
+    built from a Python float inside the timed call is a pageable host-to-device copy, which waits
+    for the GPU to drain, and the backward's launches then start from an idle GPU."""
+
+    def run(x, wg, wu, wd):
+        y, l1 = fn(x, wg, wu, wd)
+        torch.autograd.backward((y, l1), (torch.ones_like(y), grad_l1.to(l1.dtype)))
+        for t in (x, wg, wu, wd):
+            t.grad = None
+
+    return run
+
+
 def train_ours(impl: str, threshold: int) -> Callable:
     """ffn_forward_train as (y, l1)."""
 
@@ -281,19 +296,10 @@ def bench_train_one(
         sets.append(tuple(t.requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)))
 
     ours = train_ours(args.train_impl, args.heavy_threshold[0])
-
-    # Made once: a tensor built from a Python float in the timed call is a pageable host-to-device
-    # copy, which waits for the GPU to drain, and the backward's launches then start from an idle GPU.
     grad_l1 = torch.tensor(2e-5, device="cuda")
 
     def fwd_bwd(fn):
-        def run(x, wg, wu, wd):
-            y, l1 = fn(x, wg, wu, wd)
-            torch.autograd.backward((y, l1), (torch.ones_like(y), grad_l1.to(l1.dtype)))
-            for t in (x, wg, wu, wd):
-                t.grad = None
-
-        return run
+        return forward_backward(fn, grad_l1)
 
     row: dict = {"M": m, "nnz_target": nnz}
     with torch.no_grad():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,9 +95,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+def model_and_tokens(args: argparse.Namespace, device: torch.device) -> tuple[Any, torch.Tensor, str, str]:
+    """(model in eval mode, token ids [rows, seq-len] on `device`, what the text is, the model's
+    name) for `--model` or `--tiny` (a random tiny model, 2 x 64 tokens)."""
     if args.tiny:
         torch.manual_seed(0)
         model, tokenizer, name = build_model(ModelConfig(**TINY_MODEL)), None, "tiny (random)"
@@ -109,7 +110,14 @@ def main(argv: list[str] | None = None) -> None:
         rows, seq_len = args.rows, args.seq_len
     model.eval()
     ids, text = token_batch(tokenizer, model.config.vocab_size, rows, seq_len)
-    nnz = active_units_per_token(model, ids.to(device)).cpu()
+    return model, ids.to(device), text, name
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    model, ids, text, name = model_and_tokens(args, device)
+    nnz = active_units_per_token(model, ids).cpu()
     results = layer_rows(nnz, args.heavy_threshold)
     meta = {
         **collect_run_info(device, world_size=1),

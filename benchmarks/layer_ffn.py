@@ -1,0 +1,171 @@
+"""The FFN training op layer by layer, on a trained model's own activations: what each layer's FFN
+costs, dense against the sparse op, at the L0 and row density that layer has.
+
+    python benchmarks/layer_ffn.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python benchmarks/layer_ffn.py --tiny      # CPU, seconds: the reference op, the script end to end
+
+One forward over held-out text (rows x seq-len tokens, the M of one training step) keeps each
+layer's FFN input (the post-attention norm's output). Then, layer by layer, on that input and the
+layer's weights: the training forward+backward with the L1 term as `benchmarks/ffn.py --train` times
+it, dense (compiled on a GPU) against `ops.ffn_forward_train`, beside the layer's row density
+(`row_density.py`: L0, heavy rows, past early). ffn.py's synthetic workload spreads the active units
+over tokens one way; a trained layer spreads them its own way, and that sets what the training
+step's FFNs cost and where the trainer's dense fallback (`model.ffn_dense_above`) should switch:
+the totals give the sum over layers with every layer sparse, with the trainer's rule, and with
+the faster of the two in each layer. Every timed call reads the next of `--sets` copies of the
+layer's weights, as in a model with many layers (no call finds them in L2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import median_ms, write_report
+from benchmarks.ffn import dense_train, forward_backward, train_ours
+from benchmarks.row_density import layer_rows, model_and_tokens
+from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.select import kernels_unavailable
+from sparse_llm.training.run_info import collect_run_info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU, the reference op")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--heavy-threshold", type=int, default=DEFAULT_HEAVY_THRESHOLD)
+    p.add_argument("--sets", type=int, default=3, help="copies of a layer's weights the timed calls rotate")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    args = p.parse_args(argv)
+    if (args.model is None) == (not args.tiny):
+        p.error("give --model or --tiny")
+    return args
+
+
+@torch.no_grad()
+def ffn_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's FFN input (its post-attention norm's output) for every token of ids, [M, D],
+    one row of ids at a time. With statistics asked for, every layer calls its FFN module on that
+    input, whichever implementation it runs."""
+    captured: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda _, inputs, kept=kept: kept.append(inputs[0].flatten(0, -2))
+        )
+        for layer, kept in zip(model.model.layers, captured, strict=True)
+    ]
+    try:
+        for row in ids.split(1):
+            model(row, with_stats=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(rows) for rows in captured]
+
+
+def rotating(fn: Callable, sets: list[tuple[torch.Tensor, ...]]) -> Callable[[], Any]:
+    """fn over sets[0], sets[1], ... in turn, one set a call."""
+    turn = itertools.count()
+    return lambda: fn(*sets[next(turn) % len(sets)])
+
+
+def time_layer(
+    x: torch.Tensor, mlp: Any, args: argparse.Namespace, dense: Callable, ours: Callable
+) -> dict[str, float]:
+    """Milliseconds of one training call of the layer's FFN, dense and ours, on its input x."""
+    weights = [
+        w.detach().to(x.dtype) for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    ]
+    x = x.detach().requires_grad_(True)
+    sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
+    grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses
+    return {
+        name: median_ms(rotating(forward_backward(fn, grad_l1), sets), x.device, args.warmup, args.reps)
+        for name, fn in (("ms_dense", dense), ("ms_ours", ours))
+    }
+
+
+def totals(rows: list[dict], dense_above_units: float) -> dict[str, float]:
+    """Sums over layers: all dense, all ours, the trainer's rule (dense where L0 is over the
+    threshold), and the faster of the two in each layer."""
+    return {
+        "ms_dense": sum(r["ms_dense"] for r in rows),
+        "ms_ours": sum(r["ms_ours"] for r in rows),
+        "ms_trainer_rule": sum(r["ms_dense"] if r["l0"] > dense_above_units else r["ms_ours"] for r in rows),
+        "ms_best_per_layer": sum(min(r["ms_dense"], r["ms_ours"]) for r in rows),
+    }
+
+
+def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
+    lines = [
+        f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
+        f"{meta['tokens']} tokens ({meta['text']}); ours: ffn_forward_train impl={meta['impl']}, heavy "
+        f"threshold {meta['heavy_threshold']}; dense: {meta['dense']}; forward+backward with the L1 term, "
+        f"median of {meta['reps']} calls over {meta['sets']} weight copies.",
+        "",
+        "| layer | L0 | heavy rows | past early | dense ms | ours ms | dense / ours |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layer']} | {r['l0']:.1f} | {r['heavy_rows']} | {r['past_early']} | {r['ms_dense']:.3f} "
+            f"| {r['ms_ours']:.3f} | {r['ms_dense'] / r['ms_ours']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Sum over layers, ms: dense {sums['ms_dense']:.2f}; ours in every layer {sums['ms_ours']:.2f}; "
+        f"the trainer's rule (dense over {meta['dense_above_units']:g} units, model.ffn_dense_above) "
+        f"{sums['ms_trainer_rule']:.2f}; the faster in each layer {sums['ms_best_per_layer']:.2f}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    model, ids, text, name = model_and_tokens(args, device)
+    inputs = ffn_inputs(model, ids)
+    mlps = [layer.mlp for layer in model.model.layers]
+    nnz = torch.stack(
+        [(x @ mlp.gate_proj.weight.to(x.dtype).T > 0).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)]
+    )
+    rows = layer_rows(nnz.cpu(), args.heavy_threshold)
+    impl = "cuda" if device.type == "cuda" and kernels_unavailable("cuda") is None else "reference"
+    dense = torch.compile(dense_train, dynamic=False) if device.type == "cuda" else dense_train
+    ours = train_ours(impl, args.heavy_threshold)
+    for row, x, mlp in zip(rows, inputs, mlps, strict=True):
+        row.update(time_layer(x, mlp, args, dense, ours))
+    cfg = model.config
+    meta = {
+        **collect_run_info(device, world_size=1),
+        "model": name,
+        "tokens": nnz.shape[1],
+        "text": text,
+        "impl": impl,
+        "dense": "compiled" if device.type == "cuda" else "eager",
+        "heavy_threshold": args.heavy_threshold,
+        "dense_above_units": cfg.ffn_dense_above * cfg.intermediate_size,
+        "reps": args.reps,
+        "sets": args.sets,
+    }
+    sums = totals(rows, meta["dense_above_units"])
+    meta["totals"] = sums
+    write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/layer_ffn.py on a tiny random model on CPU: each layer's FFN input as the model computes
+it, and the per-layer table with its totals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.layer_ffn import ffn_inputs, main, totals
+from benchmarks.row_density import TINY_MODEL
+from sparse_llm.config import ModelConfig
+from sparse_llm.model import build_model
+
+
+def test_ffn_inputs_are_what_each_layer_feeds_its_ffn():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**TINY_MODEL)).eval()
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 12))
+    inputs = ffn_inputs(model, ids)
+    stats = model(ids, with_stats=True).ffn_stats.nnz_per_token  # [layers, tokens]
+    assert len(inputs) == TINY_MODEL["num_hidden_layers"]
+    for x, mlp, nnz in zip(inputs, (layer.mlp for layer in model.model.layers), stats, strict=True):
+        assert x.shape == (24, TINY_MODEL["hidden_size"])
+        assert torch.equal((x @ mlp.gate_proj.weight.T > 0).sum(-1), nnz)
+
+
+def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
+    rows = [
+        {"l0": 10.0, "ms_dense": 4.0, "ms_ours": 2.0},
+        {"l0": 80.0, "ms_dense": 4.0, "ms_ours": 3.5},
+        {"l0": 120.0, "ms_dense": 4.0, "ms_ours": 5.0},
+    ]
+    sums = totals(rows, dense_above_units=56.0)
+    assert sums == {"ms_dense": 12.0, "ms_ours": 10.5, "ms_trainer_rule": 10.0, "ms_best_per_layer": 9.5}
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end(tmp_path):
+    rows = main(["--tiny", "--warmup", "1", "--reps", "1", "--sets", "2", "--json", str(tmp_path / "r.json")])
+    assert [r["layer"] for r in rows] == list(range(TINY_MODEL["num_hidden_layers"]))
+    assert all(r["ms_dense"] > 0 and r["ms_ours"] > 0 and r["l0"] > 0 for r in rows)
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["meta"]["impl"] == "reference" and written["meta"]["totals"]["ms_dense"] > 0
