@@ -21,10 +21,12 @@ from sparse_llm.run_files import NNZ_HIST_FILE
 SPARSITY_PNG = "sparsity_per_layer.png"
 DEAD_PNG = "dead_per_layer.png"
 NNZ_HIST_PNG = "nnz_hist_per_layer.png"
+L0_BY_LAYER_PNG = "l0_by_layer.png"
+SETTLED_SHARE = 0.1  # the last share of a run's logged steps a layer's settled L0 is averaged over
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """Write the per-layer sparsity, dead-fraction and non-zero-distribution plots of a run.
+    """Write the per-layer sparsity, dead-fraction, settled-L0 and non-zero-distribution plots of a run.
 
     Reads `<run_dir>/metrics.jsonl` (and `nnz_hist.json` if the monitor saved one); returns
     the PNGs written, skipping any plot whose data the run does not have.
@@ -36,6 +38,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         for path in (
             _plot_layers(records, "sparsity", "sparsity (1 - L0 / H)", run_dir / SPARSITY_PNG),
             _plot_layers(records, "dead", "dead fraction of units", run_dir / DEAD_PNG),
+            _plot_l0_by_layer(records, run_dir / L0_BY_LAYER_PNG),
         )
         if path is not None
     ]
@@ -96,6 +99,42 @@ def _plot_layers(records: list[dict[str, Any]], name: str, ylabel: str, out_path
     ax.plot(*series(records, f"{name}/mean"), color="black", linewidth=2.5, label="mean")
     ax.set(xlabel="step", ylabel=ylabel, title=f"{name} per layer")
     ax.legend(fontsize=7, ncol=max(1, len(layer_keys) // 12))
+    return _save(fig, out_path)
+
+
+def settled_layer_l0(records: list[dict[str, Any]]) -> tuple[list[float], int]:
+    """(each layer's L0 averaged over the last SETTLED_SHARE of the steps that log it, at least one;
+    that number of steps). Empty when the run logged no per-layer L0."""
+    pattern = re.compile(r"^l0/layer_(\d+)$")
+    keys = sorted({k for r in records for k in r if pattern.match(k)}, key=lambda k: int(k.rsplit("_", 1)[1]))
+    settled, last = [], 0
+    for key in keys:
+        values = series(records, key)[1]
+        last = max(1, round(SETTLED_SHARE * len(values)))
+        settled.append(sum(values[-last:]) / last)
+    return settled, last
+
+
+def _plot_l0_by_layer(records: list[dict[str, Any]], out_path: Path) -> Path | None:
+    """A bar a layer: its settled L0 (a log axis where the layers span a decade). A run's mean L0 can hide layers ten times
+    denser or sparser than it (the 1b preset held at a mean of 30 by one L1 coefficient spans
+    5-112), and a layer's L0 sets what its FFN costs."""
+    settled, last = settled_layer_l0(records)
+    if not settled:
+        return None
+    fig, ax = _figure()
+    ax.bar(range(len(settled)), settled, color=_layer_colors(len(settled)))
+    mean = sum(settled) / len(settled)
+    ax.axhline(mean, color="black", linewidth=1.5, label=f"mean of layers: {mean:.1f}")
+    if min(settled) > 0 and max(settled) >= 10 * min(settled):  # a log axis only where it spans a decade
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(settled)))
+    ax.set(
+        xlabel="layer",
+        ylabel="L0 (active units per token)",
+        title=f"L0 by layer, mean of the last {last} logged step{'s' if last > 1 else ''}",
+    )
+    ax.legend()
     return _save(fig, out_path)
 
 

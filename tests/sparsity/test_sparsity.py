@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparse_llm.analysis.plots import plot_run, plot_runs_overlay
+from sparse_llm.analysis.plots import plot_run, plot_runs_overlay, settled_layer_l0
+from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.analysis.sweep import SweepError, summarize_sweep
 from sparse_llm.config import ModelConfig, SparsityConfig
 from sparse_llm.model import FFNPlan, FFNStats, GatedMLP, build_model
@@ -431,6 +432,8 @@ def write_run(run_dir: Path, l1_coeff: float, steps: int = 4, layers: int = 2, v
                 for i in range(layers):
                     record[f"{name}/layer_{i:02d}"] = value + 0.001 * i
                 record[f"{name}/mean"] = value + 0.0005
+            for i in range(layers):
+                record[f"l0/layer_{i:02d}"] = (1 + i) * 100.0 / step
             if val and step % 20 == 0:
                 record["val_loss"] = 3.1 - step / 100 + l1_coeff
             f.write(json.dumps(record) + "\n")
@@ -458,9 +461,18 @@ def test_save_histograms_and_plot_run(tmp_path):
         "sparsity_per_layer.png",
         "dead_per_layer.png",
         "nnz_hist_per_layer.png",
+        "l0_by_layer.png",
     }
     for p in written:
         assert p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 1000
+
+
+def test_settled_layer_l0_averages_the_last_tenth_of_the_logged_steps(tmp_path):
+    records = read_metrics(write_run(tmp_path / "run", 2e-5, steps=20))
+    settled, last = settled_layer_l0(records)
+    assert last == 2  # a tenth of 20 logged steps
+    assert settled == pytest.approx([(1 + i) * 100 * (1 / 190 + 1 / 200) / 2 for i in range(2)])
+    assert settled_layer_l0([{"step": 1, "loss": 2.0}]) == ([], 0)
 
 
 def test_plot_runs_overlay(tmp_path):
