@@ -86,6 +86,30 @@ def _device_spans(events: Any) -> list[tuple[float, float, str]]:
     ]
 
 
+def busy_us(spans: list[tuple[float, float, str]]) -> float:
+    """Microseconds in which at least one of `spans` (start, end, name) runs: overlaps count once."""
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
+    """Milliseconds a call of fn() keeps the GPU busy (device events of `calls` calls under
+    torch.profiler, overlaps counted once), without the idle between its kernels that its event
+    time includes. Warm fn up first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return busy_us(_device_spans(prof.events())) / 1000 / calls
+
+
 def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
     """Where the GPU idles between the first and the last device event: the gaps (all streams
     merged) grouped by the kernels on either side, largest total first. A gap that follows a

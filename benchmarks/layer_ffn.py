@@ -29,7 +29,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import median_ms, write_report
+from benchmarks.common import gpu_busy_ms, median_ms, write_report
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_and_tokens
 from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
@@ -85,51 +85,65 @@ def rotating(fn: Callable, sets: list[tuple[torch.Tensor, ...]]) -> Callable[[],
 def time_layer(
     x: torch.Tensor, mlp: Any, args: argparse.Namespace, dense: Callable, ours: Callable
 ) -> dict[str, float]:
-    """Milliseconds of one training call of the layer's FFN, dense and ours, on its input x."""
+    """Milliseconds of one training call of the layer's FFN, dense and ours, on its input x: the
+    event-timed call from an idle GPU (`ms_*`) and, on a GPU, the time its kernels keep the GPU
+    busy (`gpu_ms_*`; the difference is host-bound idle, which a model's step partly hides)."""
     weights = [
         w.detach().to(x.dtype) for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     ]
     x = x.detach().requires_grad_(True)
     sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
     grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses
-    return {
-        name: median_ms(rotating(forward_backward(fn, grad_l1), sets), x.device, args.warmup, args.reps)
-        for name, fn in (("ms_dense", dense), ("ms_ours", ours))
-    }
+    times = {}
+    for name, fn in (("dense", dense), ("ours", ours)):
+        call = rotating(forward_backward(fn, grad_l1), sets)
+        times[f"ms_{name}"] = median_ms(call, x.device, args.warmup, args.reps)
+        if x.is_cuda:
+            times[f"gpu_ms_{name}"] = gpu_busy_ms(call, calls=args.sets)
+    return times
 
 
-def totals(rows: list[dict], dense_above_units: float) -> dict[str, float]:
-    """Sums over layers: all dense, all ours, the trainer's rule (dense where L0 is over the
-    threshold), and the faster of the two in each layer."""
+def totals(rows: list[dict], dense_above_units: float, prefix: str = "ms") -> dict[str, float]:
+    """Sums over layers of the `prefix` times ("ms": event-timed, "gpu_ms": GPU busy): all dense,
+    all ours, the trainer's rule (dense where L0 is over the threshold), and the faster of the two
+    in each layer."""
+    dense, ours = f"{prefix}_dense", f"{prefix}_ours"
     return {
-        "ms_dense": sum(r["ms_dense"] for r in rows),
-        "ms_ours": sum(r["ms_ours"] for r in rows),
-        "ms_trainer_rule": sum(r["ms_dense"] if r["l0"] > dense_above_units else r["ms_ours"] for r in rows),
-        "ms_best_per_layer": sum(min(r["ms_dense"], r["ms_ours"]) for r in rows),
+        dense: sum(r[dense] for r in rows),
+        ours: sum(r[ours] for r in rows),
+        f"{prefix}_trainer_rule": sum(r[dense] if r["l0"] > dense_above_units else r[ours] for r in rows),
+        f"{prefix}_best_per_layer": sum(min(r[dense], r[ours]) for r in rows),
     }
 
 
 def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
+    gpu = "gpu_ms_ours" in rows[0]
     lines = [
         f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
         f"{meta['tokens']} tokens ({meta['text']}); ours: ffn_forward_train impl={meta['impl']}, heavy "
         f"threshold {meta['heavy_threshold']}; dense: {meta['dense']}; forward+backward with the L1 term, "
-        f"median of {meta['reps']} calls over {meta['sets']} weight copies.",
+        f"median of {meta['reps']} calls over {meta['sets']} weight copies"
+        + ("; GPU busy: the kernels' time in a call, without the idle between them." if gpu else "."),
         "",
-        "| layer | L0 | heavy rows | past early | dense ms | ours ms | dense / ours |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | L0 | heavy rows | past early | dense ms | ours ms | dense / ours |"
+        + (" dense GPU busy ms | ours GPU busy ms |" if gpu else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r['layer']} | {r['l0']:.1f} | {r['heavy_rows']} | {r['past_early']} | {r['ms_dense']:.3f} "
             f"| {r['ms_ours']:.3f} | {r['ms_dense'] / r['ms_ours']:.2f}x |"
+            + (f" {r['gpu_ms_dense']:.3f} | {r['gpu_ms_ours']:.3f} |" if gpu else "")
         )
-    lines += [
-        "",
-        f"Sum over layers, ms: dense {sums['ms_dense']:.2f}; ours in every layer {sums['ms_ours']:.2f}; "
-        f"the trainer's rule (dense over {meta['dense_above_units']:g} units, model.ffn_dense_above) "
-        f"{sums['ms_trainer_rule']:.2f}; the faster in each layer {sums['ms_best_per_layer']:.2f}.",
-    ]
+    lines.append("")
+    for prefix, what in (("ms", "event-timed"), ("gpu_ms", "GPU busy")):
+        if f"{prefix}_ours" in sums:
+            lines.append(
+                f"Sum over layers, {what} ms: dense {sums[f'{prefix}_dense']:.2f}; ours in every layer "
+                f"{sums[f'{prefix}_ours']:.2f}; the trainer's rule (dense over {meta['dense_above_units']:g} "
+                f"units, model.ffn_dense_above) {sums[f'{prefix}_trainer_rule']:.2f}; the faster in each "
+                f"layer {sums[f'{prefix}_best_per_layer']:.2f}."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "sets": args.sets,
     }
     sums = totals(rows, meta["dense_above_units"])
+    if device.type == "cuda":
+        sums |= totals(rows, meta["dense_above_units"], prefix="gpu_ms")
     meta["totals"] = sums
     write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
     return rows

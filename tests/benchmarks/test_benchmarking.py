@@ -10,6 +10,7 @@ import torch
 from torch.autograd import DeviceType
 
 from benchmarks.common import (
+    busy_us,
     device_kernel_table,
     gpu_idle_table,
     kernel_table,
@@ -34,6 +35,12 @@ def test_gpu_idle_table_sums_gaps_by_neighbouring_kernels():
     table = gpu_idle_table(events)
     assert "GPU idle between kernels: 0.08 ms of 0.26 ms" in table
     assert "| 0.08 | 2 | 40.0 | gemm | pack |" in table
+
+
+def test_busy_us_counts_overlapping_spans_once():
+    spans = [(0, 100, "gemm"), (10, 50, "side"), (130, 140, "pack"), (135, 160, "copy"), (200, 200, "empty")]
+    assert busy_us(spans) == 100 + 30
+    assert busy_us([]) == 0
 
 
 def test_gpu_idle_table_without_device_events_is_empty():

@@ -34,6 +34,8 @@ def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
     ]
     sums = totals(rows, dense_above_units=56.0)
     assert sums == {"ms_dense": 12.0, "ms_ours": 10.5, "ms_trainer_rule": 10.0, "ms_best_per_layer": 9.5}
+    gpu_rows = [{"l0": r["l0"], "gpu_ms_dense": r["ms_dense"], "gpu_ms_ours": r["ms_ours"]} for r in rows]
+    assert totals(gpu_rows, 56.0, prefix="gpu_ms")["gpu_ms_trainer_rule"] == 10.0
 
 
 @pytest.mark.slow
@@ -43,3 +45,4 @@ def test_tiny_end_to_end(tmp_path):
     assert all(r["ms_dense"] > 0 and r["ms_ours"] > 0 and r["l0"] > 0 for r in rows)
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["meta"]["impl"] == "reference" and written["meta"]["totals"]["ms_dense"] > 0
+    assert "gpu_ms_ours" not in rows[0]  # GPU busy time is measured on a GPU only
