@@ -31,28 +31,17 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gpu_busy_ms, median_ms, write_report
 from benchmarks.ffn import dense_train, forward_backward, train_ours
-from benchmarks.row_density import layer_rows, model_and_tokens
-from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
+from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args
 from sparse_llm.ops.select import kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
-    p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU, the reference op")
-    p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--heavy-threshold", type=int, default=DEFAULT_HEAVY_THRESHOLD)
+    p = model_parser(__doc__)
     p.add_argument("--sets", type=int, default=3, help="copies of a layer's weights the timed calls rotate")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
-    args = p.parse_args(argv)
-    if (args.model is None) == (not args.tiny):
-        p.error("give --model or --tiny")
-    return args
+    return parse_model_args(p, argv)
 
 
 @torch.no_grad()

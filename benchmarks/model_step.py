@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 from benchmarks.common import (
     free_memory,
     kernel_table,
+    layers_over_dense_above,
     memory_peak_table,
     model_preset,
     sparsify,
@@ -262,7 +263,9 @@ def time_impl(
     # trainer would run dense (training/ffn_fallback.py).
     record["l0_per_layer"] = l0.tolist()
     record["dense_above_units"] = mcfg.ffn_dense_above * mcfg.intermediate_size
-    record["layers_over_dense_above"] = sum(v > record["dense_above_units"] for v in record["l0_per_layer"])
+    record["layers_over_dense_above"] = layers_over_dense_above(
+        record["l0_per_layer"], mcfg.intermediate_size, mcfg.ffn_dense_above
+    )
     # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block).
     record["active_token_fraction"] = active.item()
     return record

@@ -36,8 +36,10 @@ TINY_MODEL = dict(
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options of a per-layer benchmark on a model's held-out tokens (`model_and_tokens`):
+    --model or --tiny, --rows, --seq-len, --heavy-threshold, --json, --md."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
     p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU")
     p.add_argument("--rows", type=int, default=8)
@@ -45,10 +47,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heavy-threshold", type=int, default=DEFAULT_HEAVY_THRESHOLD)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
+    return p
+
+
+def parse_model_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`p`'s arguments, with exactly one of --model and --tiny."""
     args = p.parse_args(argv)
     if (args.model is None) == (not args.tiny):
         p.error("give --model or --tiny")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_model_args(model_parser(__doc__), argv)
 
 
 def early_capacity(tokens: int) -> int:

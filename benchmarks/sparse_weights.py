@@ -27,7 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import active_units_per_token, model_preset, sparsify, token_batch, write_report
+from benchmarks.common import (
+    active_units_per_token,
+    layers_over_dense_above,
+    model_preset,
+    sparsify,
+    token_batch,
+    write_report,
+)
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import load_model
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     layer_l0 = heldout_layer_l0(args.out, args.eval_rows, seq_len)
     l0 = sum(layer_l0) / len(layer_l0)
     # The trainer runs a layer denser than this many units with the dense FFN (training/ffn_fallback.py).
-    dense_above = model.get("ffn_dense_above", ModelConfig.ffn_dense_above) * model["intermediate_size"]
+    max_density = model.get("ffn_dense_above", ModelConfig.ffn_dense_above)
+    dense_above = max_density * model["intermediate_size"]
     row = {
         "preset": "tiny" if args.tiny else args.preset,
         "target_l0": args.target_l0,
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_layer_controller": args.per_layer,
         "heldout_layer_l0": layer_l0,
         "dense_above_units": dense_above,
-        "layers_dense_above": sum(v > dense_above for v in layer_l0),
+        "layers_dense_above": layers_over_dense_above(layer_l0, model["intermediate_size"], max_density),
         "steps": steps,
         "tokens_per_step": batch * seq_len,
         "seconds": seconds,

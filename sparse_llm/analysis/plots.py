@@ -85,11 +85,14 @@ def plot_val_ce_vs_sparsity(points: Sequence[tuple[str, float, float]], out_path
     return _save(fig, out_path)
 
 
-def _plot_layers(records: list[dict[str, Any]], name: str, ylabel: str, out_path: Path) -> Path | None:
+def _layer_keys(records: list[dict[str, Any]], name: str) -> list[str]:
+    """The run's `<name>/layer_NN` metric keys, in layer order."""
     pattern = re.compile(rf"^{name}/layer_(\d+)$")
-    layer_keys = sorted(
-        {k for r in records for k in r if pattern.match(k)}, key=lambda k: int(k.rsplit("_", 1)[1])
-    )
+    return sorted({k for r in records for k in r if pattern.match(k)}, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
+def _plot_layers(records: list[dict[str, Any]], name: str, ylabel: str, out_path: Path) -> Path | None:
+    layer_keys = _layer_keys(records, name)
     if not layer_keys:
         return None
     fig, ax = _figure()
@@ -105,10 +108,8 @@ def _plot_layers(records: list[dict[str, Any]], name: str, ylabel: str, out_path
 def settled_layer_l0(records: list[dict[str, Any]]) -> tuple[list[float], int]:
     """(each layer's L0 averaged over the last SETTLED_SHARE of the steps that log it, at least one;
     that number of steps). Empty when the run logged no per-layer L0."""
-    pattern = re.compile(r"^l0/layer_(\d+)$")
-    keys = sorted({k for r in records for k in r if pattern.match(k)}, key=lambda k: int(k.rsplit("_", 1)[1]))
     settled, last = [], 0
-    for key in keys:
+    for key in _layer_keys(records, "l0"):
         values = series(records, key)[1]
         last = max(1, round(SETTLED_SHARE * len(values)))
         settled.append(sum(values[-last:]) / last)
@@ -116,9 +117,9 @@ def settled_layer_l0(records: list[dict[str, Any]]) -> tuple[list[float], int]:
 
 
 def _plot_l0_by_layer(records: list[dict[str, Any]], out_path: Path) -> Path | None:
-    """A bar a layer: its settled L0 (a log axis where the layers span a decade). A run's mean L0 can hide layers ten times
-    denser or sparser than it (the 1b preset held at a mean of 30 by one L1 coefficient spans
-    5-112), and a layer's L0 sets what its FFN costs."""
+    """A bar a layer: its settled L0 (a log axis where the layers span a decade). A run's mean L0
+    can hide layers ten times denser or sparser than it (the 1b preset held at a mean of 30 by one
+    L1 coefficient spans 5-112), and a layer's L0 sets what its FFN costs."""
     settled, last = settled_layer_l0(records)
     if not settled:
         return None
