@@ -221,9 +221,8 @@ def time_impl(
         # The trainer's rule on the L0 of one more step, then warm up again: the compiled graphs of
         # the layers that switched are traced anew.
         l0_per_layer = step()[1].tolist()
-        record["dense_fallback_layers"] = int(
-            apply_density_fallback(model, l0_per_layer, mcfg.ffn_dense_above)["ffn_fallback/dense_layers"]
-        )
+        apply_density_fallback(model, l0_per_layer, mcfg.ffn_dense_above)
+        record["dense_fallback_layers"] = sum(model.ffn_dense_fallback())
         for _ in range(args.warmup):
             step()
     first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]

@@ -98,9 +98,10 @@ class ModelConfig:
     initializer_range: float = checked(0.02, gt=0)
     hidden_act: str = checked("relu", choices=HIDDEN_ACTS)
     ffn_impl: str = checked("dense", choices=FFN_IMPLS)
-    # ffn_impl=cuda: a layer whose measured density (L0 / H) exceeds this trains with the dense FFN
-    # until it is sparse again (sparse_llm.training.ffn_fallback); from benchmarks/ffn.py --train.
-    ffn_dense_above: float = checked(0.01, gt=0, le=1)
+    # A sparse training FFN: a layer whose last step's density (L0 / H) exceeds this trains with the
+    # dense FFN (recomputed in the backward) until it is sparse again; a fresh run starts dense
+    # (sparse_llm.training.ffn_fallback, which says where 3% comes from).
+    ffn_dense_above: float = checked(0.03, gt=0, le=1)
     attn_impl: str = checked("sdpa", choices=ATTN_IMPLS)
 
 

@@ -13,7 +13,10 @@ is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`
 The one piece of state that changes while training is the per-layer dense fallback
 (`dense_fallback`, set by `sparse_llm.training.ffn_fallback` from the measured density and saved
 in checkpoints): a layer too dense to gain from the sparse path trains dense. Both compute the
-same function; the fallback changes speed, never the result.
+same function; the fallback changes speed, never the result. A layer that falls back recomputes
+its dense FFN in the backward (unless the whole layer is recomputed already): the dense FFN keeps
+three [tokens, H] tensors for its backward, so a run's dense early phase would otherwise set its
+peak memory well above the sparse steady state's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, transposed
@@ -100,7 +104,7 @@ class FFNPlan:
 class GatedMLP(nn.Module):
     """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu."""
 
-    def __init__(self, cfg: ModelConfig, plan: FFNPlan) -> None:
+    def __init__(self, cfg: ModelConfig, plan: FFNPlan, recompute_fallback: bool = True) -> None:
         super().__init__()
         d, h = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(d, h, bias=False)
@@ -111,6 +115,8 @@ class GatedMLP(nn.Module):
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints. Read only when the train phase is not dense.
         self.dense_fallback = False
+        # Fixed at build: whether a layer falling back recomputes its dense FFN in the backward.
+        self.recompute_fallback = recompute_fallback
         # A cache, not state: Wd^T for the sparse inference kernels (shared by with_ffn_plan;
         # H x D more memory, 23 MB a 1b layer).
         self.down_t_cache = DerivedWeight(transposed)
@@ -127,6 +133,9 @@ class GatedMLP(nn.Module):
         impl = self.impl(phase)
         if impl != "dense" and not with_stats and phase != "train":
             return self.run(x, impl), ()
+        if phase == "train" and self.dense_fallback and self.recompute_fallback and torch.is_grad_enabled():
+            # Keeps x only; the gate, up and hidden activations are made again in the backward.
+            return checkpoint(self.dense_forward, x, with_stats, use_reentrant=False)
         return self.dense_forward(x, with_stats)
 
     @torch.no_grad()

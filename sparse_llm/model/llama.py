@@ -51,12 +51,14 @@ class CausalLMOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: FFNPlan, recompute_norms: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, plan: FFNPlan, recompute_norms: bool, recompute_ffn_fallback: bool = True
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
-        self.mlp = GatedMLP(cfg, plan)
+        self.mlp = GatedMLP(cfg, plan, recompute_ffn_fallback)
 
     def forward(
         self,
@@ -83,11 +85,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: FFNPlan, recompute_norms: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, plan: FFNPlan, recompute_norms: bool, recompute_ffn_fallback: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, plan, recompute_norms) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, plan, recompute_norms, recompute_ffn_fallback)
+            for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
         self.rotary_emb = RotaryEmbedding(
@@ -114,7 +119,9 @@ class SparseLlamaForCausalLM(nn.Module):
         self.ffn_plan = ffn_plan or FFNPlan.dense()
         self.activation_checkpointing = activation_checkpointing
         self.recompute_norms = recompute_norms
-        self.model = LlamaBody(cfg, self.ffn_plan, recompute_norms)
+        # A layer whose training FFN falls back to dense recomputes it in the backward, unless the
+        # whole layer is recomputed already (model/ffn.py).
+        self.model = LlamaBody(cfg, self.ffn_plan, recompute_norms, not activation_checkpointing)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -214,11 +221,18 @@ class SparseLlamaForCausalLM(nn.Module):
             # One launch per statistic after the last layer, not a copy kernel per layer (see
             # layer_stack).
             ffn_stats = FFNStats(*(stack_layers(list(t)) for t in zip(*per_layer, strict=True)))
+        logits, loss = self.output(x, labels)
+        return CausalLMOutput(logits, loss, ffn_stats)
+
+    def output(
+        self, x: torch.Tensor, labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, None) of the last layer's output x, or (None, loss) with labels: the head,
+        a region of its own under compile_model."""
         if labels is None:
-            return CausalLMOutput(self.lm_head(self.model.norm(x)), None, ffn_stats)
+            return self.lm_head(self.model.norm(x)), None
         # Fused with the projection: the [tokens, vocab] logits never exist whole.
-        loss = linear_cross_entropy(self.model.norm(x), self.lm_head.weight, labels)
-        return CausalLMOutput(None, loss, ffn_stats)
+        return None, linear_cross_entropy(self.model.norm(x), self.lm_head.weight, labels)
 
     @torch.no_grad()
     def _forward_cached(

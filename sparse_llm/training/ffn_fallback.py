@@ -1,27 +1,29 @@
 """Per-layer fallback of the sparse training FFN to dense when a layer is too dense to gain.
 
 The sparse training path costs more per active unit than dense costs per unit, so above some
-density (l0 / H) a layer trains faster dense. The rule, per layer, on the measured density:
+density (l0 / H) a layer trains faster dense. The rule, per layer, on the density of the last step:
 
     sparse -> dense   when density > max_density
     dense  -> sparse  when density < hysteresis * max_density   (no flapping around the edge)
 
-Both paths compute the same function (exactly), so a switch changes speed, never the result;
-each switch is logged and reported as a metric. `max_density` is a speed knob measured with
-benchmarks/ffn.py --train (D=2048, H=5632, 16384 tokens): the CUDA training FFN beats
-compiled dense up to ~56 active units per token on an H100 and ~84 on an H200 (interpolated
-between the measured 30, 60 and 120; its gathers lean on L2, 50 MB on the H100 against 60), hence
-the default of 1.0%, right on both (benchmarks/results/ffn_train_h100.md, ffn_train_h200.md).
-Decisions use the global (all-rank) density, so every rank agrees.
+Both paths compute the same function (exactly), so a switch changes speed, never the result, and
+under `compile_model` it compiles nothing once both paths have run (each layer is its own region).
+A layer that falls back recomputes its dense FFN in the backward (model/ffn.py), so the rule is set
+against that cost: on one FFN layer (D=2048, H=5632, 16384 tokens, H100) the CUDA training op
+beats compiled dense up to ~110 active units per token and dense that recomputes its forward up
+to ~190 (benchmarks/results/ffn_train_h100.md: ours 3.79 / 5.13 ms at 58 / 117 units, dense
+4.89 ms plus its 1.6-1.7 ms forward), hence the default of 3% of H (169 of 5632 units; back to
+sparse under 135). A run from initialisation starts every layer dense: a randomly initialised
+gate fires on about half the units, where the sparse path has nothing to gain.
 
-The trainer applies it by itself whenever the model's training FFN is sparse (model.ffn_impl
-reference, cuda, or auto where the kernels run), with max_density = model.ffn_dense_above.
+Decisions use the global (all-rank) L0 of the step, so every rank agrees. The trainer applies
+the rule after every step whenever the model's training FFN is sparse (model.ffn_impl reference,
+cuda, or auto where the kernels run), with max_density = model.ffn_dense_above.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 
 from sparse_llm.config import ModelConfig
@@ -29,7 +31,7 @@ from sparse_llm.model import SparseLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_DENSITY = ModelConfig.ffn_dense_above  # 1.0%, ~56 of 5632 units (module docstring)
+DEFAULT_MAX_DENSITY = ModelConfig.ffn_dense_above  # 3% (module docstring)
 DEFAULT_HYSTERESIS = 0.8
 
 
@@ -45,10 +47,9 @@ def apply_density_fallback(
     l0_per_layer: Sequence[float],
     max_density: float = DEFAULT_MAX_DENSITY,
     hysteresis: float = DEFAULT_HYSTERESIS,
-) -> dict[str, float]:
+) -> int:
     """Apply the rule to every layer of `model` from its measured L0 (the model's training FFN must
-    be sparse); log each switch. Returns metrics: `ffn_fallback/layer_NN` (1 = dense),
-    `ffn_fallback/dense_layers` and `ffn_fallback/switches` (the switches made now)."""
+    be sparse); log each switch. Returns how many layers switched."""
     if not 0 < max_density <= 1 or not 0 <= hysteresis <= 1:
         raise ValueError(
             f"need 0 < max_density <= 1 and 0 <= hysteresis <= 1, got {max_density}, {hysteresis}"
@@ -60,8 +61,6 @@ def apply_density_fallback(
     if len(l0_per_layer) != len(flags):
         raise ValueError(f"got L0 for {len(l0_per_layer)} layers, the model has {len(flags)}")
     hidden = model.config.intermediate_size
-    width = max(2, len(str(len(flags) - 1)))
-    metrics: dict[str, float] = {}
     new_flags = []
     for i, (is_dense, l0) in enumerate(zip(flags, l0_per_layer, strict=True)):
         density = float(l0) / hidden
@@ -75,21 +74,15 @@ def apply_density_fallback(
                 f"from {sparse_impl} to dense" if dense else f"back from dense to {sparse_impl}",
             )
         new_flags.append(dense)
-        metrics[f"ffn_fallback/layer_{i:0{width}d}"] = float(dense)
     model.set_ffn_dense_fallback(new_flags)
-    metrics["ffn_fallback/dense_layers"] = float(sum(new_flags))
-    metrics["ffn_fallback/switches"] = float(sum(a != b for a, b in zip(flags, new_flags, strict=True)))
-    return metrics
-
-
-_L0_KEY = re.compile(r"^l0/layer_(\d+)$")
+    return sum(a != b for a, b in zip(flags, new_flags, strict=True))
 
 
 class DensityFallback:
-    """Applies the rule whenever a step's metrics carry the per-layer L0 (the sparsity monitor's
-    summary, global over ranks, every train.log_every steps), so every rank decides alike. The
-    decisions are the model's state (`SparseLlamaForCausalLM.ffn_dense_fallback`), saved in
-    checkpoints with it."""
+    """Applies the rule after every step (`observe`, from the step's global per-layer L0) and
+    reports it per log window (`metrics`). The decisions are the model's state
+    (`SparseLlamaForCausalLM.ffn_dense_fallback`), saved in checkpoints with it; a fresh run starts
+    with every layer dense (module docstring), a resumed one with the checkpoint's flags."""
 
     def __init__(
         self,
@@ -97,14 +90,30 @@ class DensityFallback:
         max_density: float = DEFAULT_MAX_DENSITY,
         hysteresis: float = DEFAULT_HYSTERESIS,
     ) -> None:
+        if model.ffn_plan.impl("train") == "dense":
+            raise ValueError("the model's training FFN is dense: there is nothing to fall back from")
         self.model = model
         self.max_density = max_density
         self.hysteresis = hysteresis
+        self.flips = 0  # switches since this process started
+        self._window_flips = 0
+        model.set_ffn_dense_fallback([True] * len(model.ffn_dense_fallback()))
 
-    def update(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The fallback metrics after applying the rule to `metrics`' per-layer L0 (none without)."""
-        found = {int(m.group(1)): v for k, v in metrics.items() if (m := _L0_KEY.match(k))}
-        if not found:
-            return {}
-        l0 = [found[i] for i in sorted(found)]
-        return apply_density_fallback(self.model, l0, self.max_density, self.hysteresis)
+    def observe(self, l0_per_layer: Sequence[float]) -> None:
+        """Apply the rule to the last step's per-layer L0."""
+        switched = apply_density_fallback(self.model, l0_per_layer, self.max_density, self.hysteresis)
+        self.flips += switched
+        self._window_flips += switched
+
+    def metrics(self) -> dict[str, float]:
+        """`ffn_fallback/layer_NN` (1 = dense now), `ffn_fallback/dense_layers`,
+        `ffn_fallback/switches` (since the last call) and `ffn_fallback/flips` (since the process
+        started); starts a new window."""
+        flags = self.model.ffn_dense_fallback()
+        width = max(2, len(str(len(flags) - 1)))
+        out = {f"ffn_fallback/layer_{i:0{width}d}": float(f) for i, f in enumerate(flags)}
+        out["ffn_fallback/dense_layers"] = float(sum(flags))
+        out["ffn_fallback/switches"] = float(self._window_flips)
+        out["ffn_fallback/flips"] = float(self.flips)
+        self._window_flips = 0
+        return out

@@ -22,7 +22,7 @@ from sparse_llm.config import ConfigError, RunConfig, resolve_config
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
-from sparse_llm.model.compiling import compile_model
+from sparse_llm.model.compiling import compile_model, compiled_graphs
 from sparse_llm.model.state import load_model_state
 from sparse_llm.ops.select import KernelsUnavailable
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
@@ -122,7 +122,8 @@ class Trainer:
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
-        self.forward = compile_model(self.prepared_model) if t.compile else self.prepared_model
+        if t.compile:  # each decoder layer and the head, in place (model/compiling.py)
+            compile_model(self.prepared_model)
         # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
         self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
 
@@ -141,7 +142,8 @@ class Trainer:
         # (under FSDP2: every rank draws the rows a single process would, and keeps its shard).
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
-        # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain.
+        # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain
+        # (every layer dense at the start; a resumed run takes the checkpoint's flags).
         self.ffn_fallback = (
             DensityFallback(model, cfg.model.ffn_dense_above)
             if model.ffn_plan.impl("train") != "dense"
@@ -199,22 +201,30 @@ class Trainer:
 
     def _loop(self, bar: tqdm) -> None:
         t = self.cfg.train
-        window_start, window_tokens = time.perf_counter(), 0
+        loop_start = window_start = time.perf_counter()
+        window_tokens, first_step = 0, self.step + 1
+        # Graphs compiled before and during the first step are the run's first compile; any later
+        # one is a recompile (a variant first taken: a layer's fallback path, evaluation).
+        graphs_at_start = graphs_after_first = compiled_graphs()
         while self.step < t.max_steps:
-            record = self._train_step()
+            record = self.train_step()
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
             bar.update(1)
+            if self.step == first_step:
+                graphs_after_first = compiled_graphs()
             is_last = self.step == t.max_steps
-            if self.step % t.log_every == 0 or is_last:
+            # A run's first step is logged too: its time holds the first compile.
+            if self.step % t.log_every == 0 or is_last or self.step == 1:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                record.update(self._throughput(window_tokens, elapsed))
+                now = time.perf_counter()
+                record.update(self._throughput(window_tokens, now - window_start))
+                record["elapsed_s"] = now - loop_start  # wall clock of this process's steps so far
                 record.update(self.sparsity.summary())
                 if self.ffn_fallback is not None:
-                    record.update(self.ffn_fallback.update(record))
+                    record.update(self.ffn_fallback.metrics())
                 window_start, window_tokens = time.perf_counter(), 0
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             self.callbacks.on_step_end(self, self.step, record)
@@ -224,12 +234,19 @@ class Trainer:
                 self.callbacks.on_eval(self, self.step, evaluation)
                 bar.write(f"step {self.step}: val_loss {evaluation['val_loss']:.4f}")
             if any(key in record for key in ("tokens_per_s", "val_loss", "reinit/revived")):
+                if t.compile:
+                    record["compile/graphs"] = float(compiled_graphs() - graphs_at_start)
+                    record["compile/recompiles"] = float(compiled_graphs() - graphs_after_first)
                 self.logger.log(self.step, record)
             if (t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0) or is_last:
                 path = self.save_checkpoint()
                 self.callbacks.on_checkpoint(self, self.step, path)
 
-    def _train_step(self) -> dict[str, Any]:
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `train.global_batch_size` sequences: the forward of every
+        micro-batch with the L1 term and the sparsity statistics, backward, gradient clipping,
+        AdamW, the scheduler, then the L1 controller and the FFN fallback from the step's L0. The
+        step the run takes and the benchmarks time. Returns the step's scalar metrics."""
         t = self.cfg.train
         control = self.l1_controller
         if control is None:
@@ -250,7 +267,7 @@ class Trainer:
             # Gradients are all-reduced once, on the last micro-batch of the step.
             sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.prepared_model)
             with sync, self.accelerator.autocast():
-                out = self.forward(inputs, labels=labels, with_stats=True)
+                out = self.prepared_model(inputs, labels=labels, with_stats=True)
                 l1 = l1_penalty(out.ffn_stats)
                 if layer_coeffs is not None:
                     penalty = l1_penalty(out.ffn_stats, layer_coeffs)
@@ -296,10 +313,14 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_seen": self.tokens_seen + self.tokens_per_step,
         }
-        if control is not None:
-            record.update(control.metrics(self.step))
-            # The next step's lambda, from this step's L0 (all-reduced: the same on every rank).
-            control.update(self.sparsity.last_step_l0(), self.step)
+        if control is not None or self.ffn_fallback is not None:
+            # This step's per-layer L0, all-reduced: the same on every rank.
+            l0_per_layer = self.sparsity.last_step_l0()
+            if control is not None:
+                record.update(control.metrics(self.step))
+                control.update(l0_per_layer, self.step)  # the next step's lambda
+            if self.ffn_fallback is not None:
+                self.ffn_fallback.observe(l0_per_layer)  # the next step's path per layer
         return record
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -324,7 +345,7 @@ class Trainer:
             real = i < len(self.val_batches)
             batch = (self.val_batches[i] if real else self._val_pad).to(self.device)
             with self.accelerator.autocast():
-                loss = self.forward(batch[:, :-1], labels=batch[:, 1:]).loss.float()
+                loss = self.prepared_model(batch[:, :-1], labels=batch[:, 1:]).loss.float()
             if real:
                 total += loss
         self.prepared_model.train()

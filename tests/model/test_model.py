@@ -168,19 +168,59 @@ def test_density_fallback_rule_switches_and_logs(caplog):
     assert wants_dense(0.045, True, 0.05, 0.8) and not wants_dense(0.039, True, 0.05, 0.8)
     model = build_model(small_config(ffn_impl="reference"))  # H = 176
     fallback = DensityFallback(model, max_density=0.1, hysteresis=0.5)
-    assert fallback.update({"loss": 1.0}) == {}  # no L0 this step: nothing changes
-    assert model.ffn_dense_fallback() == [False, False]
+    assert model.ffn_dense_fallback() == [True, True]  # a fresh run starts dense
     with caplog.at_level(logging.INFO, logger="sparse_llm.training.ffn_fallback"):
-        metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 30.0})
+        fallback.observe([5.0, 30.0])
     assert model.ffn_dense_fallback() == [False, True]
-    assert metrics["ffn_fallback/layer_01"] == 1.0 and metrics["ffn_fallback/dense_layers"] == 1.0
-    assert "layer 1" in caplog.text and "to dense" in caplog.text
-    metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 12.0})  # 0.068: inside the band
-    assert model.ffn_dense_fallback() == [False, True] and metrics["ffn_fallback/switches"] == 0.0
-    metrics = fallback.update({"l0/layer_00": 5.0, "l0/layer_01": 8.0})  # 0.045 < 0.05: back to sparse
-    assert model.ffn_dense_fallback() == [False, False] and metrics["ffn_fallback/switches"] == 1.0
+    assert "layer 0" in caplog.text and "back from dense to reference" in caplog.text
+    fallback.observe([30.0, 12.0])  # layer 0 over 0.1; layer 1 at 0.068, inside the band
+    assert model.ffn_dense_fallback() == [True, True]
+    metrics = fallback.metrics()
+    assert metrics["ffn_fallback/layer_00"] == 1.0 and metrics["ffn_fallback/dense_layers"] == 2.0
+    assert metrics["ffn_fallback/switches"] == 2.0 and metrics["ffn_fallback/flips"] == 2.0
+    fallback.observe([5.0, 8.0])  # both under 0.05: back to sparse
+    metrics = fallback.metrics()
+    assert model.ffn_dense_fallback() == [False, False]
+    assert metrics["ffn_fallback/switches"] == 2.0 and metrics["ffn_fallback/flips"] == 4.0
+    assert fallback.metrics()["ffn_fallback/switches"] == 0.0  # a new window
     with pytest.raises(ValueError, match="training FFN is dense"):
-        DensityFallback(build_model(small_config())).update({"l0/layer_00": 170.0, "l0/layer_01": 170.0})
+        DensityFallback(build_model(small_config()))
+
+
+def test_dense_fallback_recomputes_its_ffn_in_the_backward():
+    """A layer falling back to dense keeps no [tokens, H] activation for its backward (it recomputes
+    them), and its gradients are those of the plain dense FFN; with whole-layer activation
+    checkpointing it does not recompute a second time."""
+    cfg = small_config(ffn_impl="reference")
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    tokens = ids.numel()
+
+    def hidden_sized_saved(model) -> tuple[int, list[torch.Tensor]]:
+        count = []
+
+        def pack(t):
+            count.append(t.shape[-1] == cfg.intermediate_size and t.numel() == tokens * cfg.intermediate_size)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids, with_stats=True).loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return sum(count), grads
+
+    torch.manual_seed(0)
+    dense = build_model(small_config())
+    torch.manual_seed(0)
+    fallback = build_model(cfg)
+    fallback.set_ffn_dense_fallback([True, True])
+    dense_saved, dense_grads = hidden_sized_saved(dense)
+    fallback_saved, fallback_grads = hidden_sized_saved(fallback)
+    assert dense_saved >= 2 * cfg.num_hidden_layers and fallback_saved == 0
+    for got, want in zip(fallback_grads, dense_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    torch.manual_seed(0)
+    checkpointed = build_model(cfg, activation_checkpointing=True)
+    assert not any(layer.mlp.recompute_fallback for layer in checkpointed.model.layers)
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):

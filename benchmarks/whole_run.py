@@ -1,0 +1,360 @@
+"""The figure of record: a user's whole training run, dense FFN against the sparse kernels.
+
+The real trainer (`python -m sparse_llm.train`, in its own process) from initialisation on a preset
+to a target L0, with `model.ffn_impl` the only difference between two runs (same data, seed and
+recipe). Each run is one process and one call of this script; `--join` reads two of them and
+writes the comparison:
+
+    python -m benchmarks.whole_run --impl dense --out-dir $OUT      # ~5 min on an H100 (1b)
+    python -m benchmarks.whole_run --impl auto --out-dir $OUT
+    python -m benchmarks.whole_run --join dense.json auto.json --json run_1b_h100.json --md run_1b_h100.md
+    python -m benchmarks.whole_run --tiny --impl reference --out-dir /tmp/w   # CPU, the script end to end
+
+The recipe is benchmarks/sparse_weights.py's (the weights every fixed-weight benchmark times):
+800 steps of 8 x 2048 tokens of the embedded corpus, AdamW at 1e-3 after 60 warm-up steps, the L1
+coefficient ramped to 1e-3 over 100 steps and then driven by the controller to L0 30, compiled,
+bf16. From the run's metrics.jsonl (a record at step 1 and every `--log-every` steps, each with the
+wall clock of the steps so far) it reports: the wall clock of the steps with and without the first
+step (which holds the first compile), tokens/s until L0 first reaches `--early-l0` and over the
+last `--steady-steps` steps, the run's peak memory (the allocator's high-water mark over the whole
+run), the layers' fallback flips, the graphs compiled after the first step, the last held-out loss,
+and the L0 of the final weights on held-out text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_report
+from benchmarks.sparse_weights import heldout_layer_l0
+from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.training.run_info import collect_run_info
+
+# (steps, micro-batch = global batch, seq_len, model preset, log_every)
+FULL = dict(steps=800, batch=8, seq_len=2048, preset="1b", log_every=20)
+TINY = dict(steps=8, batch=2, seq_len=32, preset="tiny", log_every=4)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=["dense", "auto", "cuda", "reference"], help="model.ffn_impl of the run")
+    p.add_argument("--out-dir", type=Path, help="where the run's JSON summary (whole_run_<impl>.json) goes")
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="the run directory (default /tmp/whole_run_<impl>)"
+    )
+    p.add_argument("--preset", default=None, help="configs/model/<preset>.yaml (default 1b)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--target-l0", type=float, default=30.0)
+    p.add_argument(
+        "--early-l0", type=float, default=60.0, help="the early phase ends when L0 first reaches this"
+    )
+    p.add_argument("--steady-steps", type=int, default=400, help="the steady phase: the run's last N steps")
+    p.add_argument("--tiny", action="store_true", help="the tiny model on CPU: checks the script end to end")
+    p.add_argument("--override", action="append", default=[], help="an extra Hydra override for the run")
+    p.add_argument("--join", nargs=2, type=Path, metavar=("DENSE_JSON", "SPARSE_JSON"))
+    p.add_argument("--json", type=Path, default=None, help="with --join: the comparison's JSON")
+    p.add_argument("--md", type=Path, default=None, help="with --join: the comparison's Markdown")
+    p.add_argument(
+        "--plot", type=Path, default=None, help="with --join: tokens/s and L0 over the steps (PNG)"
+    )
+    args = p.parse_args(argv)
+    if args.join is None and (args.impl is None or args.out_dir is None):
+        p.error("give --impl and --out-dir for a run, or --join DENSE_JSON SPARSE_JSON")
+    if args.tiny:
+        args.steady_steps = min(args.steady_steps, 4)
+    return args
+
+
+def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The run's Hydra overrides."""
+    shape = {**(TINY if args.tiny else FULL)}
+    steps = args.steps or shape["steps"]
+    overrides = [
+        f"model={args.preset or shape['preset']}",
+        f"model.ffn_impl={args.impl}",
+        f"run_dir={run_dir}",
+        "logger=none",
+        "sparsity=target",
+        "sparsity.target_sparsity=null",
+        f"sparsity.target_l0={args.target_l0:g}",
+        "sparsity.l1_coeff=1e-3",
+        f"sparsity.l1_warmup_end={max(1, steps // 8)}",
+        f"train.max_steps={steps}",
+        f"train.seq_len={shape['seq_len']}",
+        f"train.global_batch_size={shape['batch']}",
+        f"train.micro_batch_size={shape['batch']}",
+        "train.lr=1e-3",
+        f"train.warmup_steps={max(1, (steps * 3) // 40)}",
+        f"train.log_every={shape['log_every']}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.export=false",
+        "train.progress=false",
+        "train.seed=0",
+    ]
+    if args.tiny:
+        overrides += ["train=cpu", "data.max_documents=300"]
+    else:
+        overrides += ["train=gpu_bench"]
+    return overrides + list(args.override)
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = args.run_dir or Path(f"/tmp/whole_run_{args.impl}")
+    if (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"{run_dir} holds a run already: remove it or give another --run-dir")
+    overrides = recipe(args, run_dir)
+    # Hydra's group choices (train=...) come before their keys' overrides.
+    overrides.sort(key=lambda o: "." in o.split("=")[0])
+    command = [sys.executable, "-m", "sparse_llm.train", *overrides]
+    print(" ".join(command), flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process_s = time.perf_counter() - start
+    records = [r for r in read_metrics(run_dir) if "elapsed_s" in r]
+    config = _read_yaml(run_dir / "config.yaml")
+    seq_len = int(config["train"]["seq_len"])
+    layer_l0 = heldout_layer_l0(run_dir, rows=16, seq_len=seq_len)
+    summary = summarize(
+        records, args.early_l0, args.steady_steps, int(config["train"]["global_batch_size"]) * seq_len
+    )
+    summary.update(
+        impl=args.impl,
+        preset=config["model"].get("name", args.preset),
+        process_s=process_s,
+        heldout_l0=sum(layer_l0) / len(layer_l0),
+        heldout_layer_l0=layer_l0,
+        overrides=overrides,
+        series=[
+            {
+                k: r.get(k)
+                for k in (
+                    "step",
+                    "elapsed_s",
+                    "tokens_per_s",
+                    "l0/mean",
+                    "ce",
+                    "peak_mem_gib",
+                    "ffn_fallback/dense_layers",
+                )
+            }
+            for r in records
+        ],
+    )
+    meta = collect_run_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"), world_size=1)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"whole_run_{args.impl}.json"
+    path.write_text(json.dumps({"meta": meta, "results": [summary]}, indent=1) + "\n")
+    print(
+        f"{args.impl}: {json.dumps({k: v for k, v in summary.items() if k not in ('series', 'overrides', 'heldout_layer_l0')})}"
+    )
+    return summary
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def summarize(
+    records: list[dict[str, Any]], early_l0: float, steady_steps: int, tokens_per_step: int
+) -> dict[str, Any]:
+    """The run's figures from its timed records (step 1, then every log_every steps)."""
+    by_step = {int(r["step"]): r for r in records}
+    first, last = min(by_step), max(by_step)
+    steady_from = last - steady_steps
+    if steady_from not in by_step:
+        raise ValueError(
+            f"no record at step {steady_from}: --steady-steps must be a multiple of train.log_every"
+        )
+    early_end = next(
+        (s for s in sorted(by_step) if by_step[s].get("l0/mean", float("inf")) <= early_l0), None
+    )
+
+    def tokens_per_s(a: int, b: int) -> float:
+        return (b - a) * tokens_per_step / (by_step[b]["elapsed_s"] - by_step[a]["elapsed_s"])
+
+    final = by_step[last]
+    return {
+        "steps": last,
+        "wall_s": final["elapsed_s"],
+        "first_step_s": by_step[first]["elapsed_s"],
+        "wall_s_after_first_step": final["elapsed_s"] - by_step[first]["elapsed_s"],
+        "early_end_step": early_end,
+        "early_tokens_per_s": tokens_per_s(first, early_end) if early_end and early_end > first else None,
+        "steady_tokens_per_s": tokens_per_s(steady_from, last),
+        "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in records),
+        "flips": final.get("ffn_fallback/flips", 0.0),
+        "dense_layers_at_end": final.get("ffn_fallback/dense_layers", 0.0),
+        "graphs": final.get("compile/graphs"),
+        "recompiles": final.get("compile/recompiles"),
+        "final_val_loss": final.get("val_loss"),
+        "final_train_ce": final.get("ce"),
+        "train_l0_last": final.get("l0/mean"),
+    }
+
+
+def join(args: argparse.Namespace) -> dict[str, Any]:
+    (dense_meta, dense), (sparse_meta, sparse) = (_load(p) for p in args.join)
+    result = {
+        "wall_speedup": dense["wall_s_after_first_step"] / sparse["wall_s_after_first_step"],
+        "wall_speedup_with_first_step": dense["wall_s"] / sparse["wall_s"],
+        "steady_speedup": sparse["steady_tokens_per_s"] / dense["steady_tokens_per_s"],
+        "early_speedup": (
+            sparse["early_tokens_per_s"] / dense["early_tokens_per_s"]
+            if sparse["early_tokens_per_s"] and dense["early_tokens_per_s"]
+            else None
+        ),
+        "run_peak_mem_ratio": sparse["peak_mem_gib"] / dense["peak_mem_gib"]
+        if dense["peak_mem_gib"]
+        else None,
+        "recompiles": sparse["recompiles"],
+        "flips": sparse["flips"],
+        "final_loss_ratio": (
+            sparse["final_val_loss"] / dense["final_val_loss"] if dense["final_val_loss"] else None
+        ),
+        "heldout_l0": sparse["heldout_l0"],
+        "dense": dense,
+        "sparse": sparse,
+    }
+    meta = {"dense": dense_meta, "sparse": sparse_meta}
+    if args.plot:
+        plot(dense, sparse, args.plot)
+    write_report(markdown(result, meta), meta, [result], args.json, args.md)
+    return result
+
+
+def _load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return data["meta"], data["results"][0]
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
+    d, s = r["dense"], r["sparse"]
+    rows = [
+        ("steps", d["steps"], s["steps"], ""),
+        (
+            "wall clock of the steps, s",
+            _fmt(d["wall_s"], ".0f"),
+            _fmt(s["wall_s"], ".0f"),
+            f"{_fmt(r['wall_speedup_with_first_step'], '.3f')}x",
+        ),
+        ("first step (first compile), s", _fmt(d["first_step_s"], ".1f"), _fmt(s["first_step_s"], ".1f"), ""),
+        (
+            "wall clock after the first step, s",
+            _fmt(d["wall_s_after_first_step"], ".0f"),
+            _fmt(s["wall_s_after_first_step"], ".0f"),
+            f"**{_fmt(r['wall_speedup'])}x**",
+        ),
+        (
+            f"tokens/s until L0 first <= 60 (step {s['early_end_step']})",
+            _fmt(d["early_tokens_per_s"], ".0f"),
+            _fmt(s["early_tokens_per_s"], ".0f"),
+            f"{_fmt(r['early_speedup'])}x",
+        ),
+        (
+            "tokens/s, steady (the last 400 steps)",
+            _fmt(d["steady_tokens_per_s"], ".0f"),
+            _fmt(s["steady_tokens_per_s"], ".0f"),
+            f"**{_fmt(r['steady_speedup'])}x**",
+        ),
+        (
+            "the run's peak memory, GiB",
+            _fmt(d["peak_mem_gib"], ".2f"),
+            _fmt(s["peak_mem_gib"], ".2f"),
+            f"**{_fmt(r['run_peak_mem_ratio'])}x**",
+        ),
+        (
+            "graphs compiled / after the first step",
+            f"{_fmt(d['graphs'], '.0f')} / {_fmt(d['recompiles'], '.0f')}",
+            f"{_fmt(s['graphs'], '.0f')} / {_fmt(s['recompiles'], '.0f')}",
+            "",
+        ),
+        (
+            "fallback flips / layers dense at the end",
+            "-",
+            f"{_fmt(s['flips'], '.0f')} / {_fmt(s['dense_layers_at_end'], '.0f')}",
+            "",
+        ),
+        (
+            "final held-out loss",
+            _fmt(d["final_val_loss"], ".4f"),
+            _fmt(s["final_val_loss"], ".4f"),
+            f"{_fmt(r['final_loss_ratio'], '.4f')}x",
+        ),
+        (
+            "L0 of the final weights, held-out text",
+            _fmt(d["heldout_l0"], ".2f"),
+            _fmt(s["heldout_l0"], ".2f"),
+            "",
+        ),
+        (
+            "whole process (build, compile, eval, checkpoint), s",
+            _fmt(d["process_s"], ".0f"),
+            _fmt(s["process_s"], ".0f"),
+            "",
+        ),
+    ]
+    dm, sm = meta["dense"], meta["sparse"]
+    lines = [
+        f"# A whole training run, dense FFN against `{s['impl']}`: {sm.get('device')}",
+        "",
+        f"preset `{s['preset']}`, from initialisation to a target L0, {s['steps']} steps; dense run: commit "
+        f"`{dm.get('commit')}`, {dm.get('date')}; {s['impl']} run: commit `{sm.get('commit')}`, {sm.get('date')}; "
+        f"torch {sm.get('torch')}. Ratios: dense time / sparse time, sparse memory / dense memory, "
+        "sparse loss / dense loss. Each run is `python -m sparse_llm.train` with "
+        "`benchmarks/whole_run.py`'s overrides (in the JSON).",
+        "",
+        f"| | dense | {s['impl']} | ratio |",
+        "|---|---|---|---|",
+        *(f"| {name} | {a} | {b} | {c} |" for name, a, b, c in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(dense: dict[str, Any], sparse: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tok, ax_l0) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for run, style in ((dense, "-"), (sparse, "-")):
+        pts = [p for p in run["series"] if p["step"] > 1]
+        label = "dense" if run is dense else run["impl"]
+        ax_tok.plot(
+            [p["step"] for p in pts], [p["tokens_per_s"] for p in pts], style, marker=".", label=label
+        )
+        ax_l0.plot([p["step"] for p in pts], [p["l0/mean"] for p in pts], style, label=label)
+    ax_tok.set_ylabel("tokens/s (each logging window)")
+    ax_tok.legend()
+    ax_l0.set_yscale("log")
+    ax_l0.set_ylabel("active units per token (L0)")
+    ax_l0.set_xlabel("step")
+    fig.suptitle("A whole training run: throughput and sparsity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    return join(args) if args.join else run_one(args)
+
+
+if __name__ == "__main__":
+    main()

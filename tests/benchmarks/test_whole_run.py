@@ -1,0 +1,76 @@
+"""benchmarks/whole_run.py on the tiny model (CPU): two real training runs, their summaries from
+metrics.jsonl, and the joined comparison."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.whole_run import main, summarize
+
+
+def test_summarize_reads_phases_from_the_timed_records():
+    tokens = 100
+    records = [
+        {"step": 1, "elapsed_s": 10.0, "l0/mean": 500.0, "peak_mem_gib": 3.0},
+        {"step": 5, "elapsed_s": 14.0, "l0/mean": 80.0, "peak_mem_gib": 5.0},
+        {"step": 9, "elapsed_s": 16.0, "l0/mean": 50.0, "peak_mem_gib": 4.0, "compile/recompiles": 1.0},
+        {
+            "step": 13,
+            "elapsed_s": 17.0,
+            "l0/mean": 30.0,
+            "peak_mem_gib": 4.0,
+            "val_loss": 2.5,
+            "ffn_fallback/flips": 3.0,
+            "compile/recompiles": 1.0,
+        },
+    ]
+    got = summarize(records, early_l0=60, steady_steps=8, tokens_per_step=tokens)
+    assert got["wall_s"] == 17.0 and got["first_step_s"] == 10.0 and got["wall_s_after_first_step"] == 7.0
+    assert got["early_end_step"] == 9 and got["early_tokens_per_s"] == pytest.approx(8 * tokens / 6.0)
+    assert got["steady_tokens_per_s"] == pytest.approx(8 * tokens / 3.0)
+    assert got["peak_mem_gib"] == 5.0 and got["flips"] == 3.0 and got["recompiles"] == 1.0
+    assert got["final_val_loss"] == 2.5
+    with pytest.raises(ValueError, match=r"multiple of train\.log_every"):
+        summarize(records, early_l0=60, steady_steps=7, tokens_per_step=tokens)
+
+
+@pytest.mark.slow
+def test_two_tiny_runs_and_their_comparison(tmp_path):
+    for impl in ("dense", "reference"):
+        main(["--tiny", "--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl)])
+    dense = json.loads((tmp_path / "whole_run_dense.json").read_text())["results"][0]
+    sparse = json.loads((tmp_path / "whole_run_reference.json").read_text())["results"][0]
+    assert dense["steps"] == sparse["steps"] == 8
+    # The same function on the same data and seed: the same losses up to rounding.
+    assert sparse["final_val_loss"] == pytest.approx(dense["final_val_loss"], rel=1e-4)
+    assert [p["step"] for p in sparse["series"]] == [1, 4, 8]
+    assert sparse["heldout_l0"] > 0 and len(sparse["heldout_layer_l0"]) == 4
+    out = tmp_path / "run_tiny"
+    result = main(
+        [
+            "--join",
+            str(tmp_path / "whole_run_dense.json"),
+            str(tmp_path / "whole_run_reference.json"),
+            "--json",
+            f"{out}.json",
+            "--md",
+            f"{out}.md",
+            "--plot",
+            f"{out}.png",
+        ]
+    )
+    saved = json.loads(out.with_suffix(".json").read_text())["results"][0]
+    for key in (
+        "wall_speedup",
+        "steady_speedup",
+        "run_peak_mem_ratio",
+        "recompiles",
+        "final_loss_ratio",
+        "heldout_l0",
+    ):
+        assert key in saved and key in result
+    assert result["final_loss_ratio"] == pytest.approx(1.0, rel=1e-4)
+    assert "wall clock after the first step" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
