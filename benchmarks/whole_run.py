@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--preset", default=None, help="configs/model/<preset>.yaml (default 1b)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="train.seed; not 0: the files are named ..._seed<N>")
     p.add_argument("--target-l0", type=float, default=30.0)
     p.add_argument(
         "--early-l0", type=float, default=60.0, help="the early phase ends when L0 first reaches this"
@@ -99,7 +100,7 @@ def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
         "train.checkpoint_every=0",
         "train.export=false",
         "train.progress=false",
-        "train.seed=0",
+        f"train.seed={args.seed}",
     ]
     if args.tiny:
         overrides += ["train=cpu", "data.max_documents=300"]
@@ -109,7 +110,7 @@ def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = args.run_dir or Path(f"/tmp/whole_run_{args.impl}")
+    run_dir = args.run_dir or Path(f"/tmp/{run_name(args)}")
     if (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} holds a run already: remove it or give another --run-dir")
     overrides = recipe(args, run_dir)
@@ -129,6 +130,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     )
     summary.update(
         impl=args.impl,
+        seed=args.seed,
         preset=config["model"].get("name", args.preset),
         process_s=process_s,
         heldout_l0=sum(layer_l0) / len(layer_l0),
@@ -152,12 +154,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     )
     meta = collect_run_info(torch.device("cuda" if torch.cuda.is_available() else "cpu"), world_size=1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"whole_run_{args.impl}.json"
+    path = args.out_dir / f"{run_name(args)}.json"
     path.write_text(json.dumps({"meta": meta, "results": [summary]}, indent=1) + "\n")
     print(
         f"{args.impl}: {json.dumps({k: v for k, v in summary.items() if k not in ('series', 'overrides', 'heldout_layer_l0')})}"
     )
     return summary
+
+
+def run_name(args: argparse.Namespace) -> str:
+    return f"whole_run_{args.impl}" + (f"_seed{args.seed}" if args.seed else "")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 # to L0 30 on the 1b preset, 800 steps), then what fits in the rest of the call. The extension is
 # built into build/extensions (kept on a warm machine between calls) while a dense run goes.
 # Results under $OUT: whole_run_<impl>.json, the run's log, layer_ffn.* and gpu_tests.log.
-# Env: IMPL (dense | auto, default auto), LAYER_FFN=1 (benchmarks/layer_ffn.py on the run's final
+# Env: IMPL (dense | auto, default auto; several: one run each), SEED (train.seed, default 0),
+# MEMORY_RANGES (e.g. "2:3 30:33": first a 40-step run of MEMORY_IMPL (default auto) that writes the blocks alive
+# at the peak of each step range, benchmarks/memory_peak.py), LAYER_FFN=1 (benchmarks/layer_ffn.py on the run's final
 # weights), TESTS (pytest paths of GPU tests to run after; empty: none), TEST_TIMEOUT (s, default
 # 240), MEMCHECK=1 (compute-sanitizer on benchmarks/sanitize_ffn.py), GIT_COMMIT.
 set -uo pipefail
@@ -22,17 +24,31 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step "build (background)"
 python3 -m sparse_llm.ops.build >"$OUT/build.log" 2>&1 &
 build=$!
-if [ "$IMPL" != dense ]; then wait $build || { tail -n 30 "$OUT/build.log"; exit 1; }; fi
+if [ "$IMPL" != dense ] || [ -n "${MEMORY_RANGES:-}" ]; then wait $build || { tail -n 30 "$OUT/build.log"; exit 1; }; fi
 
-step "whole run: $IMPL"
-python3 -m benchmarks.whole_run --impl "$IMPL" --out-dir "$OUT" --run-dir "/tmp/whole_run_$IMPL" \
-  >"$OUT/whole_run_$IMPL.log" 2>&1 || status=1
-grep -v -e Warning -e warn "$OUT/whole_run_$IMPL.log" | tail -n 12
+SEED=${SEED:-0}
+if [ -n "${MEMORY_RANGES:-}" ]; then
+  step "memory peaks: ${MEMORY_IMPL:-auto}, steps $MEMORY_RANGES"
+  entries=""
+  for r in $MEMORY_RANGES; do
+    entries="$entries${entries:+,}{_target_:benchmarks.memory_peak.MemoryPeak,first:${r%%:*},last:${r##*:},out:$OUT}"
+  done
+  python3 -m benchmarks.whole_run --impl "${MEMORY_IMPL:-auto}" --seed "$SEED" --out-dir /tmp/memory_run --steps 40 \
+    --steady-steps 20 --run-dir /tmp/memory_run/run --override "callbacks=[$entries]" >"$OUT/memory_run.log" 2>&1 || status=1
+  head -n 3 "$OUT"/memory_peak_steps_*.txt
+fi
+for impl in $IMPL; do
+  step "whole run: $impl, seed $SEED"
+  name=whole_run_$impl$([ "$SEED" = 0 ] || echo "_seed$SEED")
+  python3 -m benchmarks.whole_run --impl "$impl" --seed "$SEED" --out-dir "$OUT" --run-dir "/tmp/$name" \
+    >"$OUT/$name.log" 2>&1 || status=1
+  grep -v -e Warning -e warn "$OUT/$name.log" | tail -n 3
+done
 wait $build || { tail -n 30 "$OUT/build.log"; status=1; }
 
 if [ "${LAYER_FFN:-0}" = 1 ]; then
   step "layer_ffn on the run's weights"
-  python3 -m benchmarks.layer_ffn --model "/tmp/whole_run_$IMPL" --json "$OUT/layer_ffn.json" \
+  python3 -m benchmarks.layer_ffn --model "/tmp/$name" --json "$OUT/layer_ffn.json" \
     --md "$OUT/layer_ffn.md" 2>&1 | grep -v Warning | tail -n 30 || status=1
 fi
 if [ -n "${TESTS:-}" ]; then

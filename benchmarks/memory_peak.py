@@ -1,0 +1,59 @@
+"""What sets a training run's peak memory: a trainer callback that records the CUDA caching
+allocator over a range of steps and writes the blocks alive at the range's peak.
+
+Added to any run from the command line (one entry per range; steps are 1-based, inclusive):
+
+    python -m sparse_llm.train ... \
+      'callbacks=[{_target_:benchmarks.memory_peak.MemoryPeak,first:2,last:3,out:/tmp/mem}]'
+
+writes `<out>/memory_peak_steps_<first>_<last>.txt` (benchmarks.common.memory_peak_table: the peak
+above what was allocated when the range started, with that starting level and the run's
+high-water mark so far). Recording slows the steps it covers; time runs without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import memory_peak_table
+from sparse_llm.training.callbacks import Callback
+
+
+class MemoryPeak(Callback):
+    def __init__(self, first: int, last: int, out: str) -> None:
+        if not 1 <= first <= last:
+            raise ValueError(f"need 1 <= first <= last, got {first}, {last}")
+        self.first, self.last, self.out = first, last, Path(out)
+        self._start_bytes = 0
+
+    def _start(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self._start_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+    def on_train_start(self, trainer: Any) -> None:
+        if self.first == trainer.step + 1:
+            self._start()
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if step == self.first - 1:
+            self._start()
+        if step != self.last or not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        self.out.mkdir(parents=True, exist_ok=True)
+        gib = 2**30
+        header = (
+            f"Steps {self.first}-{self.last}: allocated when the range started {self._start_bytes / gib:.2f} GiB; "
+            f"the run's high-water mark so far {torch.cuda.max_memory_allocated() / gib:.2f} GiB; "
+            f"layers falling back to dense now {sum(trainer.model.ffn_dense_fallback())}.\n\n"
+        )
+        path = self.out / f"memory_peak_steps_{self.first}_{self.last}.txt"
+        path.write_text(header + memory_peak_table(trace, rows=30))
