@@ -77,8 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The run's Hydra overrides."""
-    shape = {**(TINY if args.tiny else FULL)}
+    shape = TINY if args.tiny else FULL
     steps = args.steps or shape["steps"]
+    # The L1 ramp and the lr warm-up are the recipe's, whatever --steps truncates it to.
+    recipe_steps = shape["steps"]
     overrides = [
         f"model={args.preset or shape['preset']}",
         f"model.ffn_impl={args.impl}",
@@ -88,13 +90,13 @@ def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
         "sparsity.target_sparsity=null",
         f"sparsity.target_l0={args.target_l0:g}",
         "sparsity.l1_coeff=1e-3",
-        f"sparsity.l1_warmup_end={max(1, steps // 8)}",
+        f"sparsity.l1_warmup_end={max(1, recipe_steps // 8)}",
         f"train.max_steps={steps}",
         f"train.seq_len={shape['seq_len']}",
         f"train.global_batch_size={shape['batch']}",
         f"train.micro_batch_size={shape['batch']}",
         "train.lr=1e-3",
-        f"train.warmup_steps={max(1, (steps * 3) // 40)}",
+        f"train.warmup_steps={max(1, (recipe_steps * 3) // 40)}",
         f"train.log_every={shape['log_every']}",
         "train.eval_every=0",
         "train.checkpoint_every=0",
