@@ -133,9 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--target-l0", type=float, default=30.0, help="L0 of the weights made (and expected)")
     p.add_argument(
-        "--fallback",
+        "--no-fallback",
         action="store_true",
-        help="the cuda step runs layers over model.ffn_dense_above dense, as the trainer does",
+        help="the cuda step runs every layer sparse; by default layers over model.ffn_dense_above run "
+        "dense, as the trainer runs them",
     )
     p.add_argument(
         "--per-layer",
@@ -179,7 +180,7 @@ def make_weights(out: Path, target_l0: float, tiny: bool, per_layer: bool) -> Pa
     return out
 
 
-def train_rows(run_dir: Path, budget: Budget, device: str, fallback: bool) -> list[dict[str, Any]]:
+def train_rows(run_dir: Path, budget: Budget, device: str, no_fallback: bool) -> list[dict[str, Any]]:
     """The training step, dense then cuda FFN, on the same weights and held-out tokens; with
     `fallback` the cuda step runs the layers the trainer would run dense with the dense FFN."""
     cfg, state, tokenizer = load_weights(run_dir)
@@ -190,7 +191,7 @@ def train_rows(run_dir: Path, budget: Budget, device: str, fallback: bool) -> li
         compile=device == "cuda",
         l1=2e-5,  # model_step.py's default: the L1 term at the paper's coefficient
         micro_batch=budget.micro_batch,
-        fallback=fallback,
+        no_fallback=no_fallback,
     )
     rows = []
     for impl in ("dense", "cuda"):
@@ -554,13 +555,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"Decode speed-ups: both paths CUDA-graph-captured, {budget.decode_steps} greedy steps at context "
         f"{budget.decode_context} (inference.time_decode_step); the eager decode after each prefill is listed "
         "beside them.",
-        "Training: our step as benchmarks/model_step.py builds it (L1 term at 2e-5, statistics, fused "
-        "AdamW, torch.compile); "
+        "Training: the trainer's own step (Trainer.train_step through benchmarks/model_step.py: L1 term "
+        "at 2e-5, statistics, clipping, fused AdamW, torch.compile); "
         + (
-            "the cuda step runs the layers over model.ffn_dense_above dense, as the trainer does (--fallback)."
-            if args.fallback
-            else "every layer on the FFN named (no dense fallback); `layers > ffn_dense_above`: those the "
-            "trainer would run dense."
+            "every layer on the FFN named (--no-fallback); `layers > ffn_dense_above`: those the trainer "
+            "would run dense."
+            if args.no_fallback
+            else "the cuda step runs the layers over model.ffn_dense_above dense, as the trainer does."
         ),
     ]
     run_dir = args.model
@@ -572,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     extra = {"model": str(run_dir), "weights_made_here": args.model is None, "budget_name": args.budget_name}
     extra["target_l0"] = args.target_l0
-    extra.update(per_layer_weights=args.per_layer, fallback=args.fallback)
+    extra.update(per_layer_weights=args.per_layer, fallback=not args.no_fallback)
     extra.update(seconds=seconds, notes=notes, l0=None)
     rows: list[dict[str, Any]] = []
 
@@ -585,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra["l0"] = timed(seconds, "l0", lambda: heldout_l0(run_dir, budget.l0_rows, budget.seq_len))
     report_so_far()
     if "train" in args.parts:
-        rows += timed(seconds, "train", lambda: train_rows(run_dir, budget, device, args.fallback))
+        rows += timed(seconds, "train", lambda: train_rows(run_dir, budget, device, args.no_fallback))
         report_so_far()
     if "inference" in args.parts:
         rows += timed(seconds, "inference", lambda: inference_rows(run_dir, budget, device))

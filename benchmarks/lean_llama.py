@@ -32,9 +32,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from benchmarks.common import free_memory, median_ms, model_preset, token_batch, write_report
-from benchmarks.model_step import load_weights, model_step_args, time_impl
+from benchmarks.common import free_memory, median_ms, model_preset, write_report
+from benchmarks.model_step import load_weights, model_step_args, time_impl, trainer_batches
 from sparse_llm.config import ModelConfig
+from sparse_llm.data import load_tokenizer
 from sparse_llm.model import build_model
 from sparse_llm.training.run_info import collect_run_info
 
@@ -213,41 +214,55 @@ def weights(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, torch.Tens
         return load_weights(args.model)
     fields = model_preset(args.preset)
     fields.update({f: getattr(args, o) for o, f in SIZE_OPTIONS.items() if getattr(args, o) is not None})
-    fields["vocab_size"] = fields.get("vocab_size") or 512  # 0 in a preset: the tokenizer's; none here
+    tokenizer = load_tokenizer("embedded")  # the trainer's default data, which our step reads
+    fields["vocab_size"] = fields.get("vocab_size") or len(tokenizer)
     cfg = ModelConfig(**fields)
     torch.manual_seed(args.seed)
-    return cfg, build_model(cfg).state_dict(), None
+    return cfg, build_model(cfg).state_dict(), tokenizer
 
 
 def time_lean(
     bf16: bool, cfg: ModelConfig, state: dict, ids: torch.Tensor, args: argparse.Namespace, device: str
 ) -> dict[str, Any]:
-    """The lean model's step, timed as model_step.time_impl times ours: the wall clock of each
-    step from an idle GPU to its end, median; peak memory over the timed steps; the losses."""
+    """The lean model's step, timed as model_step.time_impl times ours (the trainer's step): the wall
+    clock of each step from an idle GPU to its end, median; peak memory over the timed steps; the
+    losses. Like the trainer's, it clips the gradient norm at 1.0."""
     model = lean_model(cfg, state, device, bf16).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")  # as time_impl's
     forward = torch.compile(model) if args.compile else model
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" and not bf16)
-    ids = ids.to(device)
-    inputs, labels = ids[:, :-1], ids[:, 1:]
+    # The batches our step reads from the trainer's stream, in the same order.
+    step_args = argparse.Namespace(
+        no_fallback=False,
+        warmup=args.warmup,
+        steps=args.steps,
+        compile=args.compile,
+        l1=args.l1,
+        seed=args.seed,
+    )
+    batches = iter(
+        trainer_batches(cfg, tuple(ids.shape), step_args, device, args.warmup + 1 + args.steps + 1)
+    )
     losses: list[torch.Tensor] = []
 
     def step() -> None:
+        batch = next(batches).to(device, non_blocking=True)
         with autocast:
-            loss = forward(inputs, labels)
+            loss = forward(batch[:, :-1], batch[:, 1:])
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the trainer's step clips
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         if device == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(args.warmup):
+    for _ in range(args.warmup + 1):  # as time_impl: the warm-up and one step for the memory probe
         step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, torch.device("cpu"), warmup=0, reps=args.steps)  # wall clock: step() syncs
-    timed = [loss.item() for loss in losses[args.warmup :]]
+    timed = [loss.item() for loss in losses[args.warmup + 1 :]]
     return {
         "ms_step": ms,
         "tokens_per_s": (ids.numel() - ids.shape[0]) / (ms / 1000),  # each row drops its last id
@@ -312,8 +327,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg, state, tokenizer = weights(args)
-    ids, tokens = token_batch(tokenizer, cfg.vocab_size, args.micro_batch, args.seq_len + 1, seed=args.seed)
+    cfg, state, _ = weights(args)
+    # The shape of a step's batch; both steps read the trainer's stream (model_step.trainer_batches).
+    ids = torch.empty(args.micro_batch, args.seq_len + 1, dtype=torch.long)
+    tokens = "the trainer's data stream (its training split)"
     rows: list[dict[str, Any]] = []
     for variant in args.variants:
         rows.append(time_variant(variant, cfg, state, ids, args, device))

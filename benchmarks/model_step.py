@@ -1,11 +1,13 @@
 """Benchmark a whole-model training step: dense FFN vs the sparse training FFN (ffn_impl=cuda).
 
-With --sparsify-steps N the model is first trained N steps by the Trainer at a high L1 (so the
-FFNs reach the sparsity the kernels are for: benchmarks.common.sparsify); every implementation is
-then timed on the same weights, side by side in one run: median step time (forward + backward +
-AdamW), tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the kernels'
-PyTorch reference where they cannot run (sparse_llm.ops.select says why; the table shows which
-ran). Prints Markdown, writes JSON and Markdown.
+The step timed is the trainer's own (`Trainer.train_step`: the forward of the step's batch from the
+trainer's data stream with the L1 term and the statistics, backward, clipping, AdamW, the scheduler
+and the per-layer FFN fallback), on fixed weights: of --model, of a sparsify run (--sparsify-steps N:
+the Trainer at a high L1 first, benchmarks.common.sparsify), or freshly initialised. Every
+implementation is timed on the same weights and batches, side by side in one run: median step time,
+tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the kernels' PyTorch
+reference where they cannot run (sparse_llm.ops.select says why; the table shows which ran). The
+whole run, from initialisation, is benchmarks/whole_run.py. Prints Markdown, writes JSON and Markdown.
 
     python benchmarks/model_step.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
     python benchmarks/model_step.py --tiny      # CPU, seconds: the script end to end
@@ -20,7 +22,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,15 +37,12 @@ from benchmarks.common import (
     memory_peak_table,
     model_preset,
     sparsify,
-    token_batch,
     write_report,
 )
-from sparse_llm.config import ModelConfig
+from sparse_llm.config import ModelConfig, RunConfig, load_config
 from sparse_llm.model import build_model
-from sparse_llm.model.compiling import compile_model
+from sparse_llm.model.state import load_model_state
 from sparse_llm.ops.select import select_ffn
-from sparse_llm.sparsity.penalty import l1_penalty
-from sparse_llm.training.ffn_fallback import apply_density_fallback
 from sparse_llm.training.run_info import collect_run_info
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -87,11 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--l1", type=float, default=2e-5, help="L1 coefficient in the timed steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model for the timed steps")
     p.add_argument(
-        "--fallback",
+        "--no-fallback",
         action="store_true",
-        help="sparse impls: run the layers the trainer would run dense (L0 over model.ffn_dense_above, "
-        "training/ffn_fallback.py) with the dense FFN, decided from one step after the warm-up, which "
-        "then runs again",
+        help="sparse impls: every layer runs the sparse FFN after the first step (model.ffn_dense_above "
+        "1.0); by default the trainer's rule runs layers over model.ffn_dense_above dense",
     )
     p.add_argument(
         "--profile",
@@ -153,9 +153,12 @@ def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, o
             return sparse_weights(args.sparsify_dir)
         with tempfile.TemporaryDirectory() as tmp:
             return sparse_weights(Path(tmp) / "sparsify")
-    mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or 512})
+    from sparse_llm.data import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded")  # the trainer's default data: its vocabulary
+    mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or len(tokenizer)})
     torch.manual_seed(args.seed)
-    return mcfg, build_model(mcfg).state_dict(), None
+    return mcfg, build_model(mcfg).state_dict(), tokenizer
 
 
 def train_ffn(impl: str, mcfg: ModelConfig, device: str, dtype: torch.dtype) -> tuple[str, str | None]:
@@ -177,6 +180,59 @@ def train_ffn(impl: str, mcfg: ModelConfig, device: str, dtype: torch.dtype) -> 
     return selection.impl, selection.reason
 
 
+def step_config(
+    ffn: str,
+    recompute_norms: str,
+    mcfg: ModelConfig,
+    shape: tuple[int, int],
+    args: argparse.Namespace,
+    device: str,
+) -> RunConfig:
+    """The trainer's config for timing its step on `mcfg`'s weights: `shape` = (sequences, tokens
+    per sequence + 1) a step, one micro-batch, the L1 term at a fixed `--l1`, a small constant lr
+    (the weights stay where they are), data from the embedded corpus, nothing written but the
+    run directory's config. `--no-fallback`: no layer runs dense after the first step."""
+    model = {**asdict(mcfg), "ffn_impl": ffn}
+    if args.no_fallback:
+        model["ffn_dense_above"] = 1.0
+    raw = {
+        "model": model,
+        "data": {"max_documents": 300} if device == "cpu" else {},
+        "train": {
+            "device": device,
+            "seq_len": shape[1] - 1,
+            "global_batch_size": shape[0],
+            "micro_batch_size": shape[0],
+            "max_steps": args.warmup + args.steps + 8,
+            "lr": 1e-5,
+            "min_lr_ratio": 1.0,
+            "warmup_steps": 0,
+            "compile": args.compile,
+            "recompute_norms": recompute_norms == "on",
+            "eval_batches": 1,
+            "checkpoint_every": 0,
+            "export": False,
+            "progress": False,
+            "seed": args.seed,
+        },
+        "sparsity": {"l1_coeff": args.l1, "l1_warmup_end": 0, "plots": False},
+        "logger": {"wandb": {"mode": "disabled"}},
+    }
+    return load_config(raw)
+
+
+def trainer_batches(
+    mcfg: ModelConfig, shape: tuple[int, int], args: argparse.Namespace, device: str, count: int
+) -> list[torch.Tensor]:
+    """The first `count` batches the trainer's step reads with `step_config`: for a yardstick step
+    (benchmarks/lean_llama.py) to see the same tokens as ours."""
+    from sparse_llm.data import TokenStream, load_tokenizer
+
+    cfg = step_config("dense", "off", mcfg, shape, args, device)
+    stream = TokenStream(cfg.data, load_tokenizer(cfg.data.tokenizer), cfg.train.seq_len, "train")
+    return [stream.next_batch(cfg.train.micro_batch_size) for _ in range(count)]
+
+
 def time_impl(
     impl: str,
     recompute_norms: str,
@@ -186,87 +242,98 @@ def time_impl(
     args: argparse.Namespace,
     device: str,
 ) -> dict:
+    """The trainer's own step (`Trainer.train_step`: forward with the L1 term and statistics,
+    backward, clipping, AdamW, the FFN fallback) on `state`'s weights, `ids.shape` sequences a step
+    from the trainer's data stream: median wall clock, peak memory, losses and L0."""
+    from sparse_llm.training.trainer import Trainer
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the autocast dtype of the step
     ffn, why_not_kernels = train_ffn(impl, mcfg, device, dtype)
-    torch.manual_seed(args.seed)
-    model = build_model(
-        mcfg, device=device, compute_dtype=dtype, ffn=ffn, recompute_norms=recompute_norms == "on"
-    )
-    model.load_state_dict(state)
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    forward = compile_model(model) if args.compile else model
-    ids = ids.to(device)
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            step_config(ffn, recompute_norms, mcfg, tuple(ids.shape), args, device), Path(run_dir)
+        )
+        try:
+            return time_trainer_step(
+                trainer, impl, ffn, why_not_kernels, recompute_norms, ids, state, args, device
+            )
+        finally:
+            trainer.close()
+
+
+def time_trainer_step(
+    trainer: Any,
+    impl: str,
+    ffn: str,
+    why_not_kernels: str | None,
+    recompute_norms: str,
+    ids: torch.Tensor,
+    state: dict,
+    args: argparse.Namespace,
+    device: str,
+) -> dict:
+    model = trainer.model
+    load_model_state(model, state)
     record: dict = {"impl": impl, "micro_batch": ids.shape[0], "recompute_norms": recompute_norms}
     if impl != "dense":  # which training FFN the layers run, and why not the kernels
-        record["train_ffn"] = model.ffn_plan.impl("train")
+        record["train_ffn"] = ffn
         record["kernels_unavailable"] = why_not_kernels
-
-    def step(held: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with autocast:
-            out = forward(ids[:, :-1], labels=ids[:, 1:], with_stats=True)
-            loss = out.loss + args.l1 * l1_penalty(out.ffn_stats)
-        if held is not None:  # what the forward leaves for the backward, on top of the step's start
-            held.append(torch.cuda.memory_allocated())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        nnz = out.ffn_stats.nnz_per_token
-        return out.loss.detach(), nnz.float().mean(-1), (nnz > 0).float().mean()
-
-    for _ in range(args.warmup):
-        step()
-    if args.fallback and model.ffn_plan.impl("train") != "dense":
-        # The trainer's rule on the L0 of one more step, then warm up again: the compiled graphs of
-        # the layers that switched are traced anew.
-        l0_per_layer = step()[1].tolist()
-        apply_density_fallback(model, l0_per_layer, mcfg.ffn_dense_above)
-        record["dense_fallback_layers"] = sum(model.ffn_dense_fallback())
-        for _ in range(args.warmup):
+    forward_end: list[int] = []
+    # What the forward leaves for the backward: memory at the end of the model's forward.
+    hook = model.register_forward_hook(
+        lambda *_: forward_end.append(torch.cuda.memory_allocated()) if device == "cuda" else None
+    )
+    step = trainer.train_step
+    try:
+        # The first step runs every layer dense (a fresh run's start) and sets each layer's path
+        # from its L0; the warm-up compiles what the timed steps run.
+        for _ in range(args.warmup + 1):
             step()
-    first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]
-    if args.profile is not None and first_variant:
-        args.profile.mkdir(parents=True, exist_ok=True)
-        trace = args.profile / f"trace_step_{impl}.json.gz"
-        table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
-        (args.profile / f"profile_step_{impl}.txt").write_text(table)
-    if args.memory_snapshot is not None and device == "cuda" and ids.shape[0] == args.micro_batch[0]:
-        write_memory_snapshot(step, args.memory_snapshot, f"{impl}_norms_{recompute_norms}")
-    if device == "cuda":
-        # Where the peak comes from: weights + optimizer state at the step's start (gradients are
-        # freed), and what the forward holds for the backward (activations, the loss's gradients).
-        torch.cuda.synchronize()
-        held = [torch.cuda.memory_allocated()]
-        step(held)
-        record["start_mem_gib"] = held[0] / 2**30
-        record["forward_held_gib"] = (held[1] - held[0]) / 2**30
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses, l0, active = [], [], None, None
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        loss, l0, active = step()
+        record["dense_fallback_layers"] = sum(model.ffn_dense_fallback())
+        first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]
+        if args.profile is not None and first_variant:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            trace = args.profile / f"trace_step_{impl}.json.gz"
+            table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
+            (args.profile / f"profile_step_{impl}.txt").write_text(table)
+        if args.memory_snapshot is not None and device == "cuda" and ids.shape[0] == args.micro_batch[0]:
+            write_memory_snapshot(step, args.memory_snapshot, f"{impl}_norms_{recompute_norms}")
         if device == "cuda":
+            # Where the peak comes from: weights + optimizer state at the step's start (gradients are
+            # freed), and what the forward holds for the backward (activations, the loss's gradients).
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+            start = torch.cuda.memory_allocated()
+            forward_end.clear()
+            step()
+            record["start_mem_gib"] = start / 2**30
+            record["forward_held_gib"] = (forward_end[-1] - start) / 2**30
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = [], []
+        for _ in range(args.steps):
+            begin = time.perf_counter()
+            losses.append(step()["ce"])  # the step's host sync: its scalars
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - begin)
+    finally:
+        hook.remove()
+    hist = trainer.sparsity.last_step_histogram()
     tokens = ids.numel() - ids.shape[0]  # inputs: each row drops its last id
     record["ms_step"] = 1000 * statistics.median(times)
     record["tokens_per_s"] = tokens / statistics.median(times)
     record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     record["loss_first"], record["loss_last"] = losses[0], losses[-1]
-    record["l0_mean"] = l0.mean().item()
-    record["sparsity"] = 1.0 - record["l0_mean"] / mcfg.intermediate_size
-    # Without --fallback every layer runs `impl`: a sparse step then times the kernels on layers the
-    # trainer would run dense (training/ffn_fallback.py).
-    record["l0_per_layer"] = l0.tolist()
-    record["dense_above_units"] = mcfg.ffn_dense_above * mcfg.intermediate_size
+    record["l0_per_layer"] = trainer.sparsity.last_step_l0()
+    record["l0_mean"] = sum(record["l0_per_layer"]) / len(record["l0_per_layer"])
+    record["sparsity"] = 1.0 - record["l0_mean"] / model.config.intermediate_size
+    record["dense_above_units"] = model.config.ffn_dense_above * model.config.intermediate_size
     record["layers_over_dense_above"] = layers_over_dense_above(
-        record["l0_per_layer"], mcfg.intermediate_size, mcfg.ffn_dense_above
+        record["l0_per_layer"], model.config.intermediate_size, model.config.ffn_dense_above
     )
-    # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block).
-    record["active_token_fraction"] = active.item()
+    # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block):
+    # the tokens with an active unit.
+    record["active_token_fraction"] = 1.0 - (hist[:, 0].sum() / hist.sum()).item()
     return record
 
 
@@ -372,14 +439,14 @@ def model_step_args(
     l1: float,
     micro_batch: int,
     seed: int = 0,
-    fallback: bool = False,
+    no_fallback: bool = False,
 ) -> argparse.Namespace:
     """What benchmarks/model_step.time_impl reads from its command line: one micro-batch, norms
     saved (its default), no profile or memory snapshot."""
     return argparse.Namespace(
         seed=seed,
         compile=compile,
-        fallback=fallback,
+        no_fallback=no_fallback,
         warmup=warmup,
         steps=steps,
         l1=l1,
@@ -393,12 +460,10 @@ def model_step_args(
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    mcfg, state, tokenizer = weights(args, device)
-    batches = {
-        b: token_batch(tokenizer, mcfg.vocab_size, b, args.seq_len + 1, seed=args.seed)
-        for b in args.micro_batch
-    }
-    tokens = next(iter(batches.values()))[1]
+    mcfg, state, _ = weights(args, device)
+    # The shape of each variant's step; the step reads its batches from the trainer's data stream.
+    batches = {b: torch.empty(b, args.seq_len + 1, dtype=torch.long) for b in args.micro_batch}
+    tokens = "the trainer's data stream (its training split)"
     meta = {
         **collect_run_info(torch.device(device), world_size=1),
         "preset": "tiny" if args.tiny else args.preset,
@@ -408,7 +473,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
     rows = []
-    for ids, _ in batches.values():
+    for ids in batches.values():
         for recompute in args.recompute_norms:
             for impl in args.impls:
                 rows.append(time_impl(impl, recompute, mcfg, state, ids, args, device))

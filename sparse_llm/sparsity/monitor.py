@@ -116,6 +116,13 @@ class SparsityMonitor:
             raise RuntimeError("SparsityMonitor.last_step_l0() called before any end_step()")
         return _mean_active_units(self._last_step_hist).tolist()
 
+    def last_step_histogram(self) -> torch.Tensor:
+        """[L, H + 1] token counts of the last completed step by active units per token, global
+        over ranks."""
+        if self._last_step_hist is None:
+            raise RuntimeError("SparsityMonitor.last_step_histogram() called before any end_step()")
+        return self._last_step_hist.cpu()
+
     # --- dead units -------------------------------------------------------------------------
 
     def dead_mask(self) -> torch.Tensor:

@@ -194,10 +194,15 @@ class Trainer:
         try:
             self._loop(bar)
         finally:
-            if isinstance(self.train_stream, BatchPrefetcher):
-                self.train_stream.close()
+            self.close()
         bar.close()
         self._finish()
+
+    def close(self) -> None:
+        """Stop the data prefetch thread (if any); `fit` calls it, a caller that only runs
+        `train_step` (a benchmark) calls it when done."""
+        if isinstance(self.train_stream, BatchPrefetcher):
+            self.train_stream.close()
 
     def _loop(self, bar: tqdm) -> None:
         t = self.cfg.train

@@ -13,7 +13,7 @@ from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
-SIZE_ARGS = ["--preset", "tiny", "--vocab", "97", "--hidden", "64", "--intermediate", "96"]
+SIZE_ARGS = ["--preset", "tiny", "--hidden", "64", "--intermediate", "96"]
 SIZE_ARGS += ["--layers", "2", "--heads", "4", "--seq-len", "16", "--micro-batch", "2"]
 
 
@@ -64,8 +64,9 @@ def test_parse_args_takes_explicit_sizes_over_the_preset():
 
 
 def test_benchmark_times_ours_and_lean_from_the_same_losses(tmp_path):
-    """Each variant on the same weights and tokens: ours (model_step.time_impl) and lean start from
-    the same fp32 loss and, after the same AdamW steps, still agree."""
+    """Each variant on the same weights and tokens: ours (the trainer's step, through
+    model_step.time_impl) and lean start from the same fp32 loss and, after the same AdamW steps
+    (both clipped), still agree."""
     json_path, md_path = tmp_path / "lean.json", tmp_path / "lean.md"
     files = ["--json", str(json_path), "--md", str(md_path)]
     rows = main([*SIZE_ARGS, "--steps", "2", "--warmup", "0", "--no-compile", *files])

@@ -1,5 +1,5 @@
-"""benchmarks/model_step.py on a tiny CPU model: the per-layer L0 it records and the trainer's dense
-fallback it can apply (--fallback)."""
+"""benchmarks/model_step.py on a tiny CPU model: it times the trainer's own step, with the trainer's
+dense fallback (or without it, --no-fallback)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ TINY_ARGS = ["--tiny", "--steps", "1", "--warmup", "1"]
 
 
 @pytest.mark.slow
-def test_fallback_runs_the_layers_over_the_threshold_dense():
+def test_the_trainers_step_with_and_without_its_fallback():
     # A freshly initialised ReLU model fires about half its units: both layers are far over
-    # model.ffn_dense_above (1% of 64 units), so the trainer's rule runs both dense.
-    plain = {r["impl"]: r for r in main(TINY_ARGS)}
-    fallen = {r["impl"]: r for r in main([*TINY_ARGS, "--fallback"])}
-    for rows in (plain, fallen):
-        cuda = rows["cuda"]
-        assert len(cuda["l0_per_layer"]) == 2 and min(cuda["l0_per_layer"]) > cuda["dense_above_units"]
-        assert cuda["layers_over_dense_above"] == 2
-    assert "dense_fallback_layers" not in plain["cuda"] and "dense_fallback_layers" not in fallen["dense"]
-    assert fallen["cuda"]["dense_fallback_layers"] == 2
-    assert ran_label(fallen["cuda"]) == f"{fallen['cuda']['train_ffn']}, 2 layers dense"
-    assert ran_label(plain["cuda"]) == plain["cuda"]["train_ffn"]
+    # model.ffn_dense_above (3% of the units), so the trainer's rule keeps both dense.
+    with_rule = {r["impl"]: r for r in main(TINY_ARGS)}
+    every_layer_sparse = {r["impl"]: r for r in main([*TINY_ARGS, "--no-fallback"])}
+    cuda = with_rule["cuda"]
+    assert len(cuda["l0_per_layer"]) == 2 and min(cuda["l0_per_layer"]) > cuda["dense_above_units"]
+    assert cuda["layers_over_dense_above"] == 2
+    assert every_layer_sparse["cuda"]["layers_over_dense_above"] == 0  # model.ffn_dense_above = 1
+    for rows in (with_rule, every_layer_sparse):  # the same function on the same batches
+        assert rows["dense"]["loss_last"] == pytest.approx(rows["cuda"]["loss_last"], rel=1e-4)
+    assert with_rule["cuda"]["dense_fallback_layers"] == 2
+    assert every_layer_sparse["cuda"]["dense_fallback_layers"] == 0
+    assert ran_label(with_rule["cuda"]) == f"{with_rule['cuda']['train_ffn']}, 2 layers dense"
+    assert ran_label(every_layer_sparse["cuda"]) == every_layer_sparse["cuda"]["train_ffn"]
