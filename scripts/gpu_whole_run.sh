@@ -6,7 +6,7 @@
 # Env: IMPL (dense | auto, default auto; several: one run each), SEED (train.seed, default 0),
 # MEMORY_RANGES (e.g. "2:3 30:33": first a 40-step run of MEMORY_IMPL (default auto) that writes the blocks alive
 # at the peak of each step range, benchmarks/memory_peak.py), LAYER_FFN=1 (benchmarks/layer_ffn.py on the run's final
-# weights), TESTS (pytest paths of GPU tests to run after; empty: none), TEST_TIMEOUT (s, default
+# weights), MODEL_STEP=1 (benchmarks/model_step.py on them: the trainer's step on fixed weights), TESTS (pytest paths of GPU tests to run after; empty: none), TEST_TIMEOUT (s, default
 # 240), MEMCHECK=1 (compute-sanitizer on benchmarks/sanitize_ffn.py), GIT_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,11 @@ if [ "${LAYER_FFN:-0}" = 1 ]; then
   step "layer_ffn on the run's weights"
   python3 -m benchmarks.layer_ffn --model "/tmp/$name" --json "$OUT/layer_ffn.json" \
     --md "$OUT/layer_ffn.md" 2>&1 | grep -v Warning | tail -n 30 || status=1
+fi
+if [ "${MODEL_STEP:-0}" = 1 ]; then
+  step "model_step on the run's weights (the trainer's step, dense against cuda)"
+  python3 -m benchmarks.model_step --model "/tmp/$name" --compile --steps 10 --warmup 3 \
+    --json "$OUT/model_step.json" --md "$OUT/model_step.md" 2>&1 | grep -v Warning | tail -n 6 || status=1
 fi
 if [ -n "${TESTS:-}" ]; then
   step "pytest -m gpu"
