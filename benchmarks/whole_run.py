@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steady-steps", type=int, default=400, help="the steady phase: the run's last N steps")
     p.add_argument("--tiny", action="store_true", help="the tiny model on CPU: checks the script end to end")
     p.add_argument("--override", action="append", default=[], help="an extra Hydra override for the run")
-    p.add_argument("--join", nargs=2, type=Path, metavar=("DENSE_JSON", "SPARSE_JSON"))
+    p.add_argument(
+        "--join",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="pairs of summaries: DENSE_JSON SPARSE_JSON [...]",
+    )
     p.add_argument("--json", type=Path, default=None, help="with --join: the comparison's JSON")
     p.add_argument("--md", type=Path, default=None, help="with --join: the comparison's Markdown")
     p.add_argument(
@@ -212,33 +219,53 @@ def summarize(
     }
 
 
-def join(args: argparse.Namespace) -> dict[str, Any]:
-    (dense_meta, dense), (sparse_meta, sparse) = (_load(p) for p in args.join)
-    result = {
+RATIO_KEYS = ("wall_speedup", "steady_speedup", "run_peak_mem_ratio", "final_loss_ratio", "heldout_l0")
+
+
+def compare(dense: dict[str, Any], sparse: dict[str, Any]) -> dict[str, Any]:
+    """One pair's figures: dense time / sparse time, sparse memory and loss / dense's."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    return {
         "wall_speedup": dense["wall_s_after_first_step"] / sparse["wall_s_after_first_step"],
         "wall_speedup_with_first_step": dense["wall_s"] / sparse["wall_s"],
         "steady_speedup": sparse["steady_tokens_per_s"] / dense["steady_tokens_per_s"],
-        "early_speedup": (
-            sparse["early_tokens_per_s"] / dense["early_tokens_per_s"]
-            if sparse["early_tokens_per_s"] and dense["early_tokens_per_s"]
-            else None
-        ),
-        "run_peak_mem_ratio": sparse["peak_mem_gib"] / dense["peak_mem_gib"]
-        if dense["peak_mem_gib"]
-        else None,
+        "early_speedup": ratio(sparse["early_tokens_per_s"], dense["early_tokens_per_s"]),
+        "run_peak_mem_ratio": ratio(sparse["peak_mem_gib"], dense["peak_mem_gib"]),
         "recompiles": sparse["recompiles"],
         "flips": sparse["flips"],
-        "final_loss_ratio": (
-            sparse["final_val_loss"] / dense["final_val_loss"] if dense["final_val_loss"] else None
-        ),
+        "final_loss_ratio": ratio(sparse["final_val_loss"], dense["final_val_loss"]),
         "heldout_l0": sparse["heldout_l0"],
         "dense": dense,
         "sparse": sparse,
     }
-    meta = {"dense": dense_meta, "sparse": sparse_meta}
+
+
+def join(args: argparse.Namespace) -> dict[str, Any]:
+    """The pairs (dense, sparse) of --join, each compared; the top-level figures are the median over
+    the pairs (recompiles: the most of any pair)."""
+    if len(args.join) % 2:
+        raise SystemExit("--join takes pairs: DENSE_JSON SPARSE_JSON [DENSE_JSON SPARSE_JSON ...]")
+    loaded = [_load(p) for p in args.join]
+    pairs = [compare(d[1], s[1]) for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
+    metas = [{"dense": d[0], "sparse": s[0]} for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
+    result: dict[str, Any] = {
+        key: statistics.median(p[key] for p in pairs if p[key] is not None) for key in RATIO_KEYS
+    }
+    result["recompiles"] = max(p["recompiles"] or 0 for p in pairs)
+    result["pairs"] = pairs
     if args.plot:
-        plot(dense, sparse, args.plot)
-    write_report(markdown(result, meta), meta, [result], args.json, args.md)
+        plot(pairs[0]["dense"], pairs[0]["sparse"], args.plot)
+    text = "\n".join(markdown(p, m) for p, m in zip(pairs, metas, strict=True))
+    if len(pairs) > 1:
+        text += (
+            "\nMedian over the pairs: "
+            + ", ".join(f"{k} {result[k]:.4g}" for k in RATIO_KEYS)
+            + (f"; recompiles at most {result['recompiles']:g}.\n")
+        )
+    write_report(text, {"pairs": metas}, [result], args.json, args.md)
     return result
 
 
@@ -319,7 +346,7 @@ def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     dm, sm = meta["dense"], meta["sparse"]
     lines = [
-        f"# A whole training run, dense FFN against `{s['impl']}`: {sm.get('device')}",
+        f"# A whole training run, dense FFN against `{s['impl']}`, seed {s.get('seed', 0)}: {sm.get('device')}",
         "",
         f"preset `{s['preset']}`, from initialisation to a target L0, {s['steps']} steps; dense run: commit "
         f"`{dm.get('commit')}`, {dm.get('date')}; {s['impl']} run: commit `{sm.get('commit')}`, {sm.get('date')}; "

@@ -15,7 +15,7 @@
 #                SCALE_BASELINE_EXTRA: also a 1-GPU run with these overrides instead, on the
 #                second GPU at the same time as the first 1-GPU run (an A/B in one run).
 #   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda (CUDA training kernels every step:
-#                model.ffn_dense_above=1 turns the per-layer dense fallback off) under DDP and
+#                model.ffn_dense_above=1: every layer sparse after the first step) under DDP and
 #                FSDP2, each compared with the same run on the dense FFN. The kernels are built
 #                ahead, in the background, while the other parts run.
 # Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling

@@ -9,12 +9,13 @@ density (l0 / H) a layer trains faster dense. The rule, per layer, on the densit
 Both paths compute the same function (exactly), so a switch changes speed, never the result, and
 under `compile_model` it compiles nothing once both paths have run (each layer is its own region).
 A layer that falls back recomputes its dense FFN in the backward (model/ffn.py), so the rule is set
-against that cost: on one FFN layer (D=2048, H=5632, 16384 tokens, H100) the CUDA training op
-beats compiled dense up to ~110 active units per token and dense that recomputes its forward up
-to ~190 (benchmarks/results/ffn_train_h100.md: ours 3.79 / 5.13 ms at 58 / 117 units, dense
-4.89 ms plus its 1.6-1.7 ms forward), hence the default of 3% of H (169 of 5632 units; back to
-sparse under 135). A run from initialisation starts every layer dense: a randomly initialised
-gate fires on about half the units, where the sparse path has nothing to gain.
+against that cost, measured on each layer of a 1b run's final weights on its own activations
+(benchmarks/layer_ffn.py, H100; benchmarks/results/run_1b_layer_ffn_h100.md): the dense FFN
+recomputed costs 6.9-7.2 ms a layer at 16384 tokens, the sparse op 2.2 ms at L0 6 and 5.3 ms at
+L0 91, about 25 us more a unit there, so they cross near L0 160 (2.8% of H). Hence the default of
+3% of H (169 of 5632 units; back to sparse under 135). A run from initialisation starts every
+layer dense: a randomly initialised gate fires on about half the units, where the sparse path has
+nothing to gain.
 
 Decisions use the global (all-rank) L0 of the step, so every rank agrees. The trainer applies
 the rule after every step whenever the model's training FFN is sparse (model.ffn_impl reference,

@@ -62,6 +62,7 @@ def test_two_tiny_runs_and_their_comparison(tmp_path):
         ]
     )
     saved = json.loads(out.with_suffix(".json").read_text())["results"][0]
+    assert len(saved["pairs"]) == 1 and saved["pairs"][0]["sparse"]["impl"] == "reference"
     for key in (
         "wall_speedup",
         "steady_speedup",
