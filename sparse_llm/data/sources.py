@@ -20,7 +20,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from sparse_llm.config import DataConfig
-from sparse_llm.data.errors import DataError
+from sparse_llm.data.errors import READ_ERRORS, DataError
 from sparse_llm.data.file_check import check_file
 
 EMBEDDED_SEED = 1234  # fixed permutation of the stdlib files, so documents of all packages mix
@@ -101,7 +101,10 @@ def _files_dataset(cfg: DataConfig) -> datasets.IterableDataset:
         check_file(path, fmt, cfg.text_field)
     # A .txt file is one document (a book, a source file), not one document per line.
     extra = {"sample_by": "document"} if fmt == "text" else {}
-    return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
+    try:
+        return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
+    except READ_ERRORS as err:  # datasets reads the first block to infer the columns
+        raise DataError(f"data.paths: cannot read the {fmt} files: {err}") from err
 
 
 def _hub_dataset(cfg: DataConfig) -> datasets.IterableDataset:

@@ -21,13 +21,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import DataConfig
 from sparse_llm.data.documents import EMPTY, MALFORMED, SPLITS, classify, split_of
-from sparse_llm.data.errors import DataError
+from sparse_llm.data.errors import READ_ERRORS, DataError
 from sparse_llm.data.sources import open_source
 
 STATE_VERSION = 1
@@ -107,8 +106,7 @@ class TokenStream:
         except StopIteration:
             self._end_epoch()
             return None
-        except (UnicodeError, pa.ArrowException) as err:
-            # A fault past the start of a file (file_check reads only the start): one line, exit 3.
+        except READ_ERRORS as err:  # a fault past the start of a file that file_check read
             raise DataError(
                 f"cannot read data.source={self._cfg.source!r} after {self._cursor['epoch_rows']} rows of epoch "
                 f"{self._cursor['epoch']}: {err}"

@@ -76,6 +76,16 @@ def test_a_fault_past_the_start_of_a_file_is_a_data_error_while_reading(tmp_path
         stream.next_batch(1)
 
 
+def test_a_truncated_archive_is_a_data_error_when_opened(tmp_path):
+    rows = "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(5000)).encode()
+    packed = gzip.compress(rows)
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(packed[: len(packed) // 2])
+    check(path)  # its start decompresses
+    with pytest.raises(DataError, match="cannot read the json files: Compressed file ended"):
+        TokenStream(DataConfig(source="files", paths=[str(path)]), load_tokenizer("embedded"), 15)
+
+
 def test_no_usable_documents_names_the_fields_the_rows_have(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"text": 42, "body": "x"}) + "\n")  # the field is there, not text
