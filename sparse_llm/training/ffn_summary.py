@@ -7,10 +7,14 @@ need a Hopper GPU".
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from sparse_llm.model.ffn import FFNPlan
 from sparse_llm.ops.select import PHASES, FFNSelection
+
+if TYPE_CHECKING:  # only read here: its phases' selections
+    from sparse_llm.model.ffn import FFNPlan
 
 IMPL_WORDS = {
     "dense": "dense",
