@@ -7,13 +7,15 @@ checks the cross-field rules. Everything here runs before any model or data is b
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 # The FFN implementations (sparse_llm.ops.select says what each means and picks what runs).
 FFN_IMPLS = ("auto", "dense", "reference", "cuda")
@@ -24,6 +26,14 @@ DATA_SOURCES = ("embedded", "files", "hub")
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+# A sparsity target's two forms (SparsityConfig): at most one may be set.
+TARGET_KEYS = ("sparsity.target_l0", "sparsity.target_sparsity")
+# An unknown key's suggestions: names at least this similar (difflib's ratio), and within the margin
+# of the best one.
+SUGGEST_CUTOFF = 0.6
+SUGGEST_MARGIN = 0.05
 
 
 class ConfigError(ValueError):
@@ -238,18 +248,67 @@ class RunConfig:
     callbacks: list[Any] = field(default_factory=list)
 
 
+def schema_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every key of the schema, dotted, in schema order: each section and each of its fields."""
+    keys = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            keys += schema_keys(f.default_factory, f"{key}.")
+    return keys
+
+
+def unknown_key(key: str, extra: Sequence[str] = ()) -> ConfigError:
+    """The error for `key`, which neither the schema nor `extra` (top-level names such as config
+    groups) has: the closest valid keys (a typo in the name, else the name in another section),
+    else the keys its section has."""
+    known = list(dict.fromkeys([*schema_keys(), *extra]))
+    section, _, name = key.rpartition(".")
+    siblings = [k for k in known if k.rpartition(".")[0] == section]
+    close = _closest(name, siblings) or _closest(name, known)
+    if close:
+        hint = f"did you mean {' or '.join(close)}?"
+    else:
+        names = ", ".join(k.rpartition(".")[2] for k in siblings)
+        hint = f"the keys {f'of {section}' if section else 'at the top level'} are {names}"
+    return ConfigError(f"config key '{key}' does not exist; {hint}")
+
+
+def _closest(name: str, keys: Sequence[str]) -> list[str]:
+    """The keys whose last part is most like `name`: the best, and any about as good."""
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, name, k.rpartition(".")[2]).ratio(), k) for k in keys), reverse=True
+    )
+    if not scored or scored[0][0] < SUGGEST_CUTOFF:
+        return []
+    return [k for score, k in scored if score >= scored[0][0] - SUGGEST_MARGIN][:3]
+
+
 def load_config(raw: DictConfig | dict[str, Any], world_size: int = 1) -> RunConfig:
     """Merge a composed config onto the schema, validate it, and return typed objects."""
     schema = OmegaConf.structured(RunConfig)
     try:
         merged = OmegaConf.merge(schema, raw)
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except ConfigKeyError as err:
+        raise unknown_key(str(err.full_key)) from None
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         reason = str(err).splitlines()[0]
         raise ConfigError(f"config key '{key}': {reason}") from None
     validate(cfg, world_size)
     return cfg
+
+
+def prefer_explicit_target(raw: DictConfig, overrides: Sequence[str]) -> None:
+    """A sparsity target given on the command line replaces the other form of target that a preset
+    set: `sparsity=target sparsity.target_l0=30` holds 30 active units per token instead of the
+    preset's target_sparsity. Both forms on the command line are left for `validate` to refuse."""
+    given = {o.lstrip("+").split("=", 1)[0] for o in overrides}
+    for key, other in (TARGET_KEYS, TARGET_KEYS[::-1]):
+        if key in given and other not in given and OmegaConf.select(raw, key) is not None:
+            OmegaConf.update(raw, other, None)
 
 
 def resolve_config(cfg: RunConfig, tokenizer_vocab: int, world_size: int = 1) -> RunConfig:
@@ -313,12 +372,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size x world size = {t.micro_batch_size} x {world_size}"
         )
-    if d.source == "files":
-        if not d.paths:
-            raise ConfigError("config key 'data.paths': data.source=files needs at least one path")
-        for pattern in d.paths:
-            if not _glob_matches(pattern):
-                raise ConfigError(f"config key 'data.paths': no file matches {pattern!r}")
     if d.source == "hub" and not d.hub_id:
         raise ConfigError("config key 'data.hub_id': data.source=hub needs a dataset id")
     if not d.tokenizer:
@@ -363,15 +416,6 @@ def _validate_sparsity_target(s: SparsityConfig, num_units: int) -> None:
 def _looks_like_path(name: str) -> bool:
     """Hub ids look like 'org/name'; local tokenizers are given as paths."""
     return name != "embedded" and (name.startswith((".", "/", "~")) or Path(name).expanduser().exists())
-
-
-def _glob_matches(pattern: str) -> bool:
-    path = Path(pattern).expanduser()
-    if path.exists():
-        return True
-    anchor = Path(path.anchor) if path.is_absolute() else Path(".")
-    relative = str(path.relative_to(path.anchor)) if path.is_absolute() else str(path)
-    return any(anchor.glob(relative))
 
 
 def to_yaml(cfg: RunConfig) -> str:

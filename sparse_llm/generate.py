@@ -5,7 +5,9 @@
         --temperature 0.8 --top-p 0.95 --seed 0 --prefill-ffn cuda --decode-ffn dense --json
 
 Prompts of different lengths are batched together (left padding); each stops at its EOS or
-after --max-new-tokens. --prefill-ffn / --decode-ffn pick the FFN per phase: fastest (the
+after --max-new-tokens. Decoding is greedy unless --temperature > 0: greedy repeats a small
+model's likeliest token (on the tiny default run, a newline), so sample there
+(--temperature 0.7 --top-k 40). --prefill-ffn / --decode-ffn pick the FFN per phase: fastest (the
 default: dense and the CUDA kernels timed at load on a GPU where the kernels can run, dense
 elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. --decode picks
 how decode steps run: auto (one CUDA graph a step on a GPU where the decode FFN can be captured,
@@ -31,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", type=Path, help="one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; > 0: sample")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
@@ -46,6 +48,18 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p.parse_args()
+
+
+def greedy_note(texts: list[str], temperature: float) -> str | None:
+    """What to tell a user whose greedy generations are blank (a small model's likeliest token is
+    often a newline, which greedy decoding repeats), or None."""
+    blank = sum(1 for text in texts if not text.strip())
+    if temperature > 0 or not blank:
+        return None
+    return (
+        f"note: greedy decoding gave only whitespace for {blank} of {len(texts)} prompts (a small "
+        "model's likeliest token is often a newline); sample instead: --temperature 0.7 --top-k 40"
+    )
 
 
 def main() -> int:
@@ -79,6 +93,9 @@ def main() -> int:
     new_tokens = sum(len(t) for t in out.tokens)
     tokens_per_s = new_tokens / max(seconds, 1e-9)
     texts = [generator.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
+    note = greedy_note(texts, args.temperature)
+    if note is not None:
+        print(note, file=sys.stderr)
     if args.json:
         result = {
             "model": str(loaded.path),

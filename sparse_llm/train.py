@@ -2,13 +2,17 @@
 
 Hydra composes `configs/config.yaml` with the overrides; the result is validated against the
 schema before anything is built or written (the run directory is created only once the config,
-the tokenizer and the data have passed). The last line printed is `run_dir: <path>`.
+the tokenizer and the data have passed). The log (this package's lines; other libraries' warnings
+only) goes to stderr and to <run_dir>/train.log; the last line printed is `run_dir: <absolute path>`.
 
 A failure the user can fix ends as one line on stderr and a stable exit code, never a traceback
-(`--debug`, or HYDRA_FULL_ERROR=1, shows it):
+(`--debug`, or HYDRA_FULL_ERROR=1, shows it before that line; the exit code stays):
 
-    2  config       a bad key, value, combination, or FFN implementation that cannot run here
-    3  data         no usable text, unreadable or unsupported files, a missing tokenizer
+    2  config       a bad key (with the closest valid names), preset, value, combination, or FFN
+                    implementation that cannot run here
+    3  data         data.paths that match no file, a file that is not the text it claims (binary,
+                    not UTF-8, not parseable, no text field or column), no usable text, a missing
+                    tokenizer
     4  checkpoint   train.resume names a checkpoint that does not verify or does not fit the run
     5  diverged     the loss or the gradient norm became NaN or infinite (no checkpoint written)
 
@@ -18,20 +22,25 @@ which makes each job's directory itself.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
+import traceback
+import warnings
 from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sparse_llm.config import ConfigError, load_config, to_yaml
+from sparse_llm.config import ConfigError, load_config, prefer_explicit_target, to_yaml, unknown_key
 from sparse_llm.run_files import CONFIG_FILE
 
 LOG_FILE = "train.log"
+logger = logging.getLogger("sparse_llm.train")  # not __name__: that is "__main__" under python -m
 
 
 def config_dirs() -> tuple[Path, Path]:
@@ -55,6 +64,8 @@ CONFIG_DIR = config_dir()
 def run(raw: DictConfig | dict, run_dir: Path, log_file: bool = False) -> Path:
     """Validate, build and train; returns the run directory. `log_file`: also log to
     <run_dir>/train.log once the run directory exists (Hydra's launcher does it for its jobs)."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from sparse_llm.training.callbacks import build_callbacks
     from sparse_llm.training.run_info import write_run_info
     from sparse_llm.training.trainer import Trainer
@@ -62,14 +73,25 @@ def run(raw: DictConfig | dict, run_dir: Path, log_file: bool = False) -> Path:
     cfg = load_config(raw)
     callbacks = build_callbacks(cfg.callbacks)
     trainer = Trainer(cfg, run_dir, callbacks)
-    if log_file:
-        _log_to_file(run_dir / LOG_FILE)
-    if trainer.accelerator.is_main_process:
-        # The trainer's config: resolved (vocab size) and validated, the config that runs.
-        (run_dir / CONFIG_FILE).write_text(to_yaml(trainer.cfg))
-        write_run_info(run_dir, trainer.device, trainer.world_size)
-    trainer.fit()
+    handler = _log_to_file(run_dir / LOG_FILE) if log_file else None
+    try:
+        if trainer.accelerator.is_main_process:
+            logger.info("run directory: %s", absolute(run_dir))
+            # The trainer's config: resolved (vocab size) and validated, the config that runs.
+            (run_dir / CONFIG_FILE).write_text(to_yaml(trainer.cfg))
+            write_run_info(run_dir, trainer.device, trainer.world_size)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            trainer.fit()
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     return run_dir
+
+
+def absolute(path: Path) -> Path:
+    """`path` made absolute and normalised, symbolic links kept (what the user's shell names)."""
+    return Path(os.path.abspath(path))
 
 
 def _user_errors() -> dict[type[BaseException], int]:
@@ -81,58 +103,111 @@ def _user_errors() -> dict[type[BaseException], int]:
     return {ConfigError: 2, DataError: 3, FileNotFoundError: 3, CheckpointError: 4, TrainingDiverged: 5}
 
 
-def _report(err: BaseException) -> int:
-    """Print `err` as one line on stderr; its exit code."""
+def _report(err: BaseException, debug: bool = False) -> int:
+    """Print `err` as one line on stderr (after its traceback with `debug`); its exit code."""
+    if debug:
+        traceback.print_exception(err)
     code = next(c for kind, c in _user_errors().items() if isinstance(err, kind))
     message = " ".join(str(err).split()) or type(err).__name__
     print(f"error: {message}", file=sys.stderr)
     return code
 
 
+def _debug() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"  # what --debug sets (main)
+
+
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
-def _log_to_file(path: Path) -> None:
+def _setup_logging() -> None:
+    """The console log of a run: this package's INFO lines, only warnings from other libraries
+    (configs/config.yaml sets the same for Hydra's jobs), warnings as log lines (stderr)."""
+    logging.basicConfig(level=logging.WARNING, format=_LOG_FORMAT)
+    logging.getLogger("sparse_llm").setLevel(logging.INFO)
+    warnings.showwarning = _log_warning
+
+
+def _log_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """warnings.showwarning as one log line, without the source line Python echoes after it."""
+    logging.getLogger("py.warnings").warning("%s: %s", category.__name__, message)
+
+
+def _log_to_file(path: Path) -> logging.Handler:
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """Hydra's composition of the configs with `overrides`; its errors as one-line ConfigErrors."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            raw = compose("config", overrides=overrides)
+    except MissingConfigException as err:  # model=7b: the group's presets, not Hydra's search path
+        group, _, name = (err.missing_cfg_file or "").rpartition("/")
+        if not group or err.options is None:
+            raise ConfigError(str(err).split("Config search path")[0]) from err
+        close = difflib.get_close_matches(name, err.options, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            f"config group '{group}' has no preset {name!r}; {hint}its presets are {', '.join(err.options)}"
+        ) from err
+    except (HydraException, OmegaConfBaseException) as err:
+        # train.max_step=5: Hydra's "use +train.max_step=5" hint leads to the schema's refusal.
+        cause = err.__cause__
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+            raise unknown_key(str(cause.full_key), _config_groups()) from err
+        raise ConfigError(str(err)) from err
+    prefer_explicit_target(raw, overrides)
+    return raw
+
+
+def _config_groups() -> list[str]:
+    """The config groups of config.yaml's defaults list (model, data, ..., experiment)."""
+    defaults = OmegaConf.load(CONFIG_DIR / "config.yaml").get("defaults", [])
+    return [name for entry in defaults if isinstance(entry, DictConfig) for name in entry]
 
 
 def single_run(overrides: list[str], debug: bool = False) -> int:
     """One run from command-line overrides; the process's exit code."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)  # stderr, as Hydra's job logging
-    user_errors = tuple(_user_errors())
+    _setup_logging()
     try:
-        try:
-            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-                raw = compose("config", overrides=overrides)
-        except (HydraException, OmegaConfBaseException) as err:
-            raise ConfigError(" ".join(str(err).split())) from err
+        raw = _compose(overrides)
         run_dir = Path(load_config(raw).run_dir)  # validated before anything is written
         run(raw, run_dir, log_file=True)
-    except user_errors as err:
-        if debug:
-            raise
-        return _report(err)
-    print(f"run_dir: {run_dir}", flush=True)
+    except tuple(_user_errors()) as err:
+        return _report(err, debug)
+    print(f"run_dir: {absolute(run_dir)}", flush=True)
     return 0
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _hydra_main(raw: DictConfig) -> None:
     # A multirun job (or a run with Hydra's own flags): Hydra made the job's directory.
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    warnings.showwarning = _log_warning
     OmegaConf.set_struct(raw, False)
     raw.run_dir = str(run_dir)
+    prefer_explicit_target(raw, list(hydra_cfg.overrides.task))
     try:
         run(raw, run_dir)
     except tuple(_user_errors()) as err:
-        sys.exit(_report(err))
-    print(f"run_dir: {run_dir}", flush=True)
+        sys.exit(_report(err, _debug()))
+    print(f"run_dir: {absolute(run_dir)}", flush=True)
 
 
 def main() -> None:
@@ -140,13 +215,14 @@ def main() -> None:
         looked = " or ".join(str(d) for d in config_dirs())
         sys.exit(f"error: no Hydra configs (config.yaml) found in {looked}; the install is incomplete")
     args = sys.argv[1:]
-    debug = "--debug" in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    if "--debug" in args:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own errors in full too
     args = [a for a in args if a != "--debug"]
     if any(a.startswith("-") for a in args):  # -m/--multirun, --cfg, --help, ...: Hydra's CLI
         sys.argv = [sys.argv[0], *args]
         _hydra_main()
         return
-    sys.exit(single_run(args, debug))
+    sys.exit(single_run(args, _debug()))
 
 
 if __name__ == "__main__":

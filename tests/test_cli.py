@@ -4,14 +4,20 @@ no traceback, and no run directory left behind by a run that never started."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from bad_files import BAD_FILES, write_bad_file
+from omegaconf import OmegaConf
 from tiny import TINY_CLI_OVERRIDES
 
-from sparse_llm.train import single_run
+from sparse_llm.train import _setup_logging, single_run
 
 REPO = Path(__file__).resolve().parents[1]
 # The tiny run of tests/tiny.py without its step count (each test sets its own).
@@ -45,6 +51,50 @@ def test_config_errors_are_one_line_exit_2_and_leave_no_run_directory(tmp_path, 
     assert not run_dir.exists()
 
 
+def test_config_errors_name_the_valid_choices_in_one_line(tmp_path, capsys):
+    code, err, _ = _run(tmp_path, capsys, "train.max_step=5")
+    assert (code, err) == (
+        2,
+        "error: config key 'train.max_step' does not exist; did you mean train.max_steps?\n",
+    )
+    code, err, _ = _run(tmp_path, capsys, "model=7b")
+    expected = (
+        "error: config group 'model' has no preset '7b'; its presets are 0.5b, 1.5b, 100m, 1b, 2b, tiny\n"
+    )
+    assert (code, err) == (2, expected)
+    code, err, _ = _run(tmp_path, capsys, "sparsity=targt")
+    assert code == 2 and "did you mean target?" in err and err.count("\n") == 1
+
+
+def test_an_explicit_target_replaces_the_presets_target(tmp_path, capsys):
+    code, err, run_dir = _run(
+        tmp_path, capsys, "sparsity=target", "sparsity.target_l0=30", "train.max_steps=2"
+    )
+    assert code == 0, err
+    saved = OmegaConf.load(run_dir / "config.yaml").sparsity
+    assert (saved.target_l0, saved.target_sparsity) == (30, None)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_each_bad_data_file_is_one_line_exit_3_and_no_run_directory(tmp_path, capsys, name):
+    path, words = write_bad_file(tmp_path / "data", name)
+    code, err, run_dir = _run(tmp_path, capsys, "data=files", f"data.paths=[{path}]")
+    assert code == 3, err
+    assert err.startswith(f"error: data.paths: {path} ") and words in err and err.count("\n") == 1, err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "glob", "none"])
+def test_every_no_usable_path_mistake_is_exit_3_in_one_form(tmp_path, capsys, kind):
+    (tmp_path / "corpus").mkdir()
+    paths = {"directory": f"[{tmp_path / 'corpus'}]", "glob": f"[{tmp_path}/corpus/*.jsonl]", "none": "[]"}
+    code, err, run_dir = _run(tmp_path, capsys, "data=files", f"data.paths={paths[kind]}")
+    assert code == 3 and err.startswith("error: data.paths: ") and err.count("\n") == 1, err
+    if kind == "directory":
+        assert f"a directory: use a glob such as '{tmp_path / 'corpus'}/*.jsonl'" in err
+    assert not run_dir.exists()
+
+
 def test_data_without_usable_text_is_exit_3_before_the_run_directory(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -54,16 +104,21 @@ def test_data_without_usable_text_is_exit_3_before_the_run_directory(tmp_path, c
     assert not run_dir.exists()
 
 
-def test_a_truncated_checkpoint_falls_back_to_the_older_one(tmp_path, capsys):
+def test_a_truncated_checkpoint_falls_back_to_the_older_one(tmp_path, capsys, caplog):
     assert (
         _run(tmp_path, capsys, "train.max_steps=4", "train.checkpoint_every=2", "train.log_every=1")[0] == 0
     )
     newest = tmp_path / "run" / "checkpoints" / "step_00000004"
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.warns(UserWarning, match=r"skipping .*step_00000004: model\.safetensors has"):
+    with caplog.at_level(logging.INFO, logger="sparse_llm"):
         code, err, _ = _run(tmp_path, capsys, "train.max_steps=6", "train.log_every=1", "train.resume=auto")
     assert code == 0, err
+    skipped = [r for r in caplog.records if "skipping" in r.getMessage()]
+    assert [r.levelname for r in skipped] == ["WARNING"]  # a log line, not a Python warning
+    assert re.fullmatch(
+        r"resume=auto: skipping .*step_00000004: model\.safetensors has .*", skipped[0].getMessage()
+    )
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4, 5, 6]
     code, err, _ = _run(tmp_path, capsys, "train.max_steps=8", f"train.resume={newest}")
@@ -76,5 +131,62 @@ def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == "error: config key 'train.lr': must be > 0, got -1.0"
     debug = subprocess.run([*cmd, "--debug"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1] == "error: config key 'train.lr': must be > 0, got -1.0"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_binary_file_is_all_the_command_says(tmp_path):
+    """No parser's log lines or traceback before the one line (datasets logs its own errors)."""
+    path, words = write_bad_file(tmp_path, "jsonl_binary")
+    cmd = [sys.executable, "-m", "sparse_llm.train", f"run_dir={tmp_path / 'run'}", *TINY, "data=files"]
+    done = subprocess.run(
+        [*cmd, f"data.paths=[{path}]"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stderr) == (3, f"error: data.paths: {path} {words} (a binary file?)\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_console_log_is_the_run_log(tmp_path):
+    """What a run logs (the run directory, absolute, the FFN in words, the held-out losses) is on the
+    console and in train.log; other libraries' INFO lines are not; the last line is the run dir."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_llm.train",
+        "run_dir=runs/cli",
+        *TINY,
+        "train.max_steps=2",
+        "train.eval_every=1",
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "cli"
+    assert done.stdout.splitlines()[-1] == f"run_dir: {run_dir}"
+    logged = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert all(re.match(r"\[[^]]+\]\[sparse_llm[.\w]*\]\[", line) for line in logged), logged
+    messages = [line.split(" - ", 1)[1] for line in logged]
+    assert messages == [
+        f"run directory: {run_dir}",
+        "FFN: dense (asked for); the sparse kernels need a Hopper GPU",
+        messages[2],
+        messages[3],
+    ]
+    assert re.fullmatch(r"step 1: val_loss \d+\.\d{4}", messages[2]) and messages[3].startswith(
+        "step 2: val_loss"
+    )
+    assert (run_dir / "train.log").read_text().splitlines() == logged
+
+
+def test_warnings_are_log_lines(caplog):
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        _setup_logging()
+        warnings.warn("something to know", UserWarning, stacklevel=1)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("py.warnings", "UserWarning: something to know")
+    ]

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from sparse_llm.config import ConfigError, load_config
+from sparse_llm.config import ConfigError, load_config, prefer_explicit_target
 from sparse_llm.train import CONFIG_DIR
 
 
@@ -50,6 +51,35 @@ def test_unknown_key_in_a_config_file_is_named():
         load_config({"train": {"maxsteps": 3}})
 
 
+@pytest.mark.parametrize(
+    "key,unknown,suggestion",
+    [
+        ("train.max_step", "train.max_step", "did you mean train.max_steps?"),
+        ("train.l1_coeff", "train.l1_coeff", "did you mean sparsity.l1_coeff?"),  # in another section
+        ("sparsity.controler.gain", "sparsity.controler", "did you mean sparsity.controller?"),
+        ("model.hidden", "model.hidden", "did you mean model.hidden_act or model.hidden_size?"),
+        ("train.zzz", "train.zzz", "the keys of train are seq_len, global_batch_size, "),
+    ],
+)
+def test_an_unknown_key_gets_the_closest_valid_names(key, unknown, suggestion):
+    with pytest.raises(ConfigError) as caught:
+        load_config(OmegaConf.from_dotlist([f"{key}=1"]))
+    assert str(caught.value).startswith(f"config key '{unknown}' does not exist; {suggestion}")
+
+
+def test_a_target_on_the_command_line_replaces_the_presets_other_form():
+    overrides = ["sparsity=target", "sparsity.target_l0=30"]
+    raw = composed(*overrides)
+    prefer_explicit_target(raw, overrides)
+    s = load_config(raw).sparsity
+    assert (s.target_l0, s.target_sparsity) == (30, None)
+    both = ["sparsity.target_l0=30", "sparsity.target_sparsity=0.9"]
+    raw = composed(*both)
+    prefer_explicit_target(raw, both)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(raw)
+
+
 def test_wrong_type_is_named():
     with pytest.raises(ConfigError, match=r"train\.max_steps"):
         load_config(composed("train.max_steps=abc"))
@@ -63,8 +93,6 @@ def test_wrong_type_is_named():
         (["model.ffn_impl=sparse"], "model.ffn_impl"),
         (["model.ffn_dense_above=0"], "model.ffn_dense_above"),
         (["data.prefetch=-1"], "data.prefetch"),
-        (["data=files", "data.paths=[]"], "data.paths"),
-        (["data=files", "data.paths=[/nonexistent/*.jsonl]"], "data.paths"),
         (["data.tokenizer=/nonexistent/tokenizer"], "data.tokenizer"),
         (["data.source=hub"], "data.hub_id"),
         (["train.seq_len=4096"], "train.seq_len"),

@@ -7,6 +7,7 @@ figure registry, so it is safe to call from the trainer at the end of a run.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,16 @@ DEAD_PNG = "dead_per_layer.png"
 NNZ_HIST_PNG = "nnz_hist_per_layer.png"
 L0_BY_LAYER_PNG = "l0_by_layer.png"
 SETTLED_SHARE = 0.1  # the last share of a run's logged steps a layer's settled L0 is averaged over
+# Axis labels in words for the metrics.jsonl keys plots compare (other keys are shown as they are).
+METRIC_LABELS = {
+    "sparsity/mean": "sparsity (1 - L0 / H), mean of layers",
+    "dead/mean": "dead fraction of units, mean of layers",
+    "l0/mean": "L0 (active units per token), mean of layers",
+    "l1_coeff": "L1 coefficient (lambda)",
+    "val_loss": "validation loss (CE)",
+    "loss": "training loss (CE + L1 term)",
+    "ce": "training CE",
+}
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -68,7 +79,8 @@ def plot_runs_overlay(
         ax.plot(steps, values, label=label)
     if log_y:
         ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel=key, title=f"{key} by run")
+    label = METRIC_LABELS.get(key, key)
+    ax.set(xlabel="step", ylabel=label, title=f"{label}, by run")
     ax.legend()
     return _save(fig, out_path)
 
@@ -81,7 +93,11 @@ def plot_val_ce_vs_sparsity(points: Sequence[tuple[str, float, float]], out_path
         ax.annotate(label, (sparsity, val_ce), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if not points:
         ax.text(0.5, 0.5, "no run has both val_loss and sparsity", ha="center", transform=ax.transAxes)
-    ax.set(xlabel="final sparsity/mean", ylabel="final validation CE", title="validation CE vs sparsity")
+    ax.set(
+        xlabel=f"{METRIC_LABELS['sparsity/mean']}, last logged step",
+        ylabel=f"{METRIC_LABELS['val_loss']}, last evaluation",
+        title="validation loss against sparsity",
+    )
     return _save(fig, out_path)
 
 
@@ -140,15 +156,27 @@ def _plot_l0_by_layer(records: list[dict[str, Any]], out_path: Path) -> Path | N
 
 
 def _plot_nnz_hist(hist_path: Path, out_path: Path) -> Path:
-    data = json.loads(hist_path.read_text())
+    return _save(nnz_hist_figure(json.loads(hist_path.read_text())), out_path)
+
+
+def nnz_hist_figure(data: dict[str, Any]) -> Figure:
+    """Each layer's share of tokens by their number of active units (`nnz_hist.json`'s data).
+    An empty bin is a gap in its layer's line (NaN), not bridged by it, and every non-empty bin
+    has a marker, so a bin alone between empty ones shows too."""
     counts: list[list[int]] = data["counts"]
     fig, ax = _figure()
     for layer, (row, color) in enumerate(zip(counts, _layer_colors(len(counts)), strict=True)):
         total = sum(row)
         # Log y: the tail (a few tokens with hundreds of units) is what the kernels must handle.
-        points = [(k, c / total) for k, c in enumerate(row) if c]
+        shares = [c / total if c else math.nan for c in row]
         ax.plot(
-            [k for k, _ in points], [s for _, s in points], color=color, linewidth=1, label=f"layer {layer}"
+            range(len(row)),
+            shares,
+            color=color,
+            linewidth=1,
+            marker=".",
+            markersize=3,
+            label=f"layer {layer}",
         )
     ax.set_yscale("log")
     ax.set(
@@ -157,7 +185,7 @@ def _plot_nnz_hist(hist_path: Path, out_path: Path) -> Path:
         title=f"non-zeros per token, last log window ({data['tokens']} tokens)",
     )
     ax.legend(fontsize=7, ncol=max(1, len(counts) // 12))
-    return _save(fig, out_path)
+    return fig
 
 
 def _figure() -> tuple[Figure, Any]:

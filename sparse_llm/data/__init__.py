@@ -8,7 +8,7 @@ Usage (the trainer's view)::
     state = stream.state_dict()  # JSON-serialisable; stream.load_state_dict(state) resumes exactly
 """
 
-from sparse_llm.data.sources import DataError
+from sparse_llm.data.errors import DataError
 from sparse_llm.data.stream import RankSlice, TokenStream, heldout_text_ids, validation_batches
 from sparse_llm.data.tokenizer import load_tokenizer
 

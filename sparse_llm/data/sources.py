@@ -20,6 +20,8 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from sparse_llm.config import DataConfig
+from sparse_llm.data.errors import READ_ERRORS, DataError
+from sparse_llm.data.file_check import check_file
 
 EMBEDDED_SEED = 1234  # fixed permutation of the stdlib files, so documents of all packages mix
 EMBEDDED_TEXT_FIELD = "text"
@@ -57,11 +59,6 @@ def _read_text_files(paths: list[str]) -> Iterator[dict[str, str | None]]:
         yield {EMBEDDED_TEXT_FIELD: text}
 
 
-class DataError(ValueError):
-    """Data the run cannot use (no usable documents, unreadable or unsupported files, an unopenable
-    hub dataset), found before or while reading; the message names the setting to check."""
-
-
 def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
     """Generator that re-exposes a dataset as a single shard."""
     yield from dataset
@@ -70,13 +67,14 @@ def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
 def resolve_paths(patterns: list[str]) -> list[str]:
     """Expand `data.paths` (files or globs, `**` allowed) into a de-duplicated ordered file list."""
     if not patterns:
-        raise DataError("data.paths is empty: data.source=files needs at least one file or glob")
+        raise DataError("data.paths: none given; data.source=files needs at least one file or glob")
     files: list[str] = []
     for pattern in patterns:
         expanded = str(Path(pattern).expanduser())
         matches = sorted(p for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
         if not matches:
-            hint = " (a directory: use a glob such as dir/*.jsonl)" if Path(expanded).is_dir() else ""
+            glob_in_dir = f"{pattern.rstrip('/')}/*.jsonl"
+            hint = f" (a directory: use a glob such as {glob_in_dir!r})" if Path(expanded).is_dir() else ""
             raise DataError(f"data.paths: no file matches {pattern!r}{hint}")
         files.extend(str(Path(p).resolve()) for p in matches)
     return list(dict.fromkeys(files))
@@ -99,9 +97,14 @@ def _files_dataset(cfg: DataConfig) -> datasets.IterableDataset:
     if len(formats) > 1:
         raise DataError(f"data.paths mixes file types ({', '.join(sorted(formats))}); use one type per run")
     fmt = formats.pop()
+    for path in files:  # before the stream reaches them: one clear error, not a parser's traceback
+        check_file(path, fmt, cfg.text_field)
     # A .txt file is one document (a book, a source file), not one document per line.
     extra = {"sample_by": "document"} if fmt == "text" else {}
-    return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
+    try:
+        return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
+    except READ_ERRORS as err:  # datasets reads the first block to infer the columns
+        raise DataError(f"data.paths: cannot read the {fmt} files: {err}") from err
 
 
 def _hub_dataset(cfg: DataConfig) -> datasets.IterableDataset:

@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerFast
 
 from sparse_llm.config import DataConfig
 from sparse_llm.data.documents import EMPTY, MALFORMED, SPLITS, classify, split_of
-from sparse_llm.data.sources import DataError, open_source
+from sparse_llm.data.errors import READ_ERRORS, DataError
+from sparse_llm.data.sources import open_source
 
 STATE_VERSION = 1
 _CHUNK_DOCS = 16  # documents per tokenizer call: one Rust call spreads them over threads
@@ -90,6 +91,7 @@ class TokenStream:
         self._docs: deque[_Document] = deque()
         self._offset = 0  # tokens of self._docs[0] already emitted
         self._tokens = 0
+        self._malformed_fields: list[str] | None = None  # the first malformed row's fields, for errors
 
     # -- reading and tokenizing documents -------------------------------------------------------
 
@@ -104,6 +106,11 @@ class TokenStream:
         except StopIteration:
             self._end_epoch()
             return None
+        except READ_ERRORS as err:  # a fault past the start of a file that file_check read
+            raise DataError(
+                f"cannot read data.source={self._cfg.source!r} after {self._cursor['epoch_rows']} rows of epoch "
+                f"{self._cursor['epoch']}: {err}"
+            ) from err
         self._cursor["dataset"] = self._dataset.state_dict()
         self._cursor["epoch_rows"] += 1
         return row
@@ -120,11 +127,17 @@ class TokenStream:
         where = f"data.source={self._cfg.source!r}, text field {self._text_field!r}"
         if self.world_size > 1:
             where += f", rank {self.rank} of {self.world_size}"
+        fields = ""
+        if self._malformed_fields is not None:
+            fields = (
+                f" (no string under {self._text_field!r}; the first one's fields: "
+                f"{', '.join(self._malformed_fields) or 'none'})"
+            )
         return (
             f"no usable {self.split} documents ({where}): {c['epoch_rows']} rows read in epoch "
             f"{c['epoch']}, {c['epoch_usable']} usable in either split (data.val_fraction="
             f"{self._cfg.val_fraction}); empty or malformed rows so far: {c['empty_skipped']} empty, "
-            f"{c['malformed_skipped']} malformed"
+            f"{c['malformed_skipped']} malformed{fields}"
         )
 
     def _read_chunk(self) -> None:
@@ -144,6 +157,8 @@ class TokenStream:
                 c["empty_skipped"] += 1
             elif kind == MALFORMED:
                 c["malformed_skipped"] += 1
+                if self._malformed_fields is None:
+                    self._malformed_fields = sorted(row)
             else:
                 c["epoch_usable"] += 1
                 if split_of(text, self._cfg.val_fraction) == self.split:

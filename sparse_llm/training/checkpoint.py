@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ from torch import nn
 from sparse_llm.model.state import load_model_state, model_state_to_save, write_safetensors
 from sparse_llm.run_files import CHECKPOINT_MANIFEST as MANIFEST
 from sparse_llm.run_files import checkpoint_dir_name, list_checkpoints
+
+logger = logging.getLogger(__name__)
 
 SHARDED_DIR = "sharded"
 FILES_KEY = "files"  # in the manifest: {relative path: {"size": bytes, "sha256": hex}}
@@ -189,7 +191,7 @@ def checkpoint_to_resume(root: Path, requested: str) -> Path | None:
         problem = verify_checkpoint(path)
         if problem is None:
             return path
-        warnings.warn(f"resume=auto: skipping {path}: {problem}", stacklevel=2)
+        logger.warning("resume=auto: skipping %s: %s", path, problem)
     return None
 
 

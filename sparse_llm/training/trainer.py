@@ -30,6 +30,7 @@ from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
 from sparse_llm.training.ffn_fallback import DensityFallback
+from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 
@@ -181,7 +182,7 @@ class Trainer:
         t = self.cfg.train
         self._maybe_resume()
         if self.accelerator.is_main_process:
-            logger.info("FFN: %s", self.model.ffn_plan.describe())
+            logger.info("FFN: %s", describe_ffn(self.model.ffn_plan, self.cfg.model.ffn_impl, self.device))
         self.callbacks.on_train_start(self)
         main = self.accelerator.is_main_process
         bar = tqdm(
@@ -237,7 +238,7 @@ class Trainer:
                 evaluation = self.evaluate()
                 record.update(evaluation)
                 self.callbacks.on_eval(self, self.step, evaluation)
-                bar.write(f"step {self.step}: val_loss {evaluation['val_loss']:.4f}")
+                logger.info("step %d: val_loss %.4f", self.step, evaluation["val_loss"])
             if any(key in record for key in ("tokens_per_s", "val_loss", "reinit/revived")):
                 if t.compile:
                     record["compile/graphs"] = float(compiled_graphs() - graphs_at_start)
@@ -383,19 +384,21 @@ class Trainer:
         path = ckpt_io.checkpoint_to_resume(self.checkpoint_root, resume)
         if path is None:
             if self.accelerator.is_main_process:
-                print(f"resume=auto: no usable checkpoint in {self.checkpoint_root}, starting from scratch")
+                logger.info(
+                    "resume=auto: no usable checkpoint in %s, starting from scratch", self.checkpoint_root
+                )
             return
         ckpt = ckpt_io.restore_training_state(path, self.state)
         saved_world = ckpt.state["world_size"]
         if saved_world != self.world_size and self.accelerator.is_main_process:
             # Weights, optimizer, tracker and data position are global: only the split of each
             # global batch over processes changes.
-            print(f"resumed a run of {saved_world} processes on {self.world_size}")
+            logger.info("resumed a run of %d processes on %d", saved_world, self.world_size)
         self.step = ckpt.step
         self.tokens_seen = int(ckpt.state["tokens_seen"])
         self.logger.truncate_after(self.step)
         if self.accelerator.is_main_process:
-            print(f"resumed from {path} at step {self.step}")
+            logger.info("resumed from %s at step %d", path, self.step)
 
     def _finish(self) -> None:
         self.callbacks.on_train_end(self)

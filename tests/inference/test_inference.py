@@ -13,6 +13,7 @@ from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM
 
 from sparse_llm.config import to_yaml
+from sparse_llm.generate import greedy_note
 from sparse_llm.inference import (
     Generator,
     SamplingParams,
@@ -345,6 +346,13 @@ def test_generate_command(run_dir):
     assert json.loads(static.stdout)["outputs"] == result["outputs"]  # the same greedy tokens
     bad = subprocess.run([*cmd, "--top-p", "2"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_blank_greedy_output_gets_a_note_on_sampling():
+    note = greedy_note(["\n\n\n", "x = 1"], temperature=0.0)
+    assert note is not None and "1 of 2 prompts" in note and "--temperature 0.7 --top-k 40" in note
+    assert greedy_note(["x = 1"], temperature=0.0) is None
+    assert greedy_note(["\n"], temperature=0.7) is None  # sampling was asked for: its output stands
 
 
 def test_benchmark_script_tiny(tmp_path):

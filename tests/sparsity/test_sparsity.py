@@ -14,7 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparse_llm.analysis.plots import plot_run, plot_runs_overlay, settled_layer_l0
+from sparse_llm.analysis import plots
+from sparse_llm.analysis.plots import (
+    nnz_hist_figure,
+    plot_run,
+    plot_runs_overlay,
+    plot_val_ce_vs_sparsity,
+    settled_layer_l0,
+)
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.analysis.sweep import SweepError, summarize_sweep
 from sparse_llm.config import ModelConfig, SparsityConfig
@@ -481,6 +488,28 @@ def test_plot_runs_overlay(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="labels"):
         plot_runs_overlay(runs, tmp_path / "x.png", labels=["one"])
+
+
+def test_empty_histogram_bins_are_gaps_and_every_filled_bin_a_marker():
+    row = [0, 0, 3, 1, 0, 0, 0, 4, 0]  # bins 4-6 empty between filled ones, and a lone bin 7
+    fig = nnz_hist_figure({"counts": [row], "num_units": 8, "tokens": 8})
+    (line,) = fig.axes[0].lines
+    shares = line.get_ydata()
+    assert [i for i, share in enumerate(shares) if np.isnan(share)] == [0, 1, 4, 5, 6, 8]
+    assert shares[[2, 3, 7]].tolist() == [3 / 8, 1 / 8, 4 / 8] and line.get_marker() == "."
+
+
+def test_comparison_plots_label_their_axes_in_words(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    runs = [write_run(tmp_path / "l1", 2e-5), write_run(tmp_path / "no_l1", 0.0)]
+    plot_runs_overlay(runs, tmp_path / "overlay.png", key="sparsity/mean")
+    plot_val_ce_vs_sparsity([("λ=0", 0.5, 3.0)], tmp_path / "sweep.png")
+    labels = [(fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) for fig in figures]
+    assert labels == [
+        ("step", "sparsity (1 - L0 / H), mean of layers"),
+        ("sparsity (1 - L0 / H), mean of layers, last logged step", "validation loss (CE), last evaluation"),
+    ]
 
 
 # --- sweep summary -------------------------------------------------------------------------

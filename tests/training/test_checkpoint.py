@@ -107,15 +107,19 @@ def test_every_file_is_recorded_and_written_with_the_run_s_permissions(tmp_path:
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
-def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path: Path, how: str):
+def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path: Path, how: str, caplog):
     older = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(2), keep_last=3)
     newer = ckpt_io.save_checkpoint(tmp_path, make_checkpoint(4), keep_last=3)
     _damage(newer, how)
     assert "model.safetensors" in ckpt_io.verify_checkpoint(newer)
-    with pytest.warns(UserWarning, match=f"skipping {newer}: model.safetensors"):
-        assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") == older
+    assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") == older
+    # A log line (the run's log and train.log), not a Python warning.
+    assert [(r.levelname, r.getMessage().split(": model")[0]) for r in caplog.records] == [
+        ("WARNING", f"resume=auto: skipping {newer}")
+    ]
     with pytest.raises(ckpt_io.CheckpointError, match=f"cannot resume from {newer}: model.safetensors"):
         ckpt_io.checkpoint_to_resume(tmp_path, str(newer))
     _damage(older, how)
-    with pytest.warns(UserWarning):
-        assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") is None
+    caplog.clear()
+    assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") is None
+    assert len(caplog.records) == 2  # both skipped, each named
