@@ -85,6 +85,25 @@ def plot_val_ce_vs_sparsity(points: Sequence[tuple[str, float, float]], out_path
     return _save(fig, out_path)
 
 
+def plot_downstream_compare(
+    panels: dict[str, tuple[list[str], dict[str, list[float | None]]]], out_path: Path
+) -> Path:
+    """Grouped bars, a panel per {title: (group names, {run: one value per group})}: runs side by
+    side in every group (a missing value leaves its bar out)."""
+    fig = Figure(figsize=(max(6.0, 4.0 * len(panels) + 2.0), 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (title, (names, bars)) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        width = 0.8 / max(1, len(bars))
+        for j, (label, values) in enumerate(bars.items()):
+            points = [(k + j * width, v) for k, v in enumerate(values) if v is not None]
+            ax.bar([x for x, _ in points], [v for _, v in points], width, label=label)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, fontsize=8)
+        ax.set(title=title, ylabel=title)
+        ax.legend(fontsize=7)
+    return _save(fig, out_path)
+
+
 def _layer_keys(records: list[dict[str, Any]], name: str) -> list[str]:
     """The run's `<name>/layer_NN` metric keys, in layer order."""
     pattern = re.compile(rf"^{name}/layer_(\d+)$")
