@@ -7,6 +7,7 @@ checks the cross-field rules. Everything here runs before any model or data is b
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -226,6 +227,27 @@ class LoggerConfig:
 
 
 @dataclass
+class DownstreamEvalConfig:
+    """Task accuracy through lm-evaluation-harness during training (sparse_llm/training/downstream.py;
+    the same evaluation as `sparse-llm-eval`). Presets: configs/eval/."""
+
+    # lm-eval task names or presets (configs/eval/<name>.yaml: paper, quick, offline); empty: off.
+    tasks: list[str] = field(default_factory=list)
+    # Steps between evaluations, a multiple of train.log_every (the results are logged with that
+    # step's record); 0: only after the last step. The last step is always evaluated.
+    every: int = checked(0, ge=0)
+    limit: int | None = checked(None, gt=0, optional=True)  # examples per task (None: all)
+    num_fewshot: int | None = checked(None, ge=0, optional=True)  # None: each task's own default
+    batch_size: int = checked(32, gt=0)  # sequences per scoring forward
+
+
+@dataclass
+class EvalConfig:
+    name: str = "none"
+    downstream: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+
+
+@dataclass
 class RunConfig:
     run_dir: str | None = None  # None: Hydra's output directory
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -233,6 +255,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # User hooks: entries like {_target_: my_pkg.MyCallback, some_arg: 1} (see training/callbacks.py)
     callbacks: list[Any] = field(default_factory=list)
 
@@ -327,6 +350,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if s.l1_warmup_end < s.l1_warmup_start:
         raise ConfigError("config key 'sparsity.l1_warmup_end': must be >= sparsity.l1_warmup_start")
     _validate_sparsity_target(s, m.intermediate_size)
+    _validate_downstream(cfg.eval.downstream, t, world_size)
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(f"config key 'train.resume': no checkpoint directory at {t.resume!r}")
 
@@ -356,6 +380,27 @@ def _validate_sparsity_target(s: SparsityConfig, num_units: int) -> None:
             f"config key 'sparsity.l1_coeff': with {key} set it is the controller's starting value and "
             f"must be in [sparsity.controller.coeff_min, coeff_max] = [{c.coeff_min:g}, {c.coeff_max:g}], "
             f"got {s.l1_coeff:g}"
+        )
+
+
+def _validate_downstream(d: DownstreamEvalConfig, t: TrainConfig, world_size: int) -> None:
+    if not d.tasks:
+        return
+    if d.every > 0 and d.every % t.log_every:
+        raise ConfigError(
+            f"config key 'eval.downstream.every': {d.every} is not a multiple of train.log_every="
+            f"{t.log_every} (the task metrics are logged with that step's record)"
+        )
+    if world_size > 1:
+        # Scoring on one rank while the others wait in a collective would run into their timeout.
+        raise ConfigError(
+            "config key 'eval.downstream.tasks': in-loop downstream evaluation runs in a single "
+            "process; evaluate a multi-GPU run's checkpoints with sparse-llm-eval instead"
+        )
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "config key 'eval.downstream.tasks': downstream evaluation needs lm-evaluation-harness: "
+            "pip install 'sparse-llm[eval]'"
         )
 
 

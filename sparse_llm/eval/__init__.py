@@ -9,5 +9,6 @@ compare.py  runs side by side: a table and a bar plot
 tasks/      the tasks that ship with the package (offline)
 
 lm-eval is optional (`pip install "sparse-llm[eval]"`); nothing here imports it at import time
-but lm.py.
+but lm.py. During training, eval.downstream runs the same evaluation
+(sparse_llm/training/downstream.py).
 """

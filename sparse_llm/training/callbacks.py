@@ -106,11 +106,16 @@ class DeadUnitReinitCallback(Callback):
 
 
 def default_callbacks(cfg: RunConfig) -> list[Callback]:
-    """The built-in callbacks the config switches on: dead-unit reinit."""
+    """The built-in callbacks the config switches on: dead-unit reinit, downstream evaluation."""
+    callbacks: list[Callback] = []
     reinit = cfg.sparsity.reinit
     if reinit.enabled:
-        return [DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down)]
-    return []
+        callbacks.append(DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down))
+    if cfg.eval.downstream.tasks:
+        from sparse_llm.training.downstream import DownstreamEvalCallback  # lm-eval only when asked for
+
+        callbacks.append(DownstreamEvalCallback(cfg.eval.downstream, cfg.train.max_steps))
+    return callbacks
 
 
 def build_callbacks(entries: list[Any]) -> list[Callback]:
