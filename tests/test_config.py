@@ -178,8 +178,8 @@ def test_every_preset_lists_every_field(group):
 
     from sparse_llm.config import EvalConfig, ModelConfig, SparsityConfig, TrainConfig
 
-    schema = {"model": ModelConfig, "train": TrainConfig, "sparsity": SparsityConfig, "eval": EvalConfig}[group]
-    fields = {f.name for f in dataclasses.fields(schema)}
+    schemas = {"model": ModelConfig, "train": TrainConfig, "sparsity": SparsityConfig, "eval": EvalConfig}
+    fields = {f.name for f in dataclasses.fields(schemas[group])}
     for preset in sorted((CONFIG_DIR / group).glob("*.yaml")):
         keys = set(yaml.safe_load(preset.read_text()) or {}) - {"defaults"}
         assert keys == fields, (

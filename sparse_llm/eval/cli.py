@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sparse_llm.eval.harness import LMEvalMissing
 from sparse_llm.eval.results import EvalTarget
 from sparse_llm.inference import FASTEST
 from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError) as err:
+    except (ValueError, FileNotFoundError, NotADirectoryError, LMEvalMissing) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 

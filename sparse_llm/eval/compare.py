@@ -3,8 +3,8 @@
 Each run's downstream results are those of the step `results.locate` files it under (a run
 directory: its latest checkpoint); its sparsity and L0 are the last ones its metrics.jsonl logged
 at or before that step (none for an export outside a run). A task's headline metric is the first
-of HEADLINE_METRICS it has; the mean accuracy averages the tasks whose headline is an accuracy,
-over the tasks every run has (the paper's figure: the suite's mean).
+of HEADLINE_METRICS it has (acc_norm before acc, as papers report the suite); the mean accuracy
+averages the tasks whose headline is an accuracy (the paper's figure), for a run that has them all.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_llm.analysis.runs import read_metrics
-from sparse_llm.eval.results import ACCURACY_METRICS, EvalTarget, read_result
+from sparse_llm.eval.results import ACCURACY_METRICS, EvalTarget, format_value, read_result
 
 HEADLINE_METRICS = (*ACCURACY_METRICS, "bits_per_byte", "word_perplexity")
 MEAN_ROW = "mean accuracy"
@@ -54,7 +54,7 @@ def headline(tasks: dict[str, dict[str, Any]], task: str) -> str | None:
 @dataclass
 class Comparison:
     runs: list[RunColumn]
-    rows: list[tuple[str, str]]  # (task, its headline metric), in the first run's task order
+    rows: list[tuple[str, str]]  # (task, its headline metric), in the order the runs list the tasks
 
     def value(self, run: RunColumn, task: str, metric: str) -> float | None:
         return run.tasks.get(task, {}).get("metrics", {}).get(metric)
@@ -72,10 +72,9 @@ def compare(targets: list[EvalTarget]) -> Comparison:
     for run in runs:  # two runs named alike (two exports, two checkpoints of one run): their paths
         if labels.count(run.label) > 1:
             run.label = run.model
-    tasks = [t for run in runs for t in run.tasks]
     rows = []
-    for task in dict.fromkeys(tasks):
-        metric = next((headline(run.tasks, task) for run in runs if headline(run.tasks, task)), None)
+    for task in dict.fromkeys(t for run in runs for t in run.tasks):
+        metric = next(filter(None, (headline(run.tasks, task) for run in runs)), None)
         if metric is not None:
             rows.append((task, metric))
     return Comparison(runs, rows)
@@ -88,8 +87,8 @@ def to_markdown(comparison: Comparison) -> str:
         "|---|---|" + "---:|" * len(runs),
     ]
 
-    def row(name: str, metric: str, values: list[float | None], spec: str = "{:.4f}") -> None:
-        cells = ["–" if v is None else spec.format(v) for v in values]
+    def row(name: str, metric: str, values: list[float | None], spec: str | None = None) -> None:
+        cells = ["–" if v is None else format_value(v) if spec is None else spec.format(v) for v in values]
         lines.append(f"| {name} | {metric} | " + " | ".join(cells) + " |")
 
     for task, metric in comparison.rows:

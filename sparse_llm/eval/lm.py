@@ -124,14 +124,13 @@ class SparseLM(TemplateLM):
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> SparseLM:
         """lm-eval's constructor: model_args {"pretrained": <path>, ...: from_pretrained's keywords};
-        lm-eval adds batch_size, max_batch_size and device where it was given them."""
-        args = dict(arg_dict)
+        lm-eval adds batch_size, max_batch_size and device where it was given them (model_args win)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         extra.pop("max_batch_size", None)  # lm-eval's bound for batch_size=auto, which we do not take
+        args = {**extra, **arg_dict}
         if "pretrained" not in args:
             raise ValueError("model_args needs pretrained=<export, checkpoint or run directory>")
-        path = args.pop("pretrained")
-        return cls.from_pretrained(path, **args, **extra)
+        return cls.from_pretrained(args.pop("pretrained"), **args)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> SparseLM:

@@ -117,8 +117,8 @@ def to_markdown(record: dict[str, Any]) -> str:
             cells = (
                 task,
                 metric,
-                f"{value:.4f}",
-                "–" if err is None else f"{err:.4f}",
+                format_value(value),
+                "–" if err is None else format_value(err),
                 str(result.get("samples", "–")),
                 str(result.get("num_fewshot", "–")),
             )
@@ -129,3 +129,8 @@ def to_markdown(record: dict[str, Any]) -> str:
         f"{record['seconds']:.1f} s; FFN: {record['ffn']}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def format_value(value: float) -> str:
+    """Four decimals; four significant digits for a large value (a word perplexity)."""
+    return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"

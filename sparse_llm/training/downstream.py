@@ -82,6 +82,8 @@ class DownstreamEvalCallback(Callback):
         finally:
             model.train(was_training)
         record["tokens_seen"] = trainer.tokens_seen
+        if trainer.accelerator.mixed_precision != "no":  # the weights' dtype is not what computed
+            record["dtype"] += f" weights, {trainer.accelerator.mixed_precision} autocast"
         write_result(EvalTarget(trainer.run_dir, "training", trainer.run_dir, step), record)
         metrics.update(log_metrics(record))
         metrics[f"{LOG_PREFIX}/seconds"] = record["seconds"]

@@ -117,7 +117,8 @@ def test_unsupported_generation_options_are_named(export):
 def test_registered_with_lm_eval_and_built_from_its_model_args(export):
     assert get_model("sparse-llm") is SparseLM
     lm = SparseLM.create_from_arg_string(
-        f"pretrained={export},prefill_ffn=dense", {"batch_size": 4, "device": "cpu", "max_batch_size": None}
+        f"pretrained={export},prefill_ffn=dense,batch_size=4",
+        {"batch_size": 8, "device": "cpu", "max_batch_size": None},
     )
     assert (lm.batch_size, lm.device.type, lm.model.ffn_plan.prefill.impl) == (4, "cpu", "dense")
     with pytest.raises(ValueError, match="pretrained"):
