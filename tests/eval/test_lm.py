@@ -123,3 +123,21 @@ def test_registered_with_lm_eval_and_built_from_its_model_args(export):
     assert (lm.batch_size, lm.device.type, lm.model.ffn_plan.prefill.impl) == (4, "cpu", "dense")
     with pytest.raises(ValueError, match="pretrained"):
         SparseLM.create_from_arg_obj({"device": "cpu"})
+
+
+def test_every_shipped_choice_is_scored_on_tokens_of_its_own(export):
+    """No python_completion choice merges into its context's last token (lm-eval's split of the
+    joint encoding would score an empty or truncated continuation)."""
+    import json
+
+    from sparse_llm.eval.tasks import TASK_DIR
+
+    lm = SparseLM.from_pretrained(export, device="cpu")
+    items = [json.loads(line) for line in (TASK_DIR / "python_completion.jsonl").read_text().splitlines()]
+    assert len(items) == 40 and all(0 <= item["label"] < len(item["choices"]) == 4 for item in items)
+    for item in items:
+        for choice in item["choices"]:
+            context = item["context"].rstrip()  # lm-eval moves trailing whitespace to the continuation
+            whole = lm.tok_encode(context + item["context"][len(context) :] + choice)
+            prefix = lm.tok_encode(context)
+            assert whole[: len(prefix)] == prefix and len(whole) > len(prefix), (item["context"], choice)
