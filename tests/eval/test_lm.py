@@ -141,3 +141,16 @@ def test_every_shipped_choice_is_scored_on_tokens_of_its_own(export):
             whole = lm.tok_encode(context + item["context"][len(context) :] + choice)
             prefix = lm.tok_encode(context)
             assert whole[: len(prefix)] == prefix and len(whole) > len(prefix), (item["context"], choice)
+
+
+@pytest.mark.gpu
+def test_the_kernels_score_as_the_dense_ffn_on_a_gpu(export, manager):
+    """prefill_ffn=cuda (the TwELL kernels score, bf16) against the dense FFN on the same GPU."""
+    dense = SparseLM.from_pretrained(export, device="cuda", prefill_ffn="dense")
+    kernels = SparseLM.from_pretrained(export, device="cuda", prefill_ffn="cuda")
+    assert kernels.model.ffn_plan.eval.impl == "cuda" and dense.model.lm_head.weight.dtype == torch.bfloat16
+    theirs = responses(harness.run_lm_eval(dense, SHIPPED_TASKS, manager, limit=20, log_samples=True))
+    ours = responses(harness.run_lm_eval(kernels, SHIPPED_TASKS, manager, limit=20, log_samples=True))
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():  # bf16: both round; the kernels' error is bounded by dense's
+        torch.testing.assert_close(ours[key][0], value[0], rtol=2e-2, atol=0.1, msg=str(key))
