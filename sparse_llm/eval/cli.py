@@ -86,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         tasks = harness.expand_tasks(names)
         manager = harness.task_manager(tasks)
         harness.check_tasks(tasks, manager)
+        harness.fetch_task_data(tasks, manager, args.verbose)
         # One preset named: its limit and shots, where the command line sets none.
         chosen = [preset for name, preset in harness.presets().items() if name in names]
         preset = chosen[0] if len(chosen) == 1 else None

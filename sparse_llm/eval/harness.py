@@ -92,6 +92,16 @@ def check_tasks(tasks: Sequence[str], manager: Any) -> None:
         )
 
 
+def fetch_task_data(tasks: Sequence[str], manager: Any, verbose: bool = False) -> None:
+    """Load the tasks once, before any model: their data is downloaded (hub tasks) or read, so
+    that a machine without the hub fails here, in one line, and each evaluation reads the cache."""
+    with lm_eval_logging(verbose):
+        try:
+            manager.load(list(tasks))
+        except OSError as err:  # the hub unreachable, a dataset or file missing
+            raise ValueError(f"cannot load the data of task(s) {', '.join(tasks)}: {err}") from err
+
+
 @contextlib.contextmanager
 def lm_eval_logging(verbose: bool) -> Iterator[None]:
     """lm-eval's loggers at WARNING, or at ERROR unless `verbose` (its per-task notes about

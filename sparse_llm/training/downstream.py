@@ -37,8 +37,8 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
 
 
 class DownstreamEvalCallback(Callback):
-    """lm-eval tasks on the trainer's model at the steps `cfg` names; the tasks are checked (and
-    lm-eval's task index built) when the callback is made, before the run starts."""
+    """lm-eval tasks on the trainer's model at the steps `cfg` names; the tasks are checked and
+    their data fetched when the callback is made, before the run starts."""
 
     def __init__(self, cfg: DownstreamEvalConfig, max_steps: int) -> None:
         from sparse_llm.eval import harness
@@ -50,6 +50,7 @@ class DownstreamEvalCallback(Callback):
             self.tasks = harness.expand_tasks(cfg.tasks)
             self.manager = harness.task_manager(self.tasks)
             harness.check_tasks(self.tasks, self.manager)
+            harness.fetch_task_data(self.tasks, self.manager)
         except (ImportError, ValueError) as err:
             raise ConfigError(f"config key 'eval.downstream.tasks': {err}") from None
 

@@ -49,6 +49,21 @@ def test_unknown_task_is_named_before_any_evaluation(default_run, capsys, tmp_pa
     assert not (export / "eval").exists()
 
 
+def test_task_data_that_cannot_be_read_fails_before_any_model_loads(default_run, capsys, monkeypatch):
+    """What a machine without the hub sees for hub tasks: one line, nothing written."""
+    pytest.importorskip("lm_eval")
+    import sparse_llm.eval.tasks as shipped
+
+    def unreachable(file, **_):
+        raise FileNotFoundError(f"no {file} (offline)")
+
+    monkeypatch.setattr(shipped, "load_jsonl", unreachable)
+    before = sorted((default_run / "eval").glob("*")) if (default_run / "eval").exists() else []
+    assert main([str(default_run), "--tasks", "python_perplexity"]) == 2
+    assert "cannot load the data of task(s) python_perplexity: no python_perplexity.jsonl" in err_line(capsys)
+    assert (sorted((default_run / "eval").glob("*")) if (default_run / "eval").exists() else []) == before
+
+
 def test_compare_needs_results(default_run, capsys, tmp_path):
     export = shutil.copytree(default_run / "export", tmp_path / "export")
     assert main(["--compare", str(export), "--out", str(tmp_path)]) == 2
