@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ DEVICES = ("auto", "cpu", "cuda")
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any compute."""
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """Where the Hydra configs may be, in order: the installed package's `configs/` (pyproject.toml
+    maps the repository's top-level configs/ there), the checkout's (an editable install)."""
+    return (
+        Path(str(resources.files("sparse_llm") / "configs")),
+        Path(__file__).resolve().parents[1] / "configs",
+    )
+
+
+def config_dir() -> Path:
+    """The first of `config_dirs()` that holds config.yaml (the first one if none does)."""
+    candidates = config_dirs()
+    return next((d for d in candidates if (d / "config.yaml").is_file()), candidates[0])
+
+
+CONFIG_DIR = config_dir()  # what sparse_llm.train composes, and the eval presets are read from
 
 
 @dataclass(frozen=True)
@@ -228,8 +247,8 @@ class LoggerConfig:
 
 @dataclass
 class DownstreamEvalConfig:
-    """Task accuracy through lm-evaluation-harness during training (sparse_llm/training/downstream.py;
-    the same evaluation as `sparse-llm-eval`). Presets: configs/eval/."""
+    """Task accuracy through lm-evaluation-harness during training (DownstreamEvalCallback in
+    training/callbacks.py; the same evaluation as `sparse-llm-eval`). Presets: configs/eval/."""
 
     # lm-eval task names or presets (configs/eval/<name>.yaml: paper, quick, offline); empty: off.
     tasks: list[str] = field(default_factory=list)

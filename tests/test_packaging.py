@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sparse_llm.config import CONFIG_DIR, config_dir
 from sparse_llm.ops import _extension
-from sparse_llm.train import CONFIG_DIR, config_dir
 
 if sys.version_info >= (3, 11):
     import tomllib

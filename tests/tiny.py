@@ -69,7 +69,7 @@ def train_default_model(run_dir: Path, steps: int = 4, **sparsity: Any) -> Path:
     sequences; the run directory then holds its checkpoint, config.yaml, metrics.jsonl and export."""
     from omegaconf import OmegaConf
 
-    from sparse_llm.train import CONFIG_DIR
+    from sparse_llm.config import CONFIG_DIR
     from sparse_llm.training.trainer import Trainer
 
     model = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny.yaml"))

@@ -15,7 +15,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sparse_llm.analysis.runs import read_metrics, series
+from sparse_llm.analysis.runs import ACCURACY_METRICS, DOWNSTREAM_PREFIX, read_metrics, series
 from sparse_llm.run_files import NNZ_HIST_FILE
 
 SPARSITY_PNG = "sparsity_per_layer.png"
@@ -109,12 +109,10 @@ def plot_downstream_compare(
 def _plot_downstream(records: list[dict[str, Any]], out_path: Path) -> Path | None:
     """Task metrics (downstream/<task>/<metric>) over training tokens: the accuracies in one panel,
     bits per byte (the perplexity tasks' figure that does not depend on the tokenizer) in another."""
-    from sparse_llm.eval.results import ACCURACY_METRICS, LOG_PREFIX
-
     panels: dict[str, list[str]] = {}
     for key in dict.fromkeys(k for r in records for k in r):
         parts = key.split("/")
-        if len(parts) != 3 or parts[0] != LOG_PREFIX:
+        if len(parts) != 3 or parts[0] != DOWNSTREAM_PREFIX:
             continue
         if parts[2] in ACCURACY_METRICS:
             panels.setdefault("accuracy", []).append(key)
@@ -128,7 +126,7 @@ def _plot_downstream(records: list[dict[str, Any]], out_path: Path) -> Path | No
         ax = fig.add_subplot(1, len(panels), i + 1)
         for key in keys:
             kept = [r for r in records if key in r and "tokens_seen" in r]
-            label = key.removeprefix(f"{LOG_PREFIX}/")
+            label = key.removeprefix(f"{DOWNSTREAM_PREFIX}/")
             ax.plot([r["tokens_seen"] for r in kept], [r[key] for r in kept], marker="o", label=label)
         ax.set(xlabel="tokens", ylabel=title, title=f"downstream {title}")
         ax.legend(fontsize=7)

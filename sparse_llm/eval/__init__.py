@@ -10,5 +10,5 @@ tasks/      the tasks that ship with the package (offline)
 
 lm-eval is optional (`pip install "sparse-llm[eval]"`); nothing here imports it at import time
 but lm.py. During training, eval.downstream runs the same evaluation
-(sparse_llm/training/downstream.py).
+(DownstreamEvalCallback, sparse_llm/training/callbacks.py).
 """

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.analysis.runs import read_metrics
-from sparse_llm.eval.results import ACCURACY_METRICS, EvalTarget, format_value, read_result
+from sparse_llm.analysis.runs import ACCURACY_METRICS, read_metrics
+from sparse_llm.eval.results import EvalTarget, format_value, read_result
 
 HEADLINE_METRICS = (*ACCURACY_METRICS, "bits_per_byte", "word_perplexity")
 MEAN_ROW = "mean accuracy"

@@ -13,13 +13,17 @@ import contextlib
 import importlib.util
 import logging
 import math
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from omegaconf import OmegaConf
 
+from sparse_llm.config import CONFIG_DIR
 from sparse_llm.eval.tasks import SHIPPED_TASKS, TASK_DIR
 
 NO_PRESET = "none"  # the eval group's "off" entry, not a preset
@@ -46,8 +50,6 @@ class Preset:
 
 def presets() -> dict[str, Preset]:
     """The task presets: configs/eval/*.yaml but `none`."""
-    from sparse_llm.train import CONFIG_DIR
-
     found = {}
     for path in sorted((CONFIG_DIR / "eval").glob("*.yaml")):
         if path.stem == NO_PRESET:
@@ -115,6 +117,20 @@ def lm_eval_logging(verbose: bool) -> Iterator[None]:
         logger.setLevel(before)
 
 
+@contextlib.contextmanager
+def preserved_rng(device: torch.device) -> Iterator[None]:
+    """Python's, NumPy's and torch's global random states (the CPU's and `device`'s) restored on
+    exit: lm-eval seeds all three, and a training run that evaluates must draw what it would have."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
 def run_lm_eval(
     lm: Any,
     tasks: Sequence[str],
@@ -177,12 +193,14 @@ def evaluate(
     verbose: bool = False,
 ) -> dict[str, Any]:
     """Run `tasks` on our model class `lm` (sparse_llm.eval.lm.SparseLM); the record the result
-    files hold: per-task results, how the model ran, wall time."""
+    files hold: per-task results, how the model ran, wall time. The global random state is left
+    as it was (`preserved_rng`)."""
     import lm_eval
 
-    start = time.perf_counter()
-    output = run_lm_eval(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, verbose=verbose)
     weight = lm.model.lm_head.weight
+    start = time.perf_counter()
+    with preserved_rng(weight.device):
+        output = run_lm_eval(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, verbose=verbose)
     return {
         "tasks": task_results(output),
         "seconds": time.perf_counter() - start,

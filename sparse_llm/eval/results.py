@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparse_llm.analysis.runs import DOWNSTREAM_PREFIX
 from sparse_llm.inference.loading import detect_source
 from sparse_llm.run_files import CONFIG_FILE, EVAL_DIR, EXPORT_DIR, METRICS_FILE, STEP_DIR
-
-LOG_PREFIX = "downstream"  # metrics.jsonl / wandb keys: downstream/<task>/<metric>
-ACCURACY_METRICS = ("acc_norm", "acc", "exact_match")  # lm-eval's accuracies (in [0, 1])
 
 
 @dataclass(frozen=True)
@@ -94,12 +92,14 @@ def read_result(target: EvalTarget) -> dict[str, Any]:
 
 
 def log_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """The record's metrics as metrics.jsonl / wandb keys: downstream/<task>/<metric>."""
-    return {
-        f"{LOG_PREFIX}/{task}/{metric}": value
+    """The record's metrics as metrics.jsonl / wandb keys: downstream/<task>/<metric>, and the
+    evaluation's wall time as downstream/seconds."""
+    metrics = {
+        f"{DOWNSTREAM_PREFIX}/{task}/{metric}": value
         for task, result in record["tasks"].items()
         for metric, value in result["metrics"].items()
     }
+    return {**metrics, f"{DOWNSTREAM_PREFIX}/seconds": record["seconds"]}
 
 
 def to_markdown(record: dict[str, Any]) -> str:

@@ -12,8 +12,7 @@ from hydra import compose, initialize_config_dir
 from tiny import tiny_run_config
 
 from sparse_llm.analysis.runs import read_metrics
-from sparse_llm.config import ConfigError, load_config, to_yaml
-from sparse_llm.train import CONFIG_DIR
+from sparse_llm.config import CONFIG_DIR, ConfigError, load_config, to_yaml
 from sparse_llm.training.trainer import Trainer
 
 OFFLINE = {"tasks": ["offline"], "every": 2, "limit": 4}
@@ -60,13 +59,13 @@ def test_in_loop_evaluation_logs_its_keys_and_changes_no_training_number(tmp_pat
 
 
 def test_the_evaluation_leaves_the_global_random_state_as_it_found_it():
-    """lm-eval seeds Python's, NumPy's and torch's generators; the callback's context undoes it."""
+    """lm-eval seeds Python's, NumPy's and torch's generators; harness.evaluate's context undoes it."""
     import random
 
     import numpy as np
     import torch
 
-    from sparse_llm.training.downstream import preserved_rng
+    from sparse_llm.eval.harness import preserved_rng
 
     def seed(value: int) -> None:
         torch.manual_seed(value)
