@@ -14,7 +14,8 @@ request calls (lm-eval's task building and metrics are the rest), each against h
 metrics, and the agreement with hf on the same requests: the largest difference of a request's
 log-likelihood and the share of documents whose per-document score (acc, acc_norm) is the same.
 L0 is measured on the tasks' own text (the python_perplexity documents) with the loaded weights.
-A model without an export (a run directory or checkpoint) is exported to <out>/export first.
+A run directory (or its latest checkpoint) without an export gets one first, in the run's export/
+(the trainer's place for it), which later calls reuse.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from sparse_llm.inference import load_model
 from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
 from sparse_llm.inference.loading import resolve_device, resolve_dtype
 from sparse_llm.model.hf_export import export_hf
-from sparse_llm.run_files import EXPORT_DIR
+from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
 from sparse_llm.training.run_info import collect_run_info
 
 REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
@@ -63,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="writes downstream_eval.json / .md here, and the --tiny model or an export it needs "
-        "(default for those: runs/downstream_eval)",
+        help="writes downstream_eval.json / .md here, and the --tiny model (default for that: "
+        "runs/downstream_eval)",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
@@ -89,15 +90,19 @@ def tiny_model(out: Path) -> Path:
     )
 
 
-def export_for_hf(model_path: Path, out: Path) -> Path:
-    """The export `hf` loads: the model's own, its run's, or one written to <out>/export."""
+def export_for_hf(model_path: Path) -> Path:
+    """The export `hf` loads: the model's own, or its run's `export/` (written there first if the
+    run has none, as the trainer would have)."""
     target = results.locate(model_path)
     if target.source == "export":
         return target.model
-    if target.run_dir is not None and (target.run_dir / EXPORT_DIR / "config.json").is_file():
-        return target.run_dir / EXPORT_DIR
-    loaded = load_model(target.model, device="cpu", dtype="float32")
-    return export_hf(loaded.model, loaded.tokenizer, out / EXPORT_DIR)
+    if latest_checkpoint(target.run_dir / CHECKPOINTS_DIR) != target.model:
+        raise ValueError(f"{model_path}: the run's export holds its latest checkpoint; pass that or the run")
+    export = target.run_dir / EXPORT_DIR
+    if not (export / "config.json").is_file():
+        loaded = load_model(target.model, device="cpu", dtype="float32")
+        export_hf(loaded.model, loaded.tokenizer, export)
+    return export
 
 
 @torch.no_grad()
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = harness.expand_tasks(args.tasks)
     manager = harness.task_manager(tasks)
     harness.check_tasks(tasks, manager)
-    export = export_for_hf(model_path, out)
+    export = export_for_hf(model_path)
 
     dtype_name = str(dtype).removeprefix("torch.")
     hf_lm = HFLM(pretrained=str(export), device=str(device), dtype=dtype_name, batch_size=args.batch_size)
