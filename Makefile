@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 			echo "setup: no GPU, installing the CPU build $(TORCH_CPU_SPEC)"; $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_CPU_SPEC)"; \
 		fi; \
 	fi
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,eval]"
 	@touch $(STAMP)
 
 train: setup

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI: the package installs whole. A non-editable install (what `pip install .` or a wheel gives)
 # must carry the kernel sources and the Hydra configs inside the package, and its
-# `sparse-llm-train` must train from any directory. The install goes into a fresh virtual
+# `sparse-llm-train` must train from any directory (and, with lm-eval installed, `sparse-llm-eval`
+# evaluate the result on the shipped tasks). The install goes into a fresh virtual
 # environment that sees the site packages `make setup` installed (torch and the rest), so nothing
 # is downloaded, from a copy of the repository's files (what a clone holds, plus new files not yet
 # added), so no stale build/ of the checkout leaks into it. Takes well under a minute.
@@ -70,4 +71,15 @@ fi
 tail -n 2 "$work/train.log"
 grep -q "^run_dir: $work/run/out" "$work/train.log" ||
   { echo "check_install: sparse-llm-train did not report its run_dir" >&2; exit 1; }
+
+# The shipped evaluation tasks (YAML and data are package data) run from the installed package.
+if "$work/venv/bin/python" -c "import lm_eval" 2>/dev/null; then
+  if ! "$work/venv/bin/sparse-llm-eval" "$work/run/out" --tasks offline --limit 2 >"$work/eval.log" 2>&1; then
+    cat "$work/eval.log"
+    echo "check_install: sparse-llm-eval failed in the installed package" >&2
+    exit 1
+  fi
+  grep -q "| python_perplexity | bits_per_byte |" "$work/eval.log" ||
+    { echo "check_install: sparse-llm-eval printed no results table" >&2; exit 1; }
+fi
 echo "check_install: ok"

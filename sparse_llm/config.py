@@ -8,9 +8,11 @@ checks the cross-field rules. Everything here runs before any model or data is b
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,24 @@ SUGGEST_MARGIN = 0.05
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any compute."""
+
+
+def config_dirs() -> tuple[Path, Path]:
+    """Where the Hydra configs may be, in order: the installed package's `configs/` (pyproject.toml
+    maps the repository's top-level configs/ there), the checkout's (an editable install)."""
+    return (
+        Path(str(resources.files("sparse_llm") / "configs")),
+        Path(__file__).resolve().parents[1] / "configs",
+    )
+
+
+def config_dir() -> Path:
+    """The first of `config_dirs()` that holds config.yaml (the first one if none does)."""
+    candidates = config_dirs()
+    return next((d for d in candidates if (d / "config.yaml").is_file()), candidates[0])
+
+
+CONFIG_DIR = config_dir()  # what sparse_llm.train composes, and the eval presets are read from
 
 
 @dataclass(frozen=True)
@@ -237,6 +257,27 @@ class LoggerConfig:
 
 
 @dataclass
+class DownstreamEvalConfig:
+    """Task accuracy through lm-evaluation-harness during training (DownstreamEvalCallback in
+    training/callbacks.py; the same evaluation as `sparse-llm-eval`). Presets: configs/eval/."""
+
+    # lm-eval task names or presets (configs/eval/<name>.yaml: paper, quick, offline); empty: off.
+    tasks: list[str] = field(default_factory=list)
+    # Steps between evaluations, a multiple of train.log_every (the results are logged with that
+    # step's record); 0: only after the last step. The last step is always evaluated.
+    every: int = checked(0, ge=0)
+    limit: int | None = checked(None, gt=0, optional=True)  # examples per task (None: all)
+    num_fewshot: int | None = checked(None, ge=0, optional=True)  # None: each task's own default
+    batch_size: int = checked(32, gt=0)  # sequences per scoring forward
+
+
+@dataclass
+class EvalConfig:
+    name: str = "none"
+    downstream: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+
+
+@dataclass
 class RunConfig:
     run_dir: str | None = None  # None: Hydra's output directory
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -244,6 +285,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # User hooks: entries like {_target_: my_pkg.MyCallback, some_arg: 1} (see training/callbacks.py)
     callbacks: list[Any] = field(default_factory=list)
 
@@ -381,6 +423,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if s.l1_warmup_end < s.l1_warmup_start:
         raise ConfigError("config key 'sparsity.l1_warmup_end': must be >= sparsity.l1_warmup_start")
     _validate_sparsity_target(s, m.intermediate_size)
+    _validate_downstream(cfg.eval.downstream, t, world_size)
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(f"config key 'train.resume': no checkpoint directory at {t.resume!r}")
 
@@ -410,6 +453,27 @@ def _validate_sparsity_target(s: SparsityConfig, num_units: int) -> None:
             f"config key 'sparsity.l1_coeff': with {key} set it is the controller's starting value and "
             f"must be in [sparsity.controller.coeff_min, coeff_max] = [{c.coeff_min:g}, {c.coeff_max:g}], "
             f"got {s.l1_coeff:g}"
+        )
+
+
+def _validate_downstream(d: DownstreamEvalConfig, t: TrainConfig, world_size: int) -> None:
+    if not d.tasks:
+        return
+    if d.every > 0 and d.every % t.log_every:
+        raise ConfigError(
+            f"config key 'eval.downstream.every': {d.every} is not a multiple of train.log_every="
+            f"{t.log_every} (the task metrics are logged with that step's record)"
+        )
+    if world_size > 1:
+        # Scoring on one rank while the others wait in a collective would run into their timeout.
+        raise ConfigError(
+            "config key 'eval.downstream.tasks': in-loop downstream evaluation runs in a single "
+            "process; evaluate a multi-GPU run's checkpoints with sparse-llm-eval instead"
+        )
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            "config key 'eval.downstream.tasks': downstream evaluation needs lm-evaluation-harness: "
+            "pip install 'sparse-llm[eval]'"
         )
 
 

@@ -5,6 +5,7 @@
 <run_dir>/nnz_hist.json                      per-token non-zero histograms (the plots read it)
 <run_dir>/checkpoints/step_XXXXXXXX/         complete checkpoints (trainer_state.json last)
 <run_dir>/export/                            the Hugging Face export
+<run_dir>/eval/<step>.json, <step>.md        downstream task results (sparse-llm-eval, eval.downstream)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ METRICS_FILE = "metrics.jsonl"
 NNZ_HIST_FILE = "nnz_hist.json"
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"
+EVAL_DIR = "eval"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CHECKPOINT_MANIFEST = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 

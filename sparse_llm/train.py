@@ -28,7 +28,6 @@ import os
 import sys
 import traceback
 import warnings
-from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
@@ -36,29 +35,19 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sparse_llm.config import ConfigError, load_config, prefer_explicit_target, to_yaml, unknown_key
+from sparse_llm.config import (
+    CONFIG_DIR,
+    ConfigError,
+    config_dirs,
+    load_config,
+    prefer_explicit_target,
+    to_yaml,
+    unknown_key,
+)
 from sparse_llm.run_files import CONFIG_FILE
 
 LOG_FILE = "train.log"
 logger = logging.getLogger("sparse_llm.train")  # not __name__: that is "__main__" under python -m
-
-
-def config_dirs() -> tuple[Path, Path]:
-    """Where the Hydra configs may be, in order: the installed package's `configs/` (pyproject.toml
-    maps the repository's top-level configs/ there), the checkout's (an editable install)."""
-    return (
-        Path(str(resources.files("sparse_llm") / "configs")),
-        Path(__file__).resolve().parents[1] / "configs",
-    )
-
-
-def config_dir() -> Path:
-    """The first of `config_dirs()` that holds config.yaml (the first one if none does)."""
-    candidates = config_dirs()
-    return next((d for d in candidates if (d / "config.yaml").is_file()), candidates[0])
-
-
-CONFIG_DIR = config_dir()
 
 
 def run(raw: DictConfig | dict, run_dir: Path, log_file: bool = False) -> Path:

@@ -196,7 +196,7 @@ def test_every_bad_value_is_one_clear_line_naming_its_key(key, value):
     assert f"'{key}'" in message and "\n" not in message, message
 
 
-@pytest.mark.parametrize("group", ["model", "train", "sparsity"])
+@pytest.mark.parametrize("group", ["model", "train", "sparsity", "eval"])
 def test_every_preset_lists_every_field(group):
     """Hydra composes the YAML presets without the schema: a field a preset leaves out cannot be
     overridden on the command line (`model.hidden_act=silu` once failed on the 100m preset)."""
@@ -204,10 +204,10 @@ def test_every_preset_lists_every_field(group):
 
     import yaml
 
-    from sparse_llm.config import ModelConfig, SparsityConfig, TrainConfig
+    from sparse_llm.config import EvalConfig, ModelConfig, SparsityConfig, TrainConfig
 
-    schema = {"model": ModelConfig, "train": TrainConfig, "sparsity": SparsityConfig}[group]
-    fields = {f.name for f in dataclasses.fields(schema)}
+    schemas = {"model": ModelConfig, "train": TrainConfig, "sparsity": SparsityConfig, "eval": EvalConfig}
+    fields = {f.name for f in dataclasses.fields(schemas[group])}
     for preset in sorted((CONFIG_DIR / group).glob("*.yaml")):
         keys = set(yaml.safe_load(preset.read_text()) or {}) - {"defaults"}
         assert keys == fields, (

@@ -5,8 +5,10 @@ Layers, lowest first (a module may import its own subpackage and any lower layer
   1  ops                                kernels' Python front and references
   2  model                              the model, built from ops
   3  data, sparsity, analysis           the recipe and the readers, each on its own
-  4  training, inference                the loops that use all of the above, each on its own
-  5  train, generate (CLIs)
+  4  inference                          generation and scoring on trained models
+  5  eval                               lm-evaluation-harness tasks through the inference path
+  6  training                           the train loop (its in-loop task evaluation is eval's)
+  7  train, generate (CLIs)
 Every import counts, function-level ones included: a deferred import is still a dependency.
 """
 
@@ -26,10 +28,11 @@ LAYERS = {
     "data": 3,
     "sparsity": 3,
     "analysis": 3,
-    "training": 4,
     "inference": 4,
-    "train": 5,
-    "generate": 5,
+    "eval": 5,
+    "training": 6,
+    "train": 7,
+    "generate": 7,
 }
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from sparse_llm.config import CONFIG_DIR, config_dir
 from sparse_llm.ops import _extension
-from sparse_llm.train import CONFIG_DIR, config_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +70,17 @@ def test_every_resource_file_is_installed(setuptools_config, package, directory)
         if not any(fnmatch.fnmatch(f, pat) or fnmatch.fnmatch(f, pat.replace("**/", "")) for pat in patterns)
     ]
     assert files and not unmatched, f"{unmatched} would not be installed: extend package-data for {package}"
+
+
+def test_the_shipped_eval_tasks_are_installed(setuptools_config):
+    """The offline tasks' YAML and data files sit in a package directory: package-data must list them."""
+    from sparse_llm.eval.tasks import SHIPPED_TASKS, TASK_DIR
+
+    patterns = setuptools_config["package-data"]["sparse_llm.eval.tasks"]
+    files = [p.name for p in TASK_DIR.iterdir() if p.is_file() and p.suffix != ".py"]
+    unmatched = [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
+    assert not unmatched, f"{unmatched} would not be installed: extend package-data for sparse_llm.eval.tasks"
+    assert {f"{task}.yaml" for task in SHIPPED_TASKS} <= set(files)
 
 
 def test_print_flags_lists_the_jit_flags(capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.config import RunConfig, load_config
+from sparse_llm.config import RunConfig, load_config, to_yaml
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 TINY_TRAIN = dict(
@@ -62,3 +62,29 @@ TINY_CLI_OVERRIDES = [
     "data.max_documents=100",
     "logger=none",
 ]
+
+
+def train_default_model(run_dir: Path, steps: int = 4, **sparsity: Any) -> Path:
+    """`steps` steps of the default model (configs/model/tiny.yaml) on the embedded data, with short
+    sequences; the run directory then holds its checkpoint, config.yaml, metrics.jsonl and export."""
+    from omegaconf import OmegaConf
+
+    from sparse_llm.config import CONFIG_DIR
+    from sparse_llm.training.trainer import Trainer
+
+    model = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny.yaml"))
+    cfg = tiny_run_config(
+        run_dir,
+        model=model,
+        sparsity=sparsity or None,
+        max_steps=steps,
+        seq_len=64,
+        global_batch_size=4,
+        micro_batch_size=4,
+        lr=3e-3,
+        export=True,
+    )
+    trainer = Trainer(cfg, run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(trainer.cfg))  # as sparse_llm.train writes it
+    trainer.fit()
+    return run_dir

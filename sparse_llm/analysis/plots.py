@@ -16,13 +16,14 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from sparse_llm.analysis.runs import read_metrics, series
+from sparse_llm.analysis.runs import ACCURACY_METRICS, DOWNSTREAM_PREFIX, read_metrics, series
 from sparse_llm.run_files import NNZ_HIST_FILE
 
 SPARSITY_PNG = "sparsity_per_layer.png"
 DEAD_PNG = "dead_per_layer.png"
 NNZ_HIST_PNG = "nnz_hist_per_layer.png"
 L0_BY_LAYER_PNG = "l0_by_layer.png"
+DOWNSTREAM_PNG = "downstream.png"
 SETTLED_SHARE = 0.1  # the last share of a run's logged steps a layer's settled L0 is averaged over
 # Axis labels in words for the metrics.jsonl keys plots compare (other keys are shown as they are).
 METRIC_LABELS = {
@@ -50,6 +51,7 @@ def plot_run(run_dir: Path) -> list[Path]:
             _plot_layers(records, "sparsity", "sparsity (1 - L0 / H)", run_dir / SPARSITY_PNG),
             _plot_layers(records, "dead", "dead fraction of units", run_dir / DEAD_PNG),
             _plot_l0_by_layer(records, run_dir / L0_BY_LAYER_PNG),
+            _plot_downstream(records, run_dir / DOWNSTREAM_PNG),
         )
         if path is not None
     ]
@@ -98,6 +100,52 @@ def plot_val_ce_vs_sparsity(points: Sequence[tuple[str, float, float]], out_path
         ylabel=f"{METRIC_LABELS['val_loss']}, last evaluation",
         title="validation loss against sparsity",
     )
+    return _save(fig, out_path)
+
+
+def plot_downstream_compare(
+    panels: dict[str, tuple[list[str], dict[str, list[float | None]]]], out_path: Path
+) -> Path:
+    """Grouped bars, a panel per {title: (group names, {run: one value per group})}: runs side by
+    side in every group (a missing value leaves its bar out)."""
+    fig = Figure(figsize=(max(6.0, 4.0 * len(panels) + 2.0), 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (title, (names, bars)) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        width = 0.8 / max(1, len(bars))
+        for j, (label, values) in enumerate(bars.items()):
+            points = [(k + j * width, v) for k, v in enumerate(values) if v is not None]
+            ax.bar([x for x, _ in points], [v for _, v in points], width, label=label)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, fontsize=8)
+        ax.set(title=title, ylabel=title)
+        ax.legend(fontsize=7)
+    return _save(fig, out_path)
+
+
+def _plot_downstream(records: list[dict[str, Any]], out_path: Path) -> Path | None:
+    """Task metrics (downstream/<task>/<metric>) over training tokens: the accuracies in one panel,
+    bits per byte (the perplexity tasks' figure that does not depend on the tokenizer) in another."""
+    panels: dict[str, list[str]] = {}
+    for key in dict.fromkeys(k for r in records for k in r):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != DOWNSTREAM_PREFIX:
+            continue
+        if parts[2] in ACCURACY_METRICS:
+            panels.setdefault("accuracy", []).append(key)
+        elif parts[2] == "bits_per_byte":
+            panels.setdefault("bits per byte", []).append(key)
+    if not panels:
+        return None
+    fig = Figure(figsize=(6.0 * len(panels), 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (title, keys) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for key in keys:
+            kept = [r for r in records if key in r and "tokens_seen" in r]
+            label = key.removeprefix(f"{DOWNSTREAM_PREFIX}/")
+            ax.plot([r["tokens_seen"] for r in kept], [r[key] for r in kept], marker="o", label=label)
+        ax.set(xlabel="tokens", ylabel=title, title=f"downstream {title}")
+        ax.legend(fontsize=7)
     return _save(fig, out_path)
 
 

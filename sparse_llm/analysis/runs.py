@@ -8,6 +8,11 @@ from typing import Any
 
 from sparse_llm.run_files import CONFIG_FILE, METRICS_FILE
 
+# Downstream task metrics (sparse_llm.eval) are logged as downstream/<task>/<metric>; these of
+# lm-eval's metrics are accuracies (in [0, 1]).
+DOWNSTREAM_PREFIX = "downstream"
+ACCURACY_METRICS = ("acc_norm", "acc", "exact_match")
+
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The logged records of a run, ordered by step (the last record wins if a step repeats)."""

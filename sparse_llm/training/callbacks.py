@@ -1,4 +1,5 @@
-"""User hooks into the training loop, and the built-in dead-unit re-initialisation.
+"""User hooks into the training loop, and the built-in ones: dead-unit re-initialisation and the
+downstream task evaluation.
 
 Config entries under `callbacks:` name a Callback subclass and its arguments:
 
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sparse_llm.config import ConfigError, RunConfig
+from sparse_llm.config import ConfigError, DownstreamEvalConfig, RunConfig
 from sparse_llm.sparsity.reinit import reinit_dead_units
 
 
@@ -105,12 +106,71 @@ class DeadUnitReinitCallback(Callback):
             metrics[f"reinit/revived/layer_{layer:0{width}d}"] = float(count)
 
 
+class DownstreamEvalCallback(Callback):
+    """`eval.downstream`: lm-evaluation-harness tasks on the model being trained (the evaluation
+    `sparse-llm-eval` runs, sparse_llm.eval) every `cfg.every` steps and after the last. The model
+    scores with its evaluation-phase FFN under the run's autocast, as the validation loss does; the
+    metrics join the step's record (downstream/<task>/<metric>; `every` is a multiple of
+    train.log_every, so that step is logged) and the results go to <run_dir>/eval/<step>.json and
+    .md. The tasks are checked and their data fetched when the callback is made, before the run."""
+
+    def __init__(self, cfg: DownstreamEvalConfig, max_steps: int) -> None:
+        from sparse_llm.eval import harness
+
+        self.cfg = cfg
+        self.max_steps = max_steps
+        try:
+            harness.require_lm_eval()
+            self.tasks = harness.expand_tasks(cfg.tasks)
+            self.manager = harness.task_manager(self.tasks)
+            harness.check_tasks(self.tasks, self.manager)
+            harness.fetch_task_data(self.tasks, self.manager)
+        except (ImportError, ValueError) as err:
+            raise ConfigError(f"config key 'eval.downstream.tasks': {err}") from None
+
+    def due(self, step: int) -> bool:
+        return step == self.max_steps or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if not self.due(step):
+            return
+        from sparse_llm.eval import harness
+        from sparse_llm.eval.lm import SparseLM  # imports lm-eval
+        from sparse_llm.eval.results import EvalTarget, log_metrics, write_result
+
+        model = trainer.model
+        lm = SparseLM(
+            model,
+            trainer.tokenizer,
+            (trainer.tokenizer.eos_token_id,),
+            batch_size=self.cfg.batch_size,
+            autocast=trainer.accelerator.autocast,
+            progress=False,
+        )
+        was_training = model.training
+        model.eval()
+        try:
+            record = harness.evaluate(
+                lm, self.tasks, self.manager, limit=self.cfg.limit, num_fewshot=self.cfg.num_fewshot
+            )
+        finally:
+            model.train(was_training)
+        record["tokens_seen"] = trainer.tokens_seen
+        if trainer.accelerator.mixed_precision != "no":  # the weights' dtype is not what computed
+            record["dtype"] += f" weights, {trainer.accelerator.mixed_precision} autocast"
+        write_result(EvalTarget(trainer.run_dir, "training", trainer.run_dir, step), record)
+        metrics.update(log_metrics(record))
+
+
 def default_callbacks(cfg: RunConfig) -> list[Callback]:
-    """The built-in callbacks the config switches on: dead-unit reinit."""
+    """The built-in callbacks the config switches on: dead-unit reinit, downstream evaluation."""
+    callbacks: list[Callback] = []
     reinit = cfg.sparsity.reinit
     if reinit.enabled:
-        return [DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down)]
-    return []
+        callbacks.append(DeadUnitReinitCallback(every=reinit.every, reset_up_down=reinit.reset_up_down))
+    if cfg.eval.downstream.tasks:
+        callbacks.append(DownstreamEvalCallback(cfg.eval.downstream, cfg.train.max_steps))
+    return callbacks
 
 
 def build_callbacks(entries: list[Any]) -> list[Callback]:
