@@ -1,8 +1,9 @@
 """The package's import graph: no cycles, and no module imports a layer above its own.
 
 Layers, lowest first (a module may import its own subpackage and any lower layer):
-  0  config, run_files                  the schema and the names in a run directory
-  1  ops                                kernels' Python front and references
+  0  ops, run_files                     kernels' Python front and references (torch alone);
+                                        the names in a run directory
+  1  config                             the schema (it takes the FFN implementations' names from ops)
   2  model                              the model, built from ops
   3  data, sparsity, analysis           the recipe and the readers, each on its own
   4  inference                          generation and scoring on trained models
@@ -21,9 +22,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sparse_llm"
 LAYERS = {
-    "config": 0,
+    "ops": 0,
     "run_files": 0,
-    "ops": 1,
+    "config": 1,
     "model": 2,
     "data": 3,
     "sparsity": 3,
@@ -128,3 +129,15 @@ def test_the_graph_reader_resolves_imports(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert _imports(path, "sparse_llm.x", _modules()) == expected
+
+
+def test_ops_imports_nothing_of_the_package_beyond_itself():
+    """`import sparse_llm.ops` works with torch alone: no config schema, no omegaconf or hydra."""
+    import subprocess
+    import sys
+
+    code = "import sys, sparse_llm.ops; print(sorted(m for m in ('omegaconf', 'hydra', 'sparse_llm.config') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    assert out.stdout.strip() == "[]"

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sparse_llm.config import FFN_IMPLS
 from sparse_llm.model import FFNPlan, SparseLlamaForCausalLM
-from sparse_llm.ops.select import FFNSelection, KernelsUnavailable, select_ffn
+from sparse_llm.ops.select import FFN_IMPLS, FFNSelection, KernelsUnavailable, select_ffn
 
 FASTEST = "fastest"
 CHOICES = (*FFN_IMPLS, FASTEST)

@@ -23,9 +23,10 @@ from types import ModuleType
 
 import torch
 
-from sparse_llm.config import FFN_IMPLS
 from sparse_llm.ops import _extension
 
+# What `model.ffn_impl` (and a phase's FFN) may ask for; the config schema reads it from here.
+FFN_IMPLS = ("auto", "dense", "reference", "cuda")
 PHASES = ("train", "eval", "prefill", "decode")
 
 # What the CUDA kernels accept (kernels/twell.cuh): 16-byte rows of bf16, bounded D.
