@@ -278,72 +278,42 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+# The comparison table: (label, formatted with the sparse run's figures; the runs' key and format, the pair's ratio key or "", its format,
+# bold: a figure of record).
+TABLE_ROWS = (
+    ("steps", "steps", "d", "", "", False),
+    ("wall clock of the steps, s", "wall_s", ".0f", "wall_speedup_with_first_step", ".3f", False),
+    ("first step (first compile), s", "first_step_s", ".1f", "", "", False),
+    ("wall clock after the first step, s", "wall_s_after_first_step", ".0f", "wall_speedup", ".3f", True),
+    (
+        "tokens/s until L0 first <= the early L0 (step {early_end_step})",
+        "early_tokens_per_s",
+        ".0f",
+        "early_speedup",
+        ".3f",
+        False,
+    ),
+    ("tokens/s, steady (the last steps)", "steady_tokens_per_s", ".0f", "steady_speedup", ".3f", True),
+    ("the run's peak memory, GiB", "peak_mem_gib", ".2f", "run_peak_mem_ratio", ".3f", True),
+    ("graphs compiled", "graphs", ".0f", "", "", False),
+    ("graphs compiled after the first step", "recompiles", ".0f", "", "", False),
+    ("fallback flips", "flips", ".0f", "", "", False),
+    ("layers running dense at the end", "dense_layers_at_end", ".0f", "", "", False),
+    ("final held-out loss", "final_val_loss", ".4f", "final_loss_ratio", ".4f", False),
+    ("L0 of the final weights, held-out text", "heldout_l0", ".2f", "", "", False),
+    ("whole process (build, compile, eval, checkpoint), s", "process_s", ".0f", "", "", False),
+)
+
+
 def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
     d, s = r["dense"], r["sparse"]
-    rows = [
-        ("steps", d["steps"], s["steps"], ""),
-        (
-            "wall clock of the steps, s",
-            _fmt(d["wall_s"], ".0f"),
-            _fmt(s["wall_s"], ".0f"),
-            f"{_fmt(r['wall_speedup_with_first_step'], '.3f')}x",
-        ),
-        ("first step (first compile), s", _fmt(d["first_step_s"], ".1f"), _fmt(s["first_step_s"], ".1f"), ""),
-        (
-            "wall clock after the first step, s",
-            _fmt(d["wall_s_after_first_step"], ".0f"),
-            _fmt(s["wall_s_after_first_step"], ".0f"),
-            f"**{_fmt(r['wall_speedup'])}x**",
-        ),
-        (
-            f"tokens/s until L0 first <= 60 (step {s['early_end_step']})",
-            _fmt(d["early_tokens_per_s"], ".0f"),
-            _fmt(s["early_tokens_per_s"], ".0f"),
-            f"{_fmt(r['early_speedup'])}x",
-        ),
-        (
-            "tokens/s, steady (the last 400 steps)",
-            _fmt(d["steady_tokens_per_s"], ".0f"),
-            _fmt(s["steady_tokens_per_s"], ".0f"),
-            f"**{_fmt(r['steady_speedup'])}x**",
-        ),
-        (
-            "the run's peak memory, GiB",
-            _fmt(d["peak_mem_gib"], ".2f"),
-            _fmt(s["peak_mem_gib"], ".2f"),
-            f"**{_fmt(r['run_peak_mem_ratio'])}x**",
-        ),
-        (
-            "graphs compiled / after the first step",
-            f"{_fmt(d['graphs'], '.0f')} / {_fmt(d['recompiles'], '.0f')}",
-            f"{_fmt(s['graphs'], '.0f')} / {_fmt(s['recompiles'], '.0f')}",
-            "",
-        ),
-        (
-            "fallback flips / layers dense at the end",
-            "-",
-            f"{_fmt(s['flips'], '.0f')} / {_fmt(s['dense_layers_at_end'], '.0f')}",
-            "",
-        ),
-        (
-            "final held-out loss",
-            _fmt(d["final_val_loss"], ".4f"),
-            _fmt(s["final_val_loss"], ".4f"),
-            f"{_fmt(r['final_loss_ratio'], '.4f')}x",
-        ),
-        (
-            "L0 of the final weights, held-out text",
-            _fmt(d["heldout_l0"], ".2f"),
-            _fmt(s["heldout_l0"], ".2f"),
-            "",
-        ),
-        (
-            "whole process (build, compile, eval, checkpoint), s",
-            _fmt(d["process_s"], ".0f"),
-            _fmt(s["process_s"], ".0f"),
-            "",
-        ),
-    ]
+    rows = []
+    for label, key, spec, ratio_key, ratio_spec, bold in TABLE_ROWS:
+        ratio = f"{_fmt(r[ratio_key], ratio_spec)}x" if ratio_key else ""
+        rows.append(
+            (label, _fmt(d.get(key), spec), _fmt(s.get(key), spec), f"**{ratio}**" if bold else ratio)
+        )
+    rows[4] = (f"tokens/s until L0 first <= the early L0 (step {s['early_end_step']})", *rows[4][1:])
     dm, sm = meta["dense"], meta["sparse"]
     lines = [
         f"# A whole training run, dense FFN against `{s['impl']}`, seed {s.get('seed', 0)}: {sm.get('device')}",
