@@ -232,12 +232,12 @@ def time_lean(
     forward = torch.compile(model) if args.compile else model
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" and not bf16)
     # The batches our step reads from the trainer's stream, in the same order.
-    step_args = argparse.Namespace(
-        no_fallback=False,
-        warmup=args.warmup,
+    step_args = model_step_args(
         steps=args.steps,
+        warmup=args.warmup,
         compile=args.compile,
         l1=args.l1,
+        micro_batch=ids.shape[0],
         seed=args.seed,
     )
     batches = iter(
