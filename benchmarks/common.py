@@ -373,6 +373,27 @@ def sparsify(
     return run_dir
 
 
+def sparse_path(
+    phase: str, cfg: Any, device: torch.device | str, dtype: torch.dtype
+) -> tuple[str, str | None]:
+    """The sparse FFN a benchmark times in `phase` for a model config `cfg` on `device` in `dtype`:
+    the CUDA kernels where `ops.select` says they can run, else their PyTorch reference (the same
+    sparse arithmetic, so every script runs anywhere); and why not the kernels (None when they run).
+    The one place the benchmarks decide this."""
+    from sparse_llm.ops.select import select_ffn
+
+    selection = select_ffn(
+        "auto",
+        phase,
+        device=device,
+        dtype=dtype,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        activation=cfg.hidden_act,
+    )
+    return ("cuda", None) if selection.impl == "cuda" else ("reference", selection.reason)
+
+
 def token_batch(
     tokenizer: Any, vocab_size: int, batch: int, length: int, *, random_tokens: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, str]:

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks import ffn, inference
-from benchmarks.common import REPO, free_memory, token_batch
+from benchmarks.common import REPO, free_memory, sparse_path, token_batch
 from benchmarks.model_step import layer_l0_range, load_weights, model_step_args, ran_label, time_impl
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
@@ -205,7 +205,9 @@ def inference_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str,
     then sparse, through inference.run_impl: one row per (impl, batch)."""
     loaded = load_model(run_dir, device)
     model = loaded.model
-    sparse, why_not = inference.sparse_inference_impl(model)
+    sparse, why_not = sparse_path(
+        "prefill", model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+    )
     batches = sorted({*budget.decode_batches, budget.prefill_batch})
     ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, max(batches), budget.prompt_len)
     ids = ids.to(device)

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
-from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparsify, token_batch
+from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparse_path, sparsify, token_batch
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import (
     FASTEST,
@@ -58,7 +58,6 @@ from sparse_llm.inference import (
 )
 from sparse_llm.inference.decode import why_not_graph
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
-from sparse_llm.ops.select import select_ffn
 from sparse_llm.training.run_info import git_commit
 
 TINY = dict(
@@ -300,22 +299,6 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
 
 # ---------------------------------------------------------------------------------------------
 # Decode sweep: graph-captured against eager decode, per batch and context.
-def sparse_inference_impl(model: torch.nn.Module) -> tuple[str, str | None]:
-    """The sparse FFN that runs in inference on this model's device: the kernels, else their
-    PyTorch reference; and why not the kernels."""
-    weight = model.lm_head.weight
-    selection = select_ffn(
-        "auto",
-        "prefill",
-        device=weight.device,
-        dtype=weight.dtype,
-        hidden_size=model.config.hidden_size,
-        intermediate_size=model.config.intermediate_size,
-        activation=model.config.hidden_act,
-    )
-    return ("cuda", None) if selection.impl == "cuda" else ("reference", selection.reason)
-
-
 def compare_with_dense(row: dict[str, Any], dense: dict[str, Any]) -> None:
     """Greedy-token agreement and the largest last-logit difference of `row` against dense's run
     on the same prompts (both from run_impl's `_tokens` and `_logits`), into `row`."""
@@ -558,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     model = loaded.model
     device = model.lm_head.weight.device
     impls = list(dict.fromkeys(args.impls))
-    sparse_impl, reason = sparse_inference_impl(model)
+    sparse_impl, reason = sparse_path(
+        "prefill", model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+    )
     if args.decode_sweep and max(args.decode_contexts) > model.config.max_position_embeddings:
         print("error: --decode-contexts exceed max_position_embeddings", file=sys.stderr)
         return 2

@@ -30,10 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpu_busy_ms, median_ms, write_report
+from benchmarks.common import gpu_busy_ms, median_ms, sparse_path, write_report
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args
-from sparse_llm.ops.select import kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 
@@ -153,7 +152,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         [(x @ mlp.gate_proj.weight.to(x.dtype).T > 0).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)]
     )
     rows = layer_rows(nnz.cpu(), args.heavy_threshold)
-    impl = "cuda" if device.type == "cuda" and kernels_unavailable("cuda") is None else "reference"
+    impl, _ = sparse_path(
+        "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     dense = torch.compile(dense_train, dynamic=False) if device.type == "cuda" else dense_train
     ours = train_ours(impl, args.heavy_threshold)
     for row, x, mlp in zip(rows, inputs, mlps, strict=True):

@@ -36,13 +36,13 @@ from benchmarks.common import (
     layers_over_dense_above,
     memory_peak_table,
     model_preset,
+    sparse_path,
     sparsify,
     write_report,
 )
 from sparse_llm.config import ModelConfig, RunConfig, load_config
 from sparse_llm.model import build_model
 from sparse_llm.model.state import load_model_state
-from sparse_llm.ops.select import select_ffn
 from sparse_llm.training.run_info import collect_run_info
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -161,25 +161,6 @@ def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, o
     return mcfg, build_model(mcfg).state_dict(), tokenizer
 
 
-def train_ffn(impl: str, mcfg: ModelConfig, device: str, dtype: torch.dtype) -> tuple[str, str | None]:
-    """The training FFN that runs for `--impls` value `impl`, and why not the kernels: `cuda` is
-    the kernels where ops.select says they can run here, else their PyTorch reference (the same
-    sparse path, so the script runs anywhere)."""
-    selection = select_ffn(
-        "auto" if impl == "cuda" else impl,
-        "train",
-        device=device,
-        dtype=dtype,
-        hidden_size=mcfg.hidden_size,
-        intermediate_size=mcfg.intermediate_size,
-        where="--impls",
-        activation=mcfg.hidden_act,
-    )
-    if impl == "cuda" and selection.impl != "cuda":
-        return "reference", selection.reason
-    return selection.impl, selection.reason
-
-
 def step_config(
     ffn: str,
     recompute_norms: str,
@@ -248,14 +229,14 @@ def time_impl(
     from sparse_llm.training.trainer import Trainer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the autocast dtype of the step
-    ffn, why_not_kernels = train_ffn(impl, mcfg, device, dtype)
+    ffn, why_not_kernels = sparse_path("train", mcfg, device, dtype) if impl == "cuda" else (impl, None)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
             step_config(ffn, recompute_norms, mcfg, tuple(ids.shape), args, device), Path(run_dir)
         )
         try:
             return time_trainer_step(
-                trainer, impl, ffn, why_not_kernels, recompute_norms, ids, state, args, device
+                trainer, impl, why_not_kernels, recompute_norms, ids, state, args, device
             )
         finally:
             trainer.close()
@@ -264,7 +245,6 @@ def time_impl(
 def time_trainer_step(
     trainer: Any,
     impl: str,
-    ffn: str,
     why_not_kernels: str | None,
     recompute_norms: str,
     ids: torch.Tensor,
@@ -276,8 +256,9 @@ def time_trainer_step(
     load_model_state(model, state)
     record: dict = {"impl": impl, "micro_batch": ids.shape[0], "recompute_norms": recompute_norms}
     if impl != "dense":  # which training FFN the layers run, and why not the kernels
-        record["train_ffn"] = ffn
-        record["kernels_unavailable"] = why_not_kernels
+        plan = trainer.model.ffn_plan.train  # what the trainer resolved `ffn` to
+        record["train_ffn"] = plan.impl
+        record["kernels_unavailable"] = why_not_kernels or (plan.reason if plan.impl != "cuda" else None)
     forward_end: list[int] = []
     # What the forward leaves for the backward: memory at the end of the model's forward.
     hook = model.register_forward_hook(
