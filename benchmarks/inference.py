@@ -56,6 +56,7 @@ from sparse_llm.inference import (
     compile_prefill,
     load_model,
 )
+from sparse_llm.inference.calibrate import synchronize
 from sparse_llm.inference.decode import why_not_graph
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
 from sparse_llm.training.run_info import git_commit
@@ -205,11 +206,6 @@ class Energy:
         return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0  # mJ -> J
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def measure_sparsity(model, ids: torch.Tensor) -> dict[str, Any]:
     rows = ids[: min(8, ids.shape[0])]
@@ -228,10 +224,10 @@ def measure_sparsity(model, ids: torch.Tensor) -> dict[str, Any]:
 
 def _timed(device: torch.device, energy: Energy, fn, *args, **kwargs) -> tuple[Any, float, float | None]:
     """fn(*args, **kwargs), its seconds and joules (None without NVML), synchronized on both ends."""
-    _sync(device)
+    synchronize(device)
     e0, t0 = energy.read(), time.perf_counter()
     out = fn(*args, **kwargs)
-    _sync(device)
+    synchronize(device)
     e1, t1 = energy.read(), time.perf_counter()
     return out, t1 - t0, None if e0 is None else e1 - e0
 

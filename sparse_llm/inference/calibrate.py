@@ -46,7 +46,8 @@ def _select(model: SparseLlamaForCausalLM, phase: str, requested: str) -> FFNSel
         raise ValueError(str(err)) from None
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op off CUDA): what a wall-clock timing needs."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -79,11 +80,11 @@ def time_ffn(
     device = inputs[0].device
     times = []
     for i in range(warmup + reps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         for layer, x in zip(layers, inputs, strict=True):
             layer.mlp.run(x, impl)
-        _sync(device)
+        synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]

@@ -227,7 +227,9 @@ class Trainer:
                     torch.cuda.synchronize()
                 now = time.perf_counter()
                 record.update(self._throughput(window_tokens, now - window_start))
-                record["elapsed_s"] = now - loop_start  # since the loop began (evaluations, checkpoints included)
+                record["elapsed_s"] = (
+                    now - loop_start
+                )  # since the loop began (evaluations, checkpoints included)
                 record.update(self.sparsity.summary())
                 if self.ffn_fallback is not None:
                     record.update(self.ffn_fallback.metrics())
