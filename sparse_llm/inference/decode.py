@@ -36,7 +36,7 @@ import torch
 
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import KVCache, SparseLlamaForCausalLM
-from sparse_llm.ops import ffn as ffn_ops
+from sparse_llm.ops.ffn import inference as ffn_ops
 
 DECODE_MODES = ("auto", "graph", "static", "eager")
 # Decode FFNs a CUDA graph always captures. The kernels ("cuda") only on their decode path (up to

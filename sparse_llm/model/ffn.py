@@ -2,7 +2,7 @@
 
 y = down(act(gate(x)) * up(x)): transformers' LlamaMLP, with act = relu (the sparse recipe) or silu
 (SwiGLU, the dense baseline; its FFN is always dense). The implementation
-is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`), one per phase:
+is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.ffn.select`), one per phase:
 
   train    a forward with autograd: the dense FFN, or the sparse training block op
            (`ops.ffn_block_train`: norm + FFN + residual add, saving only the active rows)
@@ -32,11 +32,11 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, transposed
 from sparse_llm.ops.activation_counts import activation_counts
-from sparse_llm.ops.ffn import ffn_add_, ffn_forward
+from sparse_llm.ops.ffn.block import ffn_block_train
+from sparse_llm.ops.ffn.inference import ffn_add_, ffn_forward
+from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
+from sparse_llm.ops.ffn.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
 from sparse_llm.ops.precision import autocast_dtype
-from sparse_llm.ops.relu_gate import relu_gate_stats
-from sparse_llm.ops.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
-from sparse_llm.ops.train_block import ffn_block_train
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class FFNPlan:
         compute_dtype: torch.dtype,
         where: str = "model.ffn_impl",
     ) -> FFNPlan:
-        """Ask `ops.select` for every phase: `requested` is one value for all phases or one per
+        """Ask `ops.ffn.select` for every phase: `requested` is one value for all phases or one per
         phase (missing phases: dense). Raises KernelsUnavailable for 'cuda' where the kernels
         cannot run."""
         per_phase = {phase: requested for phase in PHASES} if isinstance(requested, str) else dict(requested)

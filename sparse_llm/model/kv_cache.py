@@ -6,8 +6,8 @@ import torch
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.rope import apply_rotary
+from sparse_llm.ops._extension import extension, kernels_unavailable
 from sparse_llm.ops.decode_attention import column_range_mask, decode_attention, reads_bounds, sdpa_one_query
-from sparse_llm.ops.select import extension, kernels_unavailable
 
 
 class KVCache:

@@ -328,7 +328,7 @@ def build_model(
     activation_checkpointing: bool = False,
     recompute_norms: bool = False,
 ) -> SparseLlamaForCausalLM:
-    """The model with its modes fixed: the FFN plan is resolved by `ops.select` from `ffn` (one
+    """The model with its modes fixed: the FFN plan is resolved by `ops.ffn.select` from `ffn` (one
     value for every phase or one per phase; default `cfg.ffn_impl`) for the device and compute
     dtype the model will run in. The parameters are created on the current default device (CPU
     unless a `torch.device` context says otherwise); moving them is the caller's business."""

@@ -14,8 +14,8 @@ from sparse_llm.inference.generate import left_pad
 from sparse_llm.inference.sampling import filter_logits, sample_next
 from sparse_llm.model import FFNPlan, KVCache, build_model
 from sparse_llm.model.kv_cache import ColumnWriteCache, write_kv
-from sparse_llm.ops import ffn as ffn_ops
-from sparse_llm.ops.select import FFNSelection
+from sparse_llm.ops.ffn import inference as ffn_ops
+from sparse_llm.ops.ffn.select import FFNSelection
 
 # Prompts of three lengths: the batch is left-padded, each row has its own positions and mask.
 PROMPTS = [[5, 9, 13, 2, 7, 31, 8], [11, 4], [3, 17, 23, 29]]

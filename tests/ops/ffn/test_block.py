@@ -18,11 +18,11 @@ from ffn_patterns import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.block import ffn_block_train
+from sparse_llm.ops.ffn.training import ffn_forward_train
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
-from sparse_llm.ops.select import KernelsUnavailable
-from sparse_llm.ops.train import ffn_forward_train
-from sparse_llm.ops.train_block import ffn_block_train
 
 EPS = 1e-5
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient

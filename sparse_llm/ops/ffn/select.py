@@ -12,18 +12,17 @@ it is not the kernels, why. The values, the same everywhere:
 What the kernels need: a Hopper GPU (sm_90) with the extension built (nvcc and ninja present),
 bfloat16, D a multiple of 8 in [8, 8192], H a multiple of 8, and for training H <= 49152 (the
 backward's column sort keeps one shared-memory counter per unit). Other kernel-backed ops (loss,
-activation counts, KV-cache write) ask `kernels_unavailable` for the device and toolchain part.
+activation counts, KV-cache write) ask `ops._extension.kernels_unavailable` for the device and
+toolchain part.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from sparse_llm.ops import _extension
+from sparse_llm.ops._extension import KernelsUnavailable, kernels_unavailable
 
 # What `model.ffn_impl` (and a phase's FFN) may ask for; the config schema reads it from here.
 FFN_IMPLS = ("auto", "dense", "reference", "cuda")
@@ -38,57 +37,10 @@ CUDA_ALIGN = 8
 CUDA_TRAIN_MAX_HIDDEN = 49152
 
 
-class KernelsUnavailable(ValueError):
-    """The CUDA kernels were asked for (impl='cuda') where they cannot run: inputs they do not take,
-    or a device or toolchain they cannot run on."""
-
-
 @dataclass(frozen=True)
 class FFNSelection:
     impl: str  # what runs: "dense", "reference" or "cuda"
     reason: str | None  # why not the kernels (None when they run)
-
-
-@functools.cache
-def _load(device_index: int) -> ModuleType | str:
-    """The loaded extension, or why it cannot be had on this device (cached: one build try)."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device_index)
-        return f"GPU {name} is sm_{major}{minor}; the kernels need Hopper (sm_90)"
-    return _extension.load()
-
-
-def kernels_unavailable(device: torch.device | str) -> str | None:
-    """Why the CUDA extension cannot run on `device`, or None when it can (builds it on first ask
-    on a Hopper GPU; a failed build is reported here, not raised)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    return _problem_on(_index(device)) or None
-
-
-@torch.compiler.assume_constant_result
-def _problem_on(device_index: int) -> str:
-    """'' when the extension runs on this CUDA device, else why not. A constant to torch.compile,
-    which must not trace the build (its toolchain probes are not traceable)."""
-    loaded = _load(device_index)
-    return loaded if isinstance(loaded, str) else ""
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def extension(device: torch.device | str | None = None) -> ModuleType:
-    """The loaded extension; raises KernelsUnavailable with the reason where it cannot run."""
-    device = device if device is not None else torch.device("cuda")
-    reason = kernels_unavailable(device)
-    if reason is not None:
-        raise KernelsUnavailable(f"sparse_llm CUDA extension unavailable: {reason}")
-    return _load(_index(torch.device(device)))  # type: ignore[return-value]
 
 
 def select_ffn(

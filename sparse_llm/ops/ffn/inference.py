@@ -1,4 +1,4 @@
-"""One front for the sparse FFN ops: picks the CUDA kernels or the PyTorch reference."""
+"""The inference front of the sparse FFN op: picks the CUDA kernels or the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -6,15 +6,11 @@ from typing import Literal
 
 import torch
 
-from sparse_llm.ops.checks import (
-    DEFAULT_HEAVY_THRESHOLD,
-    check_ffn_inputs,
-    check_heavy_threshold,
-    check_in_place_output,
-)
-from sparse_llm.ops.reference import ffn_forward_reference
-from sparse_llm.ops.select import CUDA_ALIGN, select_ffn, select_for_tensors
-from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
+from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD, check_ffn_inputs, check_heavy_threshold
+from sparse_llm.ops.ffn.reference import ffn_forward_reference
+from sparse_llm.ops.ffn.select import CUDA_ALIGN, select_ffn, select_for_tensors
+from sparse_llm.ops.ffn.twell import TwellPacked, twell_pack_reference
+from sparse_llm.ops.in_place import check_in_place_output
 
 Impl = Literal["auto", "cuda", "reference"]
 

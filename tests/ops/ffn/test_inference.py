@@ -5,8 +5,8 @@ import torch
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.select import KernelsUnavailable
-from sparse_llm.ops.twell import SLOTS, TILE, twell_pack_reference, twell_unpack
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.twell import SLOTS, TILE, twell_pack_reference, twell_unpack
 
 
 def _ffn64(x, wg, wu, wd):

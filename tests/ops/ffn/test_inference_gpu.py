@@ -10,8 +10,8 @@ from ffn_patterns import ABS_FLOOR, PATTERNS, ffn64, gpu_pattern, needs_hopper, 
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.select import extension
-from sparse_llm.ops.twell import TILE, n_tiles
+from sparse_llm.ops._extension import extension
+from sparse_llm.ops.ffn.twell import TILE, n_tiles
 
 pytestmark = pytest.mark.gpu
 

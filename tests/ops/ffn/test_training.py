@@ -8,8 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm import ops
-from sparse_llm.ops.select import CUDA_TRAIN_MAX_HIDDEN, KernelsUnavailable, select_ffn
-from sparse_llm.ops.train import ffn_forward_train
+from sparse_llm.ops.ffn.select import CUDA_TRAIN_MAX_HIDDEN, KernelsUnavailable, select_ffn
+from sparse_llm.ops.ffn.training import ffn_forward_train
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 
@@ -249,7 +249,7 @@ def test_impl_cuda_without_a_gpu_is_a_clear_error_and_bad_impl_rejected():
         ffn_forward_train(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         ffn_forward_train(x, wg, wu, wd, impl="fast")
-    # The training kernels' own bound on H, as ops.select reports it for a CUDA device.
+    # The training kernels' own bound on H, as ops.ffn.select reports it for a CUDA device.
     too_wide = dict(hidden_size=8, intermediate_size=CUDA_TRAIN_MAX_HIDDEN + 8)
     with pytest.raises(
         KernelsUnavailable, match=f"need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {CUDA_TRAIN_MAX_HIDDEN + 8}"
@@ -310,7 +310,7 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
     """The CUDA backward op hands float32 weights to the extension as they are (the kernels write
     their float32 gradients directly), casts any other dtype to x's, and returns each gradient in
     its weight's dtype. The extension is replaced by a recorder: this checks the op's routing."""
-    from sparse_llm.ops import train_ops
+    from sparse_llm.ops.ffn import training
 
     seen = {}
 
@@ -319,7 +319,7 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
             seen["dtypes"] = (wg.dtype, wu.dtype, wd.dtype)
             return torch.ones_like(x), torch.ones_like(wg), torch.ones_like(wu), torch.ones_like(wd)
 
-    monkeypatch.setattr(train_ops, "extension", RecordingExtension)
+    monkeypatch.setattr(training, "extension", RecordingExtension)
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     wg, wu = (torch.randn(16, 8, dtype=weight_dtype) for _ in range(2))
     wd = torch.randn(8, 16, dtype=weight_dtype)

@@ -12,7 +12,7 @@ its norm, so this op keeps, on the rows with an active unit only, the norm's nor
 autocast the normalised rows are kept in the compute dtype (bf16: half the fp32 residual's bytes;
 at L0 ~30 about 95% of tokens have an active unit, so this is most of what the op keeps). The
 gradients are the unfused ones up to that rounding: within the exactness contract (twice the dense
-bf16 path's error against float64; tests/ops/test_ops_train_block.py), float32-exact without
+bf16 path's error against float64; tests/ops/ffn/test_block.py), float32-exact without
 autocast. The norm is transformers' LlamaRMSNorm (sparse_llm.ops.rms_norm). Under autocast the op casts the FFN weights
 itself and keeps the fp32 parameters for the backward, whose op casts them again: autograd (and
 torch.compile) would otherwise keep the bf16 casts from the forward to the backward.
@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops import train_ops
-from sparse_llm.ops.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.ffn.reference import acc_dtype
+from sparse_llm.ops.ffn.training import (
+    FFNTrainOutput,
+    TrainImpl,
+    check_train_weights,
+    train_backward,
+    train_forward,
+)
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm_backward_from, rms_norm_stats
-from sparse_llm.ops.train import FFNTrainOutput, TrainImpl, check_train_weights
-from sparse_llm.ops.train_reference import acc_dtype
 
 
 class _FFNBlock(torch.autograd.Function):
@@ -63,7 +68,7 @@ class _FFNBlock(torch.autograd.Function):
         # The op returns those rows where a unit is active (`keep`): as an output of a custom op
         # they are what torch.compile saves, where an index_select here would be moved into the
         # backward and the whole input kept for it.
-        y, l1, nnz_per_token, fire_counts, active_rows, xhat_active, *record = train_ops.train_forward(
+        y, l1, nnz_per_token, fire_counts, active_rows, xhat_active, *record = train_forward(
             impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=kept
         )
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
@@ -94,9 +99,7 @@ class _FFNBlock(torch.autograd.Function):
         normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
-        grad_normed, grad_wg, grad_wu, grad_wd = train_ops.train_backward(
-            ctx.impl, grad_y, grad_l1, normed, *saved
-        )
+        grad_normed, grad_wg, grad_wu, grad_wd = train_backward(ctx.impl, grad_y, grad_l1, normed, *saved)
         # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
         grad_x_active, grad_norm_weight = rms_norm_backward_from(
             grad_normed.index_select(0, active_rows),
