@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from sparse_llm.model import FFNPlan, SparseLlamaForCausalLM
-from sparse_llm.ops.ffn.select import FFN_IMPLS, FFNSelection, KernelsUnavailable, select_ffn
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.select import FFN_IMPLS, FFNSelection, select_ffn
 
 FASTEST = "fastest"
 CHOICES = (*FFN_IMPLS, FASTEST)

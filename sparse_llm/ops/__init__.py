@@ -1,9 +1,10 @@
 """Sparse FFN ops: CUDA TwELL kernels for Hopper behind one front, with a PyTorch reference.
 
 Importable with torch alone; the CUDA extension builds on first use (or ahead of time with
-`python -m sparse_llm.ops.build`) and missing pieces fall back to the reference with a warning.
-The sparse FFN op lives in `sparse_llm.ops.ffn` (its modules say which job each does); the names
-below are the package's public front.
+`python -m sparse_llm.ops.build`). Which FFN implementation runs is decided once, by `select_ffn`
+(where the kernels cannot run, `auto` is dense); the op fronts run the implementation they are
+given. The sparse FFN op lives in `sparse_llm.ops.ffn` (its modules say which job each does); the
+names below are the package's public front.
 """
 
 from sparse_llm.ops._extension import KernelsUnavailable, kernels_unavailable

@@ -1,6 +1,6 @@
 """The FFN half of a decoder layer on the sparse training path, as one differentiable op:
 
-    out = ffn_block_train(x, norm_weight, eps, Wg, Wu, Wd, impl="auto")
+    out = ffn_block_train(x, norm_weight, eps, Wg, Wu, Wd, impl)  # "reference" or "cuda", as decided
     out.y              x + FFN(rms_norm(x)), like x
     out.l1, out.nnz_per_token, out.fire_counts   as ffn_forward_train gives them
 
@@ -31,7 +31,6 @@ from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
 from sparse_llm.ops.ffn.reference import acc_dtype
 from sparse_llm.ops.ffn.training import (
     FFNTrainOutput,
-    TrainImpl,
     check_train_weights,
     train_backward,
     train_forward,
@@ -119,7 +118,7 @@ def ffn_block_train(
     wg: torch.Tensor,
     wu: torch.Tensor,
     wd: torch.Tensor,
-    impl: TrainImpl = "auto",
+    impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
@@ -137,7 +136,7 @@ def ffn_block_train(
     # carries what the checks read (D, dtype, device) without computing it twice.
     ffn_input = x.new_empty((0, x.shape[-1]), dtype=compute_dtype)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    impl = check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
+    check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
         out, l1, nnz_per_token, fire_counts, *_saved = _FFNBlock.apply(

@@ -1,13 +1,17 @@
 """Which FFN implementation runs, and why not the CUDA kernels: the one place that decides.
 
-Every caller (the model's training, evaluation, prefill and decode paths, the ops front, the
-benchmarks) asks `select_ffn` and gets an `FFNSelection`: the implementation that runs and, when
-it is not the kernels, why. The values, the same everywhere:
+The model's build (and inference calibration, and the benchmarks) asks `select_ffn` and gets an
+`FFNSelection`: the implementation that runs and, when it is not the kernels, why. The values, the
+same everywhere:
 
   dense      the plain PyTorch FFN (three matmuls); what a transformers LlamaMLP computes
   reference  the sparse ops' PyTorch reference (same arithmetic; the kernels' test oracle)
   cuda       the TwELL / hybrid CUDA kernels; an error where they cannot run
   auto       the kernels where they can run, `dense` elsewhere
+
+The op fronts (inference, training, block) decide nothing: they take the decided implementation,
+`reference` or `cuda`, and for `cuda` only check that the kernels take their inputs (`check_impl`,
+`check_impl_for`), raising where they cannot rather than falling back.
 
 What the kernels need: a Hopper GPU (sm_90) with the extension built (nvcc and ninja present),
 bfloat16, D a multiple of 8 in [8, 8192], H a multiple of 8, and for training H <= 49152 (the
@@ -27,6 +31,8 @@ from sparse_llm.ops._extension import KernelsUnavailable, kernels_unavailable
 # What `model.ffn_impl` (and a phase's FFN) may ask for; the config schema reads it from here.
 FFN_IMPLS = ("auto", "dense", "reference", "cuda")
 PHASES = ("train", "eval", "prefill", "decode")
+# What an op front runs: the implementation select_ffn decided, where it is not dense.
+OP_IMPLS = ("reference", "cuda")
 
 # What the CUDA kernels accept (kernels/twell.cuh): 16-byte rows of bf16, bounded D.
 CUDA_MAX_DIM = 8192
@@ -72,14 +78,14 @@ def select_ffn(
         raise KernelsUnavailable(f"{where}={requested} cannot run: {reason}")
     if requested == "reference":
         return FFNSelection(requested, f"{where}={requested} was asked for")
-    device = torch.device(device)
-    reason = None
-    if device.type != "cuda":
-        reason = f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
-    if reason is None:
-        reason = _inputs_unsupported(phase, dtype, hidden_size, intermediate_size, contiguous)
-    if reason is None:  # last: this one may build the extension
-        reason = kernels_unavailable(device)
+    reason = kernels_refuse(
+        phase == "train",
+        device=device,
+        dtype=dtype,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        contiguous=contiguous,
+    )
     if reason is None:
         return FFNSelection("cuda", None)
     if requested == "cuda":
@@ -87,8 +93,26 @@ def select_ffn(
     return FFNSelection("dense", reason)
 
 
+def kernels_refuse(
+    training: bool,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    intermediate_size: int,
+    contiguous: bool,
+) -> str | None:
+    """Why the CUDA kernels cannot run the FFN (the training op's when `training`) on inputs of this
+    device, dtype, D (hidden_size) and H (intermediate_size), or None when they can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
+    reason = _inputs_unsupported(training, dtype, hidden_size, intermediate_size, contiguous)
+    return reason if reason is not None else kernels_unavailable(device)  # last: it may build
+
+
 def _inputs_unsupported(
-    phase: str, dtype: torch.dtype, dim: int, hidden: int, contiguous: bool
+    training: bool, dtype: torch.dtype, dim: int, hidden: int, contiguous: bool
 ) -> str | None:
     if dtype != KERNEL_DTYPE:
         return f"the kernels take bfloat16, got {dtype}"
@@ -96,21 +120,53 @@ def _inputs_unsupported(
         return f"the kernels need D a multiple of {CUDA_ALIGN} in [{CUDA_ALIGN}, {CUDA_MAX_DIM}], got {dim}"
     if hidden % CUDA_ALIGN:
         return f"the kernels need H a multiple of {CUDA_ALIGN}, got {hidden}"
-    if phase == "train" and hidden > CUDA_TRAIN_MAX_HIDDEN:
+    if training and hidden > CUDA_TRAIN_MAX_HIDDEN:
         return f"the training kernels need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {hidden}"
     if not contiguous:
         return "the kernels need contiguous weights"
     return None
 
 
-def select_for_tensors(
-    requested: str, phase: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> FFNSelection:
-    """`select_ffn` for an op's (checked) inputs: x [..., D], Wg, Wu [H, D], Wd [D, H]."""
+def check_impl(
+    impl: str,
+    training: bool,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    hidden_size: int,
+    intermediate_size: int,
+    contiguous: bool,
+) -> None:
+    """What an op front checks of the implementation it is given: one of OP_IMPLS, and for 'cuda'
+    that the kernels take these inputs (KernelsUnavailable with the reason where they do not)."""
+    if impl not in OP_IMPLS:
+        raise ValueError(
+            f"impl must be 'reference' or 'cuda' (the implementation select_ffn decided), got {impl!r}"
+        )
+    if impl != "cuda":
+        return
+    reason = kernels_refuse(
+        training,
+        device=device,
+        dtype=dtype,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        contiguous=contiguous,
+    )
+    if reason is not None:
+        raise KernelsUnavailable(
+            f"impl=cuda cannot run the kernels ({'train' if training else 'inference'}): {reason}"
+        )
+
+
+def check_impl_for(
+    impl: str, training: bool, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> None:
+    """`check_impl` for an op's (checked) inputs: x [..., D], Wg, Wu [H, D], Wd [D, H]."""
     hidden, dim = wg.shape
-    return select_ffn(
-        requested,
-        phase,
+    check_impl(
+        impl,
+        training,
         device=x.device,
         dtype=x.dtype,
         hidden_size=dim,

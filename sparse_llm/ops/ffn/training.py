@@ -1,6 +1,6 @@
 """The training FFN front: `ffn_forward_train`, differentiable, with the sparsity statistics.
 
-    out = ffn_forward_train(x, Wg, Wu, Wd, impl="auto")
+    out = ffn_forward_train(x, Wg, Wu, Wd, impl)  # impl: "reference" or "cuda", as decided
     out.y              [..., D]  like x; differentiable in x, Wg, Wu, Wd
     out.l0             []        mean number of active units (relu(g) > 0) per token (float32,
                                  float64 for float64 inputs)
@@ -45,9 +45,8 @@ them inside, where torch.compile cannot see the cast: a caller that saves the ma
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -59,7 +58,7 @@ from sparse_llm.ops.ffn.reference import (
     ffn_train_backward_reference,
     ffn_train_forward_reference,
 )
-from sparse_llm.ops.ffn.select import select_for_tensors
+from sparse_llm.ops.ffn.select import check_impl_for
 from sparse_llm.ops.precision import autocast_dtype
 
 _T = torch.Tensor
@@ -299,8 +298,6 @@ def train_backward(
 
 # --- the front ----------------------------------------------------------------------------------
 
-TrainImpl = Literal["auto", "cuda", "reference"]
-
 
 class FFNTrainOutput(NamedTuple):
     y: torch.Tensor
@@ -310,55 +307,15 @@ class FFNTrainOutput(NamedTuple):
     fire_counts: torch.Tensor
 
 
-def resolve_train_impl(
-    impl: str, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> str:
-    """'cuda' or 'reference' for these (checked) inputs, as `ops.ffn.select` decides for the train
-    phase: 'auto' takes the CUDA kernels where they can run and the reference elsewhere (with a
-    warning when the tensors are on a GPU: the reference is exact but slower than dense there);
-    'cuda' raises with the reason instead of falling back."""
-    if impl not in ("auto", "cuda", "reference"):
-        raise ValueError(f"impl must be 'auto', 'cuda' or 'reference', got {impl!r}")
-    selection = select_for_tensors(impl, "train", x, wg, wu, wd)
-    if selection.impl == "cuda":
-        return "cuda"
-    if impl == "auto" and x.is_cuda and not torch.compiler.is_compiling():
-        warnings.warn(
-            f"sparse training FFN: the CUDA training kernels cannot run ({selection.reason}); "
-            "using the reference",
-            stacklevel=5,  # the caller of ffn_forward_train or ffn_block_train
-        )
-    return "reference"
-
-
-def prepare_train_weights(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """(Wg, Wu, Wd cast as autocast casts a matmul's and made contiguous, the resolved impl), after
-    checking them against the FFN's input x (already in the compute dtype)."""
-    dtype = autocast_dtype(x)
-    if dtype is not None:
-        wg, wu, wd = (t.to(dtype) for t in (wg, wu, wd))
-    check_ffn_inputs(x, wg, wu, wd)
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    return wg, wu, wd, _resolve_checked(x, wg, wu, wd, impl, heavy_threshold)
-
-
 def check_train_weights(
     x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
-) -> str:
-    """The resolved impl, after checking the weights (one float dtype, possibly wider than x's:
-    master weights that the caller casts) against the FFN's input x, in the compute dtype."""
+) -> None:
+    """Check the weights (one float dtype, possibly wider than x's: master weights that the caller
+    casts) against the FFN's input x, in the compute dtype, then heavy_threshold and `impl` (for
+    'cuda': that the training kernels take these inputs)."""
     check_ffn_inputs(x.new_empty((0, x.shape[-1]), dtype=wg.dtype), wg, wu, wd)
-    return _resolve_checked(x, wg, wu, wd, impl, heavy_threshold)
-
-
-def _resolve_checked(
-    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
-) -> str:
-    """The resolved impl for inputs that passed check_ffn_inputs, after checking heavy_threshold."""
     check_heavy_threshold(heavy_threshold, inference=False)
-    return resolve_train_impl(impl, x, wg, wu, wd)
+    check_impl_for(impl, True, x, wg, wu, wd)
 
 
 def ffn_forward_train(
@@ -366,23 +323,27 @@ def ffn_forward_train(
     wg: torch.Tensor,
     wu: torch.Tensor,
     wd: torch.Tensor,
-    impl: TrainImpl = "auto",
+    impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
     """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
 
-    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). impl: 'auto' (the CUDA kernels
-    where they can run, else the reference), 'cuda' or 'reference'. Exact on every pattern. See
-    the module docstring for the outputs and how the L1 gradient is fused. On the CUDA path, rows
+    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). impl: the implementation decided
+    for the inputs (sparse_llm.ops.ffn.select), 'reference' or 'cuda' (KernelsUnavailable where the
+    kernels cannot run: no fallback here). Exact on every pattern. See the module docstring for
+    the outputs and how the L1 gradient is fused. On the CUDA path, rows
     with more than `heavy_threshold` active units take dense GEMMs on the gathered rows (a speed
     knob: any value is exact); the forward reads the numbers of active entries and heavy rows on
     the host once (they size the records and the GEMMs) while the GPU packs and projects the light
     rows, and the backward reads nothing."""
     dtype = autocast_dtype(x)
-    if dtype is not None:
-        x = x.to(dtype)
-    wg, wu, wd, impl = prepare_train_weights(x, wg, wu, wd, impl, heavy_threshold)
+    if dtype is not None:  # cast as autocast casts a matmul's inputs
+        x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
+    check_ffn_inputs(x, wg, wu, wd)
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    check_heavy_threshold(heavy_threshold, inference=False)
+    check_impl_for(impl, True, x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y, l1, nnz_per_token, fire_counts, *_ = train_forward(impl, x2, wg, wu, wd, heavy_threshold)
     l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
