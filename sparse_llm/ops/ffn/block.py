@@ -31,6 +31,7 @@ from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
 from sparse_llm.ops.ffn.reference import acc_dtype
 from sparse_llm.ops.ffn.training import (
     FFNTrainOutput,
+    TrainRecord,
     check_train_weights,
     train_backward,
     train_forward,
@@ -67,22 +68,23 @@ class _FFNBlock(torch.autograd.Function):
         # The op returns those rows where a unit is active (`keep`): as an output of a custom op
         # they are what torch.compile saves, where an index_select here would be moved into the
         # backward and the whole input kept for it.
-        y, l1, nnz_per_token, fire_counts, active_rows, xhat_active, *record = train_forward(
+        out = train_forward(
             impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=kept
         )
+        record = out.record.tensors()  # flat: what save_for_backward and an output take
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
-        ctx.save_for_backward(xhat_active, r, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
+        ctx.save_for_backward(out.kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *record)
         ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = impl, x.shape[0], compute_dtype, x.dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
-        ctx.mark_non_differentiable(nnz_per_token, fire_counts, xhat_active, active_rows, *record)
-        return x + y, l1, nnz_per_token, fire_counts, xhat_active, active_rows, *record
+        ctx.mark_non_differentiable(out.fire_counts, out.kept_rows, out.active_rows, *record)
+        return x + out.y, out.l1, out.fire_counts, out.kept_rows, out.active_rows, *record
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
-        xhat_active, r, active_rows, norm_weight, *saved = ctx.saved_tensors
+        xhat_active, r, active_rows, norm_weight, wg, wu, wd, *record = ctx.saved_tensors
         dtype = ctx.compute_dtype
         xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
@@ -98,7 +100,9 @@ class _FFNBlock(torch.autograd.Function):
         normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
-        grad_normed, grad_wg, grad_wu, grad_wd = train_backward(ctx.impl, grad_y, grad_l1, normed, *saved)
+        grad_normed, grad_wg, grad_wu, grad_wd = train_backward(
+            ctx.impl, grad_y, grad_l1, normed, wg, wu, wd, TrainRecord(*record)
+        )
         # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
         grad_x_active, grad_norm_weight = rms_norm_backward_from(
             grad_normed.index_select(0, active_rows),
@@ -139,8 +143,9 @@ def ffn_block_train(
     check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        out, l1, nnz_per_token, fire_counts, *_saved = _FFNBlock.apply(
+        out, l1, fire_counts, _kept, _active, *record = _FFNBlock.apply(
             x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold
         )
+    nnz_per_token = TrainRecord(*record).nnz_per_token
     l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()
     return FFNTrainOutput(out.view(x.shape), l0, l1, nnz_per_token, fire_counts)

@@ -45,7 +45,7 @@ them inside, where torch.compile cannot see the cast: a caller that saves the ma
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,11 +62,48 @@ from sparse_llm.ops.ffn.select import check_impl_for
 from sparse_llm.ops.precision import autocast_dtype
 
 _T = torch.Tensor
+# The forward ops' outputs, flat as torch.library returns them (named: TrainForward):
 # (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
 # adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
 CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
+
+
+class TrainRecord(NamedTuple):
+    """What the training forward keeps for its backward besides x and the weights: the active
+    entries of a = relu(x Wg^T) in compact form (sparse_llm.ops.ffn.reference), never a dense
+    M x H tensor. The CUDA pair's record also holds the heavy rows (those on the dense GEMM path)
+    and their own entries; the reference's has None there."""
+
+    nnz_per_token: torch.Tensor  # [M] int64: active units per row (the rows' lengths)
+    cols: torch.Tensor  # [nnz]: column of each active entry (the light rows' on the CUDA path)
+    a_vals: torch.Tensor  # [nnz]: relu(g) at that entry
+    u_vals: torch.Tensor  # [nnz]: x Wu^T at that entry
+    heavy_rows: torch.Tensor | None = None  # [n_heavy] int64, then the heavy rows' own entries
+    heavy_cols: torch.Tensor | None = None
+    heavy_a: torch.Tensor | None = None
+    heavy_u: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields that are set, in order: what a backward op and save_for_backward take."""
+        return tuple(t for t in self if t is not None)
+
+
+class TrainForward(NamedTuple):
+    """A forward op's outputs by name."""
+
+    y: torch.Tensor  # [M, D]
+    l1: torch.Tensor  # []: mean over rows of sum over units of |h|
+    fire_counts: torch.Tensor  # [H] int64: rows on which each unit fired
+    active_rows: torch.Tensor  # [n_active] int64: the rows with an active unit
+    kept_rows: torch.Tensor  # `keep`'s active rows ([0, D] without `keep`)
+    record: TrainRecord
+
+
+def _named(flat: Sequence[torch.Tensor]) -> TrainForward:
+    y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, *entries = flat
+    return TrainForward(y, l1, fire_counts, active_rows, kept_rows, TrainRecord(nnz_per_token, *entries))
 
 
 def _fake_record(x: torch.Tensor, cols: torch.dtype) -> tuple[_T, _T, _T]:
@@ -241,23 +278,23 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heav
 
 def _setup_context(ctx, inputs, output):
     # Inputs: x, the weights, then options that get no gradient (keep; the CUDA pair's
-    # heavy_threshold). Outputs: y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, then
-    # the record the backward takes after nnz_per_token.
+    # heavy_threshold).
     x, wg, wu, wd, *options = inputs
-    _, _, nnz_per_token, fire_counts, active_rows, kept_rows, *record = output
+    out = _named(output)
+    record = out.record.tensors()
     ctx.n_options = len(options)
-    ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, *record)
-    ctx.mark_non_differentiable(nnz_per_token, fire_counts, active_rows, kept_rows, *record)
+    ctx.save_for_backward(x, wg, wu, wd, *record)
+    ctx.mark_non_differentiable(out.fire_counts, out.active_rows, out.kept_rows, *record)
 
 
 def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
     def backward(ctx, grad_y, grad_l1, *_unused):
-        x, *saved = ctx.saved_tensors
+        x, wg, wu, wd, *record = ctx.saved_tensors  # the record flat, as the op takes it
         if grad_y is None:
             grad_y = x.new_zeros(x.shape)
         if grad_l1 is None:
             grad_l1 = x.new_zeros((), dtype=acc_dtype(x.dtype))
-        grads = backward_op(grad_y.contiguous(), grad_l1, x, *saved)
+        grads = backward_op(grad_y.contiguous(), grad_l1, x, wg, wu, wd, *record)
         return (*grads, *(None,) * ctx.n_options)
 
     return backward
@@ -278,22 +315,27 @@ def train_forward(
     wd: torch.Tensor,
     heavy_threshold: int,
     keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The forward op of `impl` ('cuda' or 'reference'):
-    (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, *record)."""
+) -> TrainForward:
+    """The forward op of `impl` ('cuda' or 'reference'), its outputs by name."""
     if impl == "cuda":
-        return ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold)
-    return ffn_train_fwd_ref(x, wg, wu, wd, keep)
+        return _named(ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold))
+    return _named(ffn_train_fwd_ref(x, wg, wu, wd, keep))
 
 
 def train_backward(
-    impl: str, grad_y: torch.Tensor, grad_l1: torch.Tensor, x: torch.Tensor, *saved: torch.Tensor
+    impl: str,
+    grad_y: torch.Tensor,
+    grad_l1: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    record: TrainRecord,
 ) -> TrainBackwardOutput:
-    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x and (Wg, Wu, Wd,
-    nnz_per_token, *record): the weights in x's dtype or wider (their gradients come back in their
-    dtypes), the rest as the forward returned them."""
+    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x, the weights (in x's
+    dtype or wider: their gradients come back in their dtypes) and the forward's record."""
     op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
-    return op(grad_y, grad_l1, x, *saved)
+    return op(grad_y, grad_l1, x, wg, wu, wd, *record.tensors())
 
 
 # --- the front ----------------------------------------------------------------------------------
@@ -345,6 +387,7 @@ def ffn_forward_train(
     check_heavy_threshold(heavy_threshold, inference=False)
     check_impl_for(impl, True, x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, l1, nnz_per_token, fire_counts, *_ = train_forward(impl, x2, wg, wu, wd, heavy_threshold)
+    out = train_forward(impl, x2, wg, wu, wd, heavy_threshold)
+    nnz_per_token = out.record.nnz_per_token
     l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
-    return FFNTrainOutput(y.view(x.shape), l0, l1, nnz_per_token, fire_counts)
+    return FFNTrainOutput(out.y.view(x.shape), l0, out.l1, nnz_per_token, out.fire_counts)
