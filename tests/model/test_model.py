@@ -220,7 +220,7 @@ def test_dense_fallback_recomputes_its_ffn_in_the_backward():
         torch.testing.assert_close(got, want)
     torch.manual_seed(0)
     checkpointed = build_model(cfg, activation_checkpointing=True)
-    assert not any(layer.mlp.recompute_fallback for layer in checkpointed.model.layers)
+    assert not any(layer.ffn.recompute_fallback for layer in checkpointed.model.layers)
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
