@@ -5,7 +5,8 @@ On a Hopper GPU with the extension, one kernel applies RoPE to k and writes k an
 (kernels/kv_cache.cu): the generic copies of a rotated k and of v were 8% of a compiled 1B
 prefill. Elsewhere the same write in PyTorch, RoPE(k) rounded the same way. `write_kv` writes T
 tokens of every row at one start column; `write_kv_columns` one token of each row at that row's
-own device-side column (a static-shape decode step, which a CUDA graph can capture).
+own device-side column (a static-shape decode step, which a CUDA graph can capture). Both are also
+custom ops (`sparse_llm::kv_cache_write`, `sparse_llm::kv_cache_write_columns`) for traced callers.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def write_kv(
 ) -> None:
     """k_cache[layer, :, start:start + T] = RoPE(k) and v_cache[...] = v, in place (k, v:
     [B, T, kv_heads, head_dim] before RoPE; cos, sin as the model's rotary embedding gives them)."""
-    if torch.compiler.is_compiling():
-        # Traced, a slice assignment into the cache (a graph input) is functionalized into a
-        # copy of the whole cache per write (measured: 20% of a compiled 1B prefill); the
-        # custom op's declared mutation is re-inplaced by Inductor instead.
-        torch.ops.sparse_llm.kv_cache_write(k_cache, v_cache, layer, start, k, v, cos, sin)
-    else:  # eager: the same write without the custom op's dispatch (decode runs eager)
-        _write_kv(k_cache, v_cache, layer, start, k, v, cos, sin)
+    _check_write(k_cache, v_cache, layer, start, k, v)
+    if _fused_write_applies(k_cache, v_cache, k, v, cos, sin):
+        extension().kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
+        return
+    end = start + k.shape[1]
+    k_cache[layer, :, start:end].copy_(apply_rotary(k, cos, sin))
+    v_cache[layer, :, start:end].copy_(v)
 
 
 def write_kv_columns(
@@ -49,51 +50,10 @@ def write_kv_columns(
 ) -> None:
     """k_cache[layer, b, columns[b]] = RoPE(k[b, 0]) and v_cache[...] = v[b, 0] for every row b, in
     place (k, v: [B, 1, kv_heads, head_dim]; columns: int64 [B], each in [0, max_len): the
-    caller's contract, not checked here, which would read the device). RoPE(k) is rounded exactly
-    as `write_kv` rounds it."""
-    if torch.compiler.is_compiling():
-        # As in write_kv: traced, the scatter into a view of the cache (a graph input) would be
-        # functionalized into a copy of the whole cache; the op's declared mutation stays in place.
-        torch.ops.sparse_llm.kv_cache_write_columns(k_cache, v_cache, layer, columns, k, v, cos, sin)
-    else:
-        _write_kv_columns(k_cache, v_cache, layer, columns, k, v, cos, sin)
-
-
-def _write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    layer: int,
-    start: int,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> None:
-    """`write_kv` without the compile dispatch: the fused kernel where it takes the inputs, else
-    PyTorch."""
-    _check_write(k_cache, v_cache, layer, start, k, v)
-    if _fused_write_applies(k_cache, v_cache, k, v, cos, sin):
-        extension().kv_cache_write_rope(k_cache, v_cache, layer, start, k, v, cos, sin)
-        return
-    end = start + k.shape[1]
-    k_cache[layer, :, start:end].copy_(apply_rotary(k, cos, sin))
-    v_cache[layer, :, start:end].copy_(v)
-
-
-def _write_kv_columns(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    layer: int,
-    columns: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> None:
-    """`write_kv_columns` without the compile dispatch. On Hopper the fused kernel writes each row
-    at its column (one launch, RoPE(k) rounded as in every other cache write; it never writes
-    outside the cache); elsewhere through a one-column staging cache by `_write_kv`, then a
-    scatter (which raises on a column out of range)."""
+    caller's contract, not checked here, which would read the device). On Hopper the fused kernel
+    writes each row at its column (one launch, RoPE(k) rounded as in every other cache write; it
+    never writes outside the cache); elsewhere through a one-column staging cache by `write_kv`,
+    then a scatter (which raises on a column out of range)."""
     if k.shape[1] != 1:
         raise ValueError(f"write_kv_columns writes one token a row, got k of shape {tuple(k.shape)}")
     if (
@@ -106,7 +66,7 @@ def _write_kv_columns(
     batch, _, heads, head_dim = k.shape
     stage_k = torch.empty((1, batch, 1, heads, head_dim), device=k_cache.device, dtype=k_cache.dtype)
     stage_v = torch.empty_like(stage_k)
-    _write_kv(stage_k, stage_v, 0, 0, k, v, cos, sin)
+    write_kv(stage_k, stage_v, 0, 0, k, v, cos, sin)
     index = columns.view(batch, 1, 1, 1).expand(batch, 1, heads, head_dim)
     k_cache[layer].scatter_(1, index, stage_k[0])
     v_cache[layer].scatter_(1, index, stage_v[0])
@@ -158,9 +118,11 @@ def _fused_write_applies(
     )
 
 
-# The writes as ops with a declared mutation: what torch.compile traces (eager runs them directly).
+# The writes as ops with a declared mutation: what a traced caller calls (torch.compile would
+# functionalize a write into a graph input into a copy of the whole cache; Inductor keeps a declared
+# mutation in place). Eager callers call the functions, without the op's dispatch.
 kv_cache_write = torch.library.custom_op(
-    "sparse_llm::kv_cache_write", _write_kv, mutates_args=("k_cache", "v_cache")
+    "sparse_llm::kv_cache_write", write_kv, mutates_args=("k_cache", "v_cache")
 )
 
 
@@ -170,7 +132,7 @@ def _(k_cache, v_cache, layer, start, k, v, cos, sin) -> None:
 
 
 kv_cache_write_columns = torch.library.custom_op(
-    "sparse_llm::kv_cache_write_columns", _write_kv_columns, mutates_args=("k_cache", "v_cache")
+    "sparse_llm::kv_cache_write_columns", write_kv_columns, mutates_args=("k_cache", "v_cache")
 )
 
 

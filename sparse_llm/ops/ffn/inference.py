@@ -7,7 +7,7 @@ import torch
 
 from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD, check_ffn_inputs, check_heavy_threshold
 from sparse_llm.ops.ffn.reference import ffn_forward_reference
-from sparse_llm.ops.ffn.select import CUDA_ALIGN, check_impl, check_impl_for
+from sparse_llm.ops.ffn.select import CUDA_ALIGN, KernelInputs, check_impl, kernel_inputs
 from sparse_llm.ops.ffn.twell import TwellPacked, twell_pack_reference
 from sparse_llm.ops.in_place import check_in_place_output
 
@@ -60,7 +60,7 @@ def ffn_forward(
     """
     check_ffn_inputs(x, wg, wu, wd)
     _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
-    check_impl_for(impl, False, x, wg, wu, wd)
+    check_impl(impl, False, kernel_inputs(x, wg, wu, wd))
     if impl == "reference":
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -103,7 +103,7 @@ def ffn_add_(
         for name, t in (("x", x), ("Wg", wg), ("Wu", wu), ("Wd", wd)):
             if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 raise ValueError(f"out must not share memory with {name}")
-    check_impl_for(impl, False, x, wg, wu, wd)
+    check_impl(impl, False, kernel_inputs(x, wg, wu, wd))
     if impl == "reference":
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -123,15 +123,7 @@ def twell_pack(g: torch.Tensor, heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD, 
     if g.dim() != 2:
         raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
     # The pack reads g alone: D plays no part, so the check passes a D the kernels take.
-    check_impl(
-        impl,
-        False,
-        device=g.device,
-        dtype=g.dtype,
-        hidden_size=CUDA_ALIGN,
-        intermediate_size=g.shape[1],
-        contiguous=g.is_contiguous(),
-    )
+    check_impl(impl, False, KernelInputs(g.device, g.dtype, CUDA_ALIGN, g.shape[1], g.is_contiguous()))
     if impl == "reference":
         return twell_pack_reference(g, heavy_threshold)
     return TwellPacked(*torch.ops.sparse_llm.twell_pack(g, heavy_threshold))

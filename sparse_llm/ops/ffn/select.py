@@ -10,8 +10,8 @@ same everywhere:
   auto       the kernels where they can run, `dense` elsewhere
 
 The op fronts (inference, training, block) decide nothing: they take the decided implementation,
-`reference` or `cuda`, and for `cuda` only check that the kernels take their inputs (`check_impl`,
-`check_impl_for`), raising where they cannot rather than falling back.
+`reference` or `cuda`, and for `cuda` only check that the kernels take their inputs (`check_impl`),
+raising where they cannot rather than falling back.
 
 What the kernels need: a Hopper GPU (sm_90) with the extension built (nvcc and ninja present),
 bfloat16, D a multiple of 8 in [8, 8192], H a multiple of 8, and for training H <= 49152 (the
@@ -23,6 +23,7 @@ toolchain part.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,16 @@ CUDA_ALIGN = 8
 # The training backward orders its entries by unit with a shared-memory histogram of H counters
 # (kernels/csr.cuh, kMaxColumnSortHidden).
 CUDA_TRAIN_MAX_HIDDEN = 49152
+
+
+class KernelInputs(NamedTuple):
+    """What the kernels' support of an FFN's inputs depends on."""
+
+    device: torch.device
+    dtype: torch.dtype
+    hidden_size: int  # D
+    intermediate_size: int  # H
+    contiguous: bool  # the weights
 
 
 @dataclass(frozen=True)
@@ -78,14 +89,8 @@ def select_ffn(
         raise KernelsUnavailable(f"{where}={requested} cannot run: {reason}")
     if requested == "reference":
         return FFNSelection(requested, f"{where}={requested} was asked for")
-    reason = kernels_refuse(
-        phase == "train",
-        device=device,
-        dtype=dtype,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        contiguous=contiguous,
-    )
+    inputs = KernelInputs(torch.device(device), dtype, hidden_size, intermediate_size, contiguous)
+    reason = kernels_refuse(phase == "train", inputs)
     if reason is None:
         return FFNSelection("cuda", None)
     if requested == "cuda":
@@ -93,83 +98,46 @@ def select_ffn(
     return FFNSelection("dense", reason)
 
 
-def kernels_refuse(
-    training: bool,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    hidden_size: int,
-    intermediate_size: int,
-    contiguous: bool,
-) -> str | None:
-    """Why the CUDA kernels cannot run the FFN (the training op's when `training`) on inputs of this
-    device, dtype, D (hidden_size) and H (intermediate_size), or None when they can."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
-    reason = _inputs_unsupported(training, dtype, hidden_size, intermediate_size, contiguous)
-    return reason if reason is not None else kernels_unavailable(device)  # last: it may build
+def kernels_refuse(training: bool, inputs: KernelInputs) -> str | None:
+    """Why the CUDA kernels cannot run the FFN (the training op's when `training`) on these inputs,
+    or None when they can."""
+    if inputs.device.type != "cuda":
+        return f"tensors are on {inputs.device}, the kernels need a CUDA (Hopper) GPU"
+    reason = _inputs_unsupported(training, inputs)
+    return reason if reason is not None else kernels_unavailable(inputs.device)  # last: it may build
 
 
-def _inputs_unsupported(
-    training: bool, dtype: torch.dtype, dim: int, hidden: int, contiguous: bool
-) -> str | None:
-    if dtype != KERNEL_DTYPE:
-        return f"the kernels take bfloat16, got {dtype}"
+def _inputs_unsupported(training: bool, inputs: KernelInputs) -> str | None:
+    dim, hidden = inputs.hidden_size, inputs.intermediate_size
+    if inputs.dtype != KERNEL_DTYPE:
+        return f"the kernels take bfloat16, got {inputs.dtype}"
     if dim % CUDA_ALIGN or not CUDA_ALIGN <= dim <= CUDA_MAX_DIM:
         return f"the kernels need D a multiple of {CUDA_ALIGN} in [{CUDA_ALIGN}, {CUDA_MAX_DIM}], got {dim}"
     if hidden % CUDA_ALIGN:
         return f"the kernels need H a multiple of {CUDA_ALIGN}, got {hidden}"
     if training and hidden > CUDA_TRAIN_MAX_HIDDEN:
         return f"the training kernels need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {hidden}"
-    if not contiguous:
+    if not inputs.contiguous:
         return "the kernels need contiguous weights"
     return None
 
 
-def check_impl(
-    impl: str,
-    training: bool,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    hidden_size: int,
-    intermediate_size: int,
-    contiguous: bool,
-) -> None:
+def check_impl(impl: str, training: bool, inputs: KernelInputs) -> None:
     """What an op front checks of the implementation it is given: one of OP_IMPLS, and for 'cuda'
     that the kernels take these inputs (KernelsUnavailable with the reason where they do not)."""
     if impl not in OP_IMPLS:
         raise ValueError(
             f"impl must be 'reference' or 'cuda' (the implementation select_ffn decided), got {impl!r}"
         )
-    if impl != "cuda":
-        return
-    reason = kernels_refuse(
-        training,
-        device=device,
-        dtype=dtype,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        contiguous=contiguous,
-    )
+    reason = kernels_refuse(training, inputs) if impl == "cuda" else None
     if reason is not None:
         raise KernelsUnavailable(
             f"impl=cuda cannot run the kernels ({'train' if training else 'inference'}): {reason}"
         )
 
 
-def check_impl_for(
-    impl: str, training: bool, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
-) -> None:
-    """`check_impl` for an op's (checked) inputs: x [..., D], Wg, Wu [H, D], Wd [D, H]."""
+def kernel_inputs(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> KernelInputs:
+    """What the kernels' support depends on, for an op's (checked) inputs: x [..., D], Wg, Wu [H, D],
+    Wd [D, H]."""
     hidden, dim = wg.shape
-    check_impl(
-        impl,
-        training,
-        device=x.device,
-        dtype=x.dtype,
-        hidden_size=dim,
-        intermediate_size=hidden,
-        contiguous=all(t.is_contiguous() for t in (wg, wu, wd)),
-    )
+    return KernelInputs(x.device, x.dtype, dim, hidden, all(t.is_contiguous() for t in (wg, wu, wd)))

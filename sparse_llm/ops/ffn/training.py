@@ -58,7 +58,7 @@ from sparse_llm.ops.ffn.reference import (
     ffn_train_backward_reference,
     ffn_train_forward_reference,
 )
-from sparse_llm.ops.ffn.select import check_impl_for
+from sparse_llm.ops.ffn.select import check_impl, kernel_inputs
 from sparse_llm.ops.precision import autocast_dtype
 
 _T = torch.Tensor
@@ -357,7 +357,7 @@ def check_train_weights(
     'cuda': that the training kernels take these inputs)."""
     check_ffn_inputs(x.new_empty((0, x.shape[-1]), dtype=wg.dtype), wg, wu, wd)
     check_heavy_threshold(heavy_threshold, inference=False)
-    check_impl_for(impl, True, x, wg, wu, wd)
+    check_impl(impl, True, kernel_inputs(x, wg, wu, wd))
 
 
 def ffn_forward_train(
@@ -385,7 +385,7 @@ def ffn_forward_train(
     check_ffn_inputs(x, wg, wu, wd)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
     check_heavy_threshold(heavy_threshold, inference=False)
-    check_impl_for(impl, True, x, wg, wu, wd)
+    check_impl(impl, True, kernel_inputs(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = train_forward(impl, x2, wg, wu, wd, heavy_threshold)
     nnz_per_token = out.record.nnz_per_token
