@@ -49,9 +49,9 @@ def ffn_forward(
 
     `impl` is the implementation decided for the inputs (sparse_llm.ops.ffn.select): "reference",
     or "cuda", the TwELL kernels, which raise KernelsUnavailable where they cannot run (no fallback
-    here). The kernels take: bfloat16 tensors on a Hopper GPU
-    (sm_90), D a multiple of 8 in [8, 8192], H a multiple of 8, contiguous weights (x of any
-    layout and leading shape, any M >= 0). The result equals the dense computation up to bf16
+    here). The kernels take: bfloat16 tensors on a Hopper GPU (sm_90), D a multiple of 8 in
+    [8, 8192], H a multiple of 8, contiguous weights (x of any layout and leading shape, any
+    M >= 0). The result equals the dense computation up to bf16
     rounding for every input (heavy rows take an exact dense path; nothing is dropped).
     `heavy_threshold` (0..512) only moves work between the two paths. `wd_t` may pass a cached
     contiguous Wd^T ([H, D]) to skip the per-call transpose. Up to DECODE_MAX_ROWS rows (and
