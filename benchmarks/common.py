@@ -377,10 +377,10 @@ def sparse_path(
     phase: str, cfg: Any, device: torch.device | str, dtype: torch.dtype
 ) -> tuple[str, str | None]:
     """The sparse FFN a benchmark times in `phase` for a model config `cfg` on `device` in `dtype`:
-    the CUDA kernels where `ops.select` says they can run, else their PyTorch reference (the same
+    the CUDA kernels where `ops.ffn.select` says they can run, else their PyTorch reference (the same
     sparse arithmetic, so every script runs anywhere); and why not the kernels (None when they run).
     The one place the benchmarks decide this."""
-    from sparse_llm.ops.select import select_ffn
+    from sparse_llm.ops.ffn.select import select_ffn
 
     selection = select_ffn(
         "auto",

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: t
 
 from benchmarks.common import device_kernel_table, gpu_idle_table, make_workload, write_report
 from sparse_llm import ops
-from sparse_llm.ops.select import extension, kernels_unavailable
+from sparse_llm.ops._extension import extension, kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 

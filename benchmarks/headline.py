@@ -48,7 +48,7 @@ from benchmarks.model_step import layer_l0_range, load_weights, model_step_args,
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
 from sparse_llm.inference import compile_prefill, load_model
-from sparse_llm.ops.select import kernels_unavailable
+from sparse_llm.ops._extension import kernels_unavailable
 from sparse_llm.training.run_info import collect_run_info
 
 PARTS = ("train", "inference", "ffn")

@@ -6,7 +6,7 @@ and the per-layer FFN fallback), on fixed weights: of --model, of a sparsify run
 the Trainer at a high L1 first, benchmarks.common.sparsify), or freshly initialised. Every
 implementation is timed on the same weights and batches, side by side in one run: median step time,
 tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the kernels' PyTorch
-reference where they cannot run (sparse_llm.ops.select says why; the table shows which ran). The
+reference where they cannot run (sparse_llm.ops.ffn.select says why; the table shows which ran). The
 whole run, from initialisation, is benchmarks/whole_run.py. Prints Markdown, writes JSON and Markdown.
 
     python benchmarks/model_step.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
@@ -325,7 +325,7 @@ def time_trainer_step(
     record["layers_over_dense_above"] = layers_over_dense_above(
         record["l0_per_layer"], model.config.intermediate_size, model.config.ffn_dense_above
     )
-    # What the sparse path keeps of the residual stream for the FFN's backward (ops.train_block):
+    # What the sparse path keeps of the residual stream for the FFN's backward (ops.ffn.block):
     # the tokens with an active unit.
     record["active_token_fraction"] = 1.0 - (hist[:, 0].sum() / hist.sum()).item()
     return record

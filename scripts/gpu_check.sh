@@ -26,7 +26,7 @@ fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step "pytest -m gpu"
   # shellcheck disable=SC2086
-  $PY -m pytest -m gpu -v -rfEs -s ${TESTS:-tests/ops/test_ops_cuda.py tests/ops/test_ops_train_cuda.py tests/model/test_kv_cache_gpu.py} 2>&1 \
+  $PY -m pytest -m gpu -v -rfEs -s ${TESTS:-tests/ops/ffn/test_inference_gpu.py tests/ops/ffn/test_training_gpu.py tests/ops/test_kv_cache_write_gpu.py} 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=1
 fi
 

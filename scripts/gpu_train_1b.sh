@@ -38,7 +38,7 @@ case "${PHASE:-1}" in
       step "pytest -m gpu"
       # shellcheck disable=SC2086
       python3 -m pytest -m gpu -q -rfEs ${TESTS:-tests/ops/test_activation_counts.py tests/model/test_loss.py \
-        tests/ops/test_ops_train_block.py tests/ops/test_ops_train_cuda.py tests/model/test_model_gpu.py} \
+        tests/ops/ffn/test_block.py tests/ops/ffn/test_training_gpu.py tests/model/test_model_gpu.py} \
         >"$OUT/gpu_tests.log" 2>&1 || status=1
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 12
     fi

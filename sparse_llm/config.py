@@ -19,9 +19,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-# The FFN implementations: the ops' own names (sparse_llm.ops.select says what each means and picks
+# The FFN implementations: the ops' own names (sparse_llm.ops.ffn.select says what each means and picks
 # what runs).
-from sparse_llm.ops.select import FFN_IMPLS
+from sparse_llm.ops.ffn.select import FFN_IMPLS
 
 ATTN_IMPLS = ("sdpa", "flash")
 # The FFN's gate activation: relu (the sparse recipe and kernels) or silu (SwiGLU, the dense baseline).

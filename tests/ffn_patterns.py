@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_llm.ops.twell import SLOTS
+from sparse_llm.ops.ffn.twell import SLOTS
 
 # The CUDA kernels are built for sm_90 (Hopper) only.
 needs_hopper = pytest.mark.skipif(

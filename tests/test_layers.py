@@ -119,7 +119,8 @@ def test_no_import_cycles():
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from sparse_llm.ops import select", {"sparse_llm.ops.select"}),
+        ("from sparse_llm.ops.ffn import select", {"sparse_llm.ops.ffn.select"}),
+        ("from sparse_llm.ops import ffn", {"sparse_llm.ops.ffn"}),
         ("from sparse_llm.ops import ffn_forward", {"sparse_llm.ops"}),
         ("import sparse_llm.config", {"sparse_llm.config"}),
         ("def f():\n    from sparse_llm.model import llama", {"sparse_llm.model.llama"}),

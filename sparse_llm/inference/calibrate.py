@@ -1,9 +1,9 @@
 """The FFN plan of a model for inference: set by hand per phase, or the faster one by measurement.
 
-`prefill_ffn` and `decode_ffn` take the values of `sparse_llm.ops.select` (dense, reference, cuda,
+`prefill_ffn` and `decode_ffn` take the values of `sparse_llm.ops.ffn.select` (dense, reference, cuda,
 auto) or `fastest`, which never assumes the sparse kernels are faster:
   * where the kernels cannot run (no Hopper GPU, no built extension, a dtype other than
-    bfloat16, D or H not a multiple of 8) `fastest` is `dense` (ops.select says why): the sparse
+    bfloat16, D or H not a multiple of 8) `fastest` is `dense` (ops.ffn.select says why): the sparse
     front would run the PyTorch reference, which is the same arithmetic as the dense FFN;
   * otherwise both are timed on the model's own FFN inputs: one forward over a calibration batch
     captures every layer's FFN input, then each layer's FFN runs with `dense` and with `cuda` at
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from sparse_llm.model import FFNPlan, SparseLlamaForCausalLM
-from sparse_llm.ops.select import FFN_IMPLS, FFNSelection, KernelsUnavailable, select_ffn
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.select import FFN_IMPLS, FFNSelection, select_ffn
 
 FASTEST = "fastest"
 CHOICES = (*FFN_IMPLS, FASTEST)

@@ -36,12 +36,12 @@ import torch
 
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import KVCache, SparseLlamaForCausalLM
-from sparse_llm.ops import ffn as ffn_ops
+from sparse_llm.ops.ffn.inference import decode_kernel_fits
 
 DECODE_MODES = ("auto", "graph", "static", "eager")
-# Decode FFNs a CUDA graph always captures. The kernels ("cuda") only on their decode path (up to
-# ops.ffn.DECODE_MAX_ROWS rows, hidden size up to DECODE_MAX_DIM); beyond it the TwELL kernels
-# read their heavy-row count on the host in every call.
+# Decode FFNs a CUDA graph always captures. The kernels ("cuda") only where their decode kernel
+# takes the rows (ops.ffn.inference.decode_kernel_fits); beyond it the TwELL kernels read their
+# heavy-row count on the host in every call.
 CAPTURABLE_DECODE_FFNS = frozenset({"dense", "reference"})
 # A slot's cache length is the batch's need rounded up to this: nearby lengths share a graph, the
 # attention reads at most this many columns more than needed, and mask rows stay 16-byte aligned.
@@ -68,15 +68,15 @@ def eos_capacity(count: int) -> int:
 def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
     if impl in CAPTURABLE_DECODE_FFNS:
         return None
-    # Read through the module, not imported by name: the limits are the ops front's to change.
-    if hidden_size > ffn_ops.DECODE_MAX_DIM:
+    if not decode_kernel_fits(1, hidden_size):
         return (
             f"the {impl!r} decode FFN reads on the host at hidden size {hidden_size} (its decode "
-            f"path, which does not, takes up to {ffn_ops.DECODE_MAX_DIM})"
+            "kernel, which does not, takes smaller models)"
         )
-    if batch is not None and batch > ffn_ops.DECODE_MAX_ROWS:
+    if batch is not None and not decode_kernel_fits(batch, hidden_size):
         return (
-            f"the {impl!r} decode FFN reads on the host above {ffn_ops.DECODE_MAX_ROWS} rows (batch {batch})"
+            f"the {impl!r} decode FFN reads on the host at batch {batch} (its decode kernel, which "
+            "does not, takes fewer rows)"
         )
     return None
 

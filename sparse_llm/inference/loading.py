@@ -145,7 +145,7 @@ def load_model(
     ffn: str | dict[str, str] = "dense",
 ) -> LoadedModel:
     """Read config, weights and tokenizer; the model is in eval mode on `device` in `dtype`, with
-    the FFN plan resolved from `ffn` (one value of ops.select for every phase, or one per phase)."""
+    the FFN plan resolved from `ffn` (one value of ops.ffn.select for every phase, or one per phase)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source, directory = detect_source(Path(path).expanduser())

@@ -17,9 +17,9 @@ from torch import nn
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, stacked_rows
 from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
-from sparse_llm.model.rope import apply_rotary
 from sparse_llm.ops.linear_add import linear_add_
 from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.rotary import apply_rotary
 
 
 class Attention(nn.Module):

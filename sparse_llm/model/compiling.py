@@ -1,7 +1,7 @@
 """torch.compile for training: each decoder layer on its own, and the output head.
 
 Why regional. A layer's training FFN may change path during a run (the per-layer dense fallback,
-`GatedMLP.dense_fallback`, set from the measured density). Compiled as one graph, the whole model
+`FFNBlock.dense_fallback`, set from the measured density). Compiled as one graph, the whole model
 guards on every layer's flag, so each flip recompiled all of it (about a minute on the 1b preset)
 and dynamo's recompile limit would end compilation for the run. Compiled layer by layer, all
 layers share one compiled graph per variant (dynamo treats the layer as an input of the code it

@@ -1,8 +1,11 @@
-"""The ReLU-gated feed-forward block and the plan that says which implementation each phase runs.
+"""The ReLU-gated feed-forward block of a decoder layer and the plan that says which
+implementation each phase runs.
 
-y = down(act(gate(x)) * up(x)): transformers' LlamaMLP, with act = relu (the sparse recipe) or silu
-(SwiGLU, the dense baseline; its FFN is always dense). The implementation
-is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`), one per phase:
+y = down(act(gate(x)) * up(x)): transformers' LlamaMLP (`GatedMLP`: the weights, under their
+transformers names, and the dense forward), with act = relu (the sparse recipe) or silu (SwiGLU,
+the dense baseline; its FFN is always dense). A decoder layer calls its `FFNBlock` once: x +
+MLP(norm(x)), where the block runs whichever implementation the phase has. The implementation is
+fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.ffn.select`), one per phase:
 
   train    a forward with autograd: the dense FFN, or the sparse training block op
            (`ops.ffn_block_train`: norm + FFN + residual add, saving only the active rows)
@@ -11,8 +14,8 @@ is fixed when the model is built (`FFNPlan`, resolved by `sparse_llm.ops.select`
   decode   a forward over a KV cache with one new token per row
 
 The one piece of state that changes while training is the per-layer dense fallback
-(`dense_fallback`, set by `sparse_llm.training.ffn_fallback` from the measured density and saved
-in checkpoints): a layer too dense to gain from the sparse path trains dense. Both compute the
+(`FFNBlock.dense_fallback`, set by `sparse_llm.training.ffn_fallback` from the measured density
+and saved in checkpoints): a layer too dense to gain from the sparse path trains dense. Both compute the
 same function; the fallback changes speed, never the result. A layer that falls back recomputes
 its dense FFN in the backward (unless the whole layer is recomputed already): the dense FFN keeps
 three [tokens, H] tensors for its backward, so a run's dense early phase would otherwise set its
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +35,27 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.derived_weights import DerivedWeight, transposed
+from sparse_llm.model.norm import RMSNorm
 from sparse_llm.ops.activation_counts import activation_counts
-from sparse_llm.ops.ffn import ffn_add_, ffn_forward
+from sparse_llm.ops.ffn.block import ffn_block_train
+from sparse_llm.ops.ffn.inference import ffn_add_, ffn_forward
+from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
+from sparse_llm.ops.ffn.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
 from sparse_llm.ops.precision import autocast_dtype
-from sparse_llm.ops.relu_gate import relu_gate_stats
-from sparse_llm.ops.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
-from sparse_llm.ops.train_block import ffn_block_train
+
+
+class FFNStats(NamedTuple):
+    """FFN statistics of one forward pass: of one layer (l1 [], nnz_per_token [M], fire_counts [H]),
+    or stacked over layers by the model ([L], [L, M], [L, H]).
+
+    Counts, not means, so that micro-batches and ranks reduce by addition. The per-token counts
+    are binned into a histogram by the sparsity monitor, outside any compiled graph; the counts
+    themselves come from an op Inductor does not fuse (see ops/activation_counts.py).
+    """
+
+    l1: torch.Tensor  # float32, differentiable: mean over tokens of sum over units of |h|
+    nnz_per_token: torch.Tensor  # int64: how many units were active for each token
+    fire_counts: torch.Tensor  # int64: on how many tokens each unit fired (gate > 0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,7 @@ class FFNPlan:
         compute_dtype: torch.dtype,
         where: str = "model.ffn_impl",
     ) -> FFNPlan:
-        """Ask `ops.select` for every phase: `requested` is one value for all phases or one per
+        """Ask `ops.ffn.select` for every phase: `requested` is one value for all phases or one per
         phase (missing phases: dense). Raises KernelsUnavailable for 'cuda' where the kernels
         cannot run."""
         per_phase = {phase: requested for phase in PHASES} if isinstance(requested, str) else dict(requested)
@@ -102,77 +121,76 @@ class FFNPlan:
 
 
 class GatedMLP(nn.Module):
-    """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu."""
+    """y = down(act(gate(x)) * up(x)): transformers' LlamaMLP with hidden_act relu or silu. Its
+    forward is the dense FFN; `FFNBlock` runs the sparse ops on its weights."""
 
-    def __init__(self, cfg: ModelConfig, plan: FFNPlan, recompute_fallback: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, h = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nn.Linear(d, h, bias=False)
         self.up_proj = nn.Linear(d, h, bias=False)
         self.down_proj = nn.Linear(h, d, bias=False)
-        self.plan = plan
         self.act = F.relu if cfg.hidden_act == "relu" else F.silu
-        # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
-        # saved in checkpoints. Read only when the train phase is not dense.
-        self.dense_fallback = False
-        # Fixed at build: whether a layer falling back recomputes its dense FFN in the backward.
-        self.recompute_fallback = recompute_fallback
         # A cache, not state: Wd^T for the sparse inference kernels (shared by with_ffn_plan;
         # H x D more memory, 23 MB a 1b layer).
         self.down_t_cache = DerivedWeight(transposed)
 
-    def impl(self, phase: str) -> str:
-        """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
-        if phase == "train" and self.dense_fallback:
-            return "dense"
-        return self.plan.impl(phase)
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Wg, Wu, Wd) as the ops take them: the parameters, Hugging Face layout."""
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
-    def forward(self, x: torch.Tensor, phase: str, with_stats: bool) -> tuple[torch.Tensor, tuple]:
-        """The FFN of x in `phase` (not the sparse train phase, which `DecoderLayer` runs through
-        `add_sparse_train_forward` with its norm), with the layer's statistics if asked for."""
-        impl = self.impl(phase)
-        if impl != "dense" and not with_stats and phase != "train":
-            return self.run(x, impl), ()
-        if phase == "train" and self.dense_fallback and self.recompute_fallback and torch.is_grad_enabled():
-            # Keeps x only; the gate, up and hidden activations are made again in the backward.
-            return checkpoint(self.dense_forward, x, with_stats, use_reentrant=False)
-        return self.dense_forward(x, with_stats)
+    def forward(
+        self, x: torch.Tensor, with_stats: bool, recompute: bool = False
+    ) -> tuple[torch.Tensor, FFNStats | None]:
+        """The dense FFN of x, with its statistics if asked for. With `recompute` (and autograd)
+        it keeps x only: the gate, up and hidden activations are made again in the backward."""
+        if recompute and torch.is_grad_enabled():
+            return checkpoint(self._dense, x, with_stats, use_reentrant=False)
+        return self._dense(x, with_stats)
+
+    def _dense(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, FFNStats | None]:
+        if with_stats and self.act is F.relu:  # the product and its statistics in one pass
+            g, u = self.gate_proj(x), self.up_proj(x)
+            hidden, l1, nnz_per_token, fire_counts = relu_gate_stats(g.flatten(0, -2), u.flatten(0, -2))
+            return self.down_proj(hidden.view(g.shape)), FFNStats(l1.mean(), nnz_per_token, fire_counts)
+        a = self.act(self.gate_proj(x))
+        hidden = a * self.up_proj(x)
+        y = self.down_proj(hidden)
+        if not with_stats:
+            return y, None
+        return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, impl: str) -> torch.Tensor:
         """The FFN of x with `impl` given explicitly, without autograd: what calibration times."""
         if impl == "dense":
-            return self.dense_forward(x, False)[0]
+            return self._dense(x, False)[0]
         operands = self._inference_operands(x)
-        return ffn_forward(*operands, impl=impl, wd_t=self._down_transposed(operands[0].dtype, impl))
+        return ffn_forward(*operands, impl, wd_t=self._down_transposed(operands[0].dtype, impl))
 
-    def dense_forward(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, tuple]:
-        if with_stats and self.act is F.relu:  # the product and its statistics in one pass
-            g, u = self.gate_proj(x), self.up_proj(x)
-            hidden, l1, nnz_per_token, fire_counts = relu_gate_stats(g.flatten(0, -2), u.flatten(0, -2))
-            return self.down_proj(hidden.view(g.shape)), (l1.mean(), nnz_per_token, fire_counts)
-        a = self.act(self.gate_proj(x))
-        hidden = a * self.up_proj(x)
-        y = self.down_proj(hidden)
-        if not with_stats:
-            return y, ()
-        return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
+    def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """residual + self(x) for sparse inference, added in place into `residual` (the residual
+        stream, given up by the caller) when it has the compute dtype: the CUDA path then touches
+        only the rows with an active unit, and the separate y tensor and its add disappear."""
+        operands = self._inference_operands(x)
+        wd_t = self._down_transposed(operands[0].dtype, impl)
+        if residual.dtype != operands[0].dtype:  # e.g. an fp32 stream under bf16 autocast
+            return residual + ffn_forward(*operands, impl, wd_t=wd_t)
+        return ffn_add_(residual, *operands, impl, wd_t=wd_t)
 
     def _inference_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x, Wg, Wu, Wd) in the dtype the dense matmuls would compute in: custom ops sit
         outside autocast, so cast as autocast would."""
         dtype = autocast_dtype(x) or x.dtype
-        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return (x.to(dtype), *(w.to(dtype) for w in weights))
+        return (x.to(dtype), *(w.to(dtype) for w in self.weights()))
 
     @torch.no_grad()
     def prepare_inference(self) -> None:
-        """Make Wd^T for the sparse inference kernels now (if a prefill or decode phase runs them;
-        in bfloat16, the kernels' one dtype), before a graph is traced or captured: a trace that
-        finds the cache empty transposes Wd inside the graph, and every replay then pays that
-        pass (~14 us a 1b layer on an H100, a sixth of a captured decode step at batch 1)."""
-        if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
-            self.down_t_cache.get([self.down_proj.weight], KERNEL_DTYPE)
+        """Make Wd^T for the sparse inference kernels now (in bfloat16, the kernels' one dtype),
+        before a graph is traced or captured: a trace that finds the cache empty transposes Wd
+        inside the graph, and every replay then pays that pass (~14 us a 1b layer on an H100, a
+        sixth of a captured decode step at batch 1)."""
+        self.down_t_cache.get([self.down_proj.weight], KERNEL_DTYPE)
 
     def _down_transposed(self, dtype: torch.dtype, impl: str) -> torch.Tensor | None:
         """Wd^T for the sparse inference kernels (model/derived_weights.py); None for the reference
@@ -184,33 +202,68 @@ class GatedMLP(nn.Module):
             return self.down_t_cache.traced(dtype, self.down_proj.weight.device)
         return self.down_t_cache.get([self.down_proj.weight], dtype)
 
-    def add_sparse_forward_(self, residual: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
-        """residual + self(x) for sparse inference, added in place into `residual` (the residual
-        stream, given up by the caller) when it has the compute dtype: the CUDA path then touches
-        only the rows with an active unit, and the separate y tensor and its add disappear."""
-        operands = self._inference_operands(x)
-        wd_t = self._down_transposed(operands[0].dtype, impl)
-        if residual.dtype != operands[0].dtype:  # e.g. an fp32 stream under bf16 autocast
-            return residual + ffn_forward(*operands, impl=impl, wd_t=wd_t)
-        return ffn_add_(residual, *operands, impl=impl, wd_t=wd_t)
 
-    def add_sparse_train_forward(
-        self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, impl: str, with_stats: bool
-    ) -> tuple[torch.Tensor, tuple]:
-        """residual + self(norm(residual)) for training, through `ops.ffn_block_train`: it saves
-        the normalised rows of the tokens with an active unit (bf16 under autocast) plus a compact
-        record of the active units (no dense M x H tensor, no norm output), and gives the layer's
-        statistics from the same call."""
-        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        out = ffn_block_train(residual, norm_weight, eps, *weights, impl=impl)
+class FFNBlock:
+    """The FFN half of a decoder layer, x + MLP(norm(x)), in whichever implementation its phase has:
+    the one place a layer's FFN path is chosen. Its modes are fixed when it is built (the plan,
+    whether a fallen-back layer recomputes); the one run-time switch is `dense_fallback`.
+
+    Not a module: the norm and the MLP are the layer's submodules, under their transformers names
+    (post_attention_layernorm, mlp); the block holds them and the choice. Compiled layer by layer
+    (model/compiling.py), a layer's graphs guard on the plan's choice for the phase, on
+    `dense_fallback` and on `with_stats`: a flip of the flag selects another compiled variant.
+    """
+
+    def __init__(self, norm: RMSNorm, mlp: GatedMLP, plan: FFNPlan, recompute_fallback: bool) -> None:
+        self.norm = norm
+        self.mlp = mlp
+        self.plan = plan
+        # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
+        # saved in checkpoints.
+        self.dense_fallback = False
+        # Fixed at build: whether a layer falling back recomputes its dense FFN in the backward.
+        self.recompute_fallback = recompute_fallback
+
+    def impl(self, phase: str) -> str:
+        """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
+        if phase == "train" and self.dense_fallback:
+            return "dense"
+        return self.plan.impl(phase)
+
+    def __call__(self, x: torch.Tensor, phase: str, with_stats: bool) -> tuple[torch.Tensor, FFNStats | None]:
+        """(x + FFN(norm(x)), the FFN's statistics if asked for). Without autograd the sparse path
+        adds into x in place (the residual stream; callers give that tensor up) and returns it."""
+        impl = self.impl(phase)
+        if impl != "dense" and phase == "train":
+            return self._sparse_train(x, impl, with_stats)
+        if impl != "dense" and not with_stats:  # statistics need the dense activations
+            return self.mlp.add_sparse_forward_(x, self.norm(x), impl), None
+        recompute = phase == "train" and self.dense_fallback and self.recompute_fallback
+        y, stats = self.mlp(self.norm(x), with_stats, recompute)
+        return x + y, stats
+
+    def _sparse_train(
+        self, x: torch.Tensor, impl: str, with_stats: bool
+    ) -> tuple[torch.Tensor, FFNStats | None]:
+        """x + FFN(norm(x)) for training, through `ops.ffn_block_train`: it saves the normalised
+        rows of the tokens with an active unit (bf16 under autocast) plus a compact record of the
+        active units (no dense M x H tensor, no norm output), and gives the layer's statistics from
+        the same call."""
+        out = ffn_block_train(x, self.norm.weight, self.norm.eps, *self.mlp.weights(), impl)
         if not with_stats:
-            return out.y, ()
-        return out.y, (out.l1.float(), out.nnz_per_token, out.fire_counts)
+            return out.y, None
+        return out.y, FFNStats(out.l1.float(), out.nnz_per_token, out.fire_counts)
+
+    def prepare_inference(self) -> None:
+        """Make what the sparse inference kernels read besides the parameters (Wd^T), if a prefill
+        or decode phase runs them, before a graph is traced or captured."""
+        if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
+            self.mlp.prepare_inference()
 
 
-def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> FFNStats:
     # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
     # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
     l1 = hidden.abs().sum(-1, dtype=torch.float32).mean()
     nnz_per_token, fire_counts = activation_counts(a.detach())
-    return l1, nnz_per_token, fire_counts
+    return FFNStats(l1, nnz_per_token, fire_counts)

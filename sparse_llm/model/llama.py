@@ -23,25 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model.attention import Attention
-from sparse_llm.model.ffn import FFNPlan, GatedMLP
+from sparse_llm.model.ffn import FFNBlock, FFNPlan, FFNStats, GatedMLP
 from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.loss import linear_cross_entropy
 from sparse_llm.model.norm import RMSNorm
 from sparse_llm.model.rope import RotaryEmbedding
 from sparse_llm.ops.stack_layers import stack_layers
-
-
-class FFNStats(NamedTuple):
-    """Per-layer FFN statistics of one forward pass, stacked over layers.
-
-    Counts, not means, so that micro-batches and ranks reduce by addition. The per-token counts
-    are binned into a histogram by the sparsity monitor, outside any compiled graph; the counts
-    themselves come from an op Inductor does not fuse (see ops/activation_counts.py).
-    """
-
-    l1: torch.Tensor  # [L] float32, differentiable: mean over tokens of sum over units of |h|
-    nnz_per_token: torch.Tensor  # [L, M] int64: how many units were active for each token
-    fire_counts: torch.Tensor  # [L, H] int64: on how many tokens each unit fired (gate > 0)
 
 
 class CausalLMOutput(NamedTuple):
@@ -58,7 +45,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, recompute_norms)
-        self.mlp = GatedMLP(cfg, plan, recompute_ffn_fallback)
+        self.mlp = GatedMLP(cfg)
+        # The FFN half of the layer over the two submodules above (a plain object, not a module:
+        # the parameters keep their transformers names).
+        self.ffn = FFNBlock(self.post_attention_layernorm, self.mlp, plan, recompute_ffn_fallback)
 
     def forward(
         self,
@@ -70,18 +60,11 @@ class DecoderLayer(nn.Module):
         cache: KVCache | ColumnWriteCache | None = None,
         layer_idx: int = 0,
         attn_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(x + attention + FFN, FFN statistics). Without autograd the layer adds both blocks into
-        x in place (the residual stream; callers give that tensor up) and returns it."""
+    ) -> tuple[torch.Tensor, FFNStats | None]:
+        """(x + attention + FFN, FFN statistics if asked for). Without autograd the layer adds both
+        blocks into x in place (the residual stream; callers give that tensor up) and returns it."""
         x = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, attn_mask, residual=x)
-        impl = self.mlp.impl(phase)
-        if impl != "dense" and phase == "train":
-            norm = self.post_attention_layernorm
-            return self.mlp.add_sparse_train_forward(x, norm.weight, norm.eps, impl, with_stats)
-        if impl != "dense" and not with_stats:
-            return self.mlp.add_sparse_forward_(x, self.post_attention_layernorm(x), impl), ()
-        y, stats = self.mlp(self.post_attention_layernorm(x), phase, with_stats)
-        return x + y, stats
+        return self.ffn(x, phase, with_stats)
 
 
 class LlamaBody(nn.Module):
@@ -133,7 +116,7 @@ class SparseLlamaForCausalLM(nn.Module):
         (model/derived_weights.py)."""
         for layer in self.model.layers:
             layer.self_attn.prepare_inference()
-            layer.mlp.prepare_inference()
+            layer.ffn.prepare_inference()
 
     def with_ffn_plan(self, plan: FFNPlan) -> SparseLlamaForCausalLM:
         """A model with `plan` that shares this one's parameters and buffers (no copy): how a
@@ -159,7 +142,7 @@ class SparseLlamaForCausalLM(nn.Module):
     def ffn_dense_fallback(self) -> list[bool]:
         """Per layer: whether its training FFN falls back to dense now (training state, saved in
         checkpoints; see model/ffn.py)."""
-        return [bool(layer.mlp.dense_fallback) for layer in self.model.layers]
+        return [bool(layer.ffn.dense_fallback) for layer in self.model.layers]
 
     def set_ffn_dense_fallback(self, flags: Sequence[bool]) -> None:
         if len(flags) != len(self.model.layers):
@@ -167,7 +150,7 @@ class SparseLlamaForCausalLM(nn.Module):
                 f"got dense-fallback flags for {len(flags)} layers, the model has {len(self.model.layers)}"
             )
         for layer, flag in zip(self.model.layers, flags, strict=True):
-            layer.mlp.dense_fallback = bool(flag)
+            layer.ffn.dense_fallback = bool(flag)
 
     def reset_parameters(self) -> None:
         std = self.config.initializer_range
@@ -328,7 +311,7 @@ def build_model(
     activation_checkpointing: bool = False,
     recompute_norms: bool = False,
 ) -> SparseLlamaForCausalLM:
-    """The model with its modes fixed: the FFN plan is resolved by `ops.select` from `ffn` (one
+    """The model with its modes fixed: the FFN plan is resolved by `ops.ffn.select` from `ffn` (one
     value for every phase or one per phase; default `cfg.ffn_impl`) for the device and compute
     dtype the model will run in. The parameters are created on the current default device (CPU
     unless a `torch.device` context says otherwise); moving them is the caller's business."""

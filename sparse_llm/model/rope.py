@@ -1,5 +1,5 @@
-"""Rotary position embedding (RoPE) as transformers' default Llama rope computes it: tables of
-cos and sin, and their application in the rotate_half convention."""
+"""Rotary position embedding (RoPE) as transformers' default Llama rope computes it: the tables of
+cos and sin (their application, in the rotate_half convention: sparse_llm.ops.rotary)."""
 
 from __future__ import annotations
 
@@ -54,12 +54,3 @@ class RotaryEmbedding(nn.Module):
                 f"{seq_len} positions exceed max_position_embeddings ({self.cos_table.shape[0]})"
             )
         return self.cos_table[:seq_len, None].to(dtype), self.sin_table[:seq_len, None].to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin

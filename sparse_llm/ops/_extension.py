@@ -1,4 +1,5 @@
-"""Build and load the CUDA extension (the package's kernels/*.cu + kernels/*.cpp): nothing else.
+"""Build and load the CUDA extension (the package's kernels/*.cu + kernels/*.cpp), and say whether
+it runs on a device: the one place the package loads it.
 
 JIT through torch.utils.cpp_extension.load with ninja. The module name carries a hash of the
 sources and flags, so an edited kernel gets a fresh build and an unchanged one is loaded from the
@@ -6,7 +7,9 @@ cache: $SPARSE_LLM_CACHE, else $TORCH_EXTENSIONS_DIR/sparse_llm, else ~/.cache/s
 
 The sources ship inside the package (`sparse_llm/kernels`, mapped from the repository's top-level
 `kernels/` at install time; see pyproject.toml), so an installed wheel builds the same extension
-as a checkout. Whether the kernels may run on a device is `sparse_llm.ops.select`'s question.
+as a checkout. Every kernel-backed op asks `kernels_unavailable` whether the extension runs on its
+device (and `extension` for the loaded module); which FFN implementation runs is
+`sparse_llm.ops.ffn.select`'s question.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sysconfig
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 # The one place the kernels' compiler flags are written: the JIT build below and CI's compile
 # check (`python -m sparse_llm.ops.build --print-flags`, scripts/compile_kernels.sh) read them.
@@ -35,9 +40,8 @@ def link_flags() -> list[str]:
     finds only a static libstdc++) leaves two runtimes in the process, and the second one's
     iostreams are never set up: formatting a number into an error message (c10::str in a failed
     check) crashed the process. Naming the loaded shared libstdc++ on the link line makes the link
-    take every C++ runtime symbol from it (Linux; elsewhere the compiler's default stands)."""
-    import torch  # noqa: F401  (loads the libstdc++ torch runs with)
-
+    take every C++ runtime symbol from it (Linux; elsewhere the compiler's default stands). torch,
+    imported above, has loaded it."""
     maps = Path("/proc/self/maps")
     if not maps.is_file():
         return []
@@ -62,8 +66,6 @@ def kernel_sources() -> list[Path]:
 def _abi_defines() -> list[str]:
     """torch's C++ ABI, passed explicitly (older torch versions' JIT passed it, newer ones rely
     on the compiler's default agreeing with torch's)."""
-    import torch
-
     return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 
 
@@ -187,3 +189,50 @@ def load() -> ModuleType | str:
     except Exception as exc:  # a broken toolchain must not crash the caller: it falls back
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"building the CUDA extension failed ({first_line})"
+
+
+class KernelsUnavailable(ValueError):
+    """The CUDA kernels were asked for (impl='cuda') where they cannot run: inputs they do not take,
+    or a device or toolchain they cannot run on."""
+
+
+@functools.cache
+def _load_on(device_index: int) -> ModuleType | str:
+    """The loaded extension, or why it cannot be had on this device (cached: one build try)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device_index)
+        return f"GPU {name} is sm_{major}{minor}; the kernels need Hopper (sm_90)"
+    return load()
+
+
+def kernels_unavailable(device: torch.device | str) -> str | None:
+    """Why the CUDA extension cannot run on `device`, or None when it can (builds it on first ask
+    on a Hopper GPU; a failed build is reported here, not raised)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"tensors are on {device}, the kernels need a CUDA (Hopper) GPU"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return _problem_on(_index(device)) or None
+
+
+@torch.compiler.assume_constant_result
+def _problem_on(device_index: int) -> str:
+    """'' when the extension runs on this CUDA device, else why not. A constant to torch.compile,
+    which must not trace the build (its toolchain probes are not traceable)."""
+    loaded = _load_on(device_index)
+    return loaded if isinstance(loaded, str) else ""
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def extension(device: torch.device | str | None = None) -> ModuleType:
+    """The loaded extension; raises KernelsUnavailable with the reason where it cannot run."""
+    device = device if device is not None else torch.device("cuda")
+    reason = kernels_unavailable(device)
+    if reason is not None:
+        raise KernelsUnavailable(f"sparse_llm CUDA extension unavailable: {reason}")
+    return _load_on(_index(torch.device(device)))  # type: ignore[return-value]

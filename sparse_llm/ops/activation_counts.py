@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.select import extension, kernels_unavailable
+from sparse_llm.ops._extension import extension, kernels_unavailable
 
 # What the kernel takes: 16-byte rows, one shared-memory counter per column (activation_counts.cuh).
 KERNEL_ALIGN, KERNEL_MAX_COLUMNS = 8, 12288

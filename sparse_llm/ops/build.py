@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    # Only what the build itself needs (ops.select's check would build the extension quietly).
+    # Only what the build itself needs (kernels_unavailable would build the extension quietly).
     reason = "no CUDA GPU" if not torch.cuda.is_available() else _extension.missing_toolchain()
     if reason is not None:
         print(f"sparse_llm.ops.build: cannot build the CUDA extension here: {reason}", file=sys.stderr)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.select import KernelsUnavailable, extension, kernels_unavailable
+from sparse_llm.ops._extension import KernelsUnavailable, extension, kernels_unavailable
 
 IGNORE_INDEX = -100
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.checks import check_in_place_output
+from sparse_llm.ops.in_place import check_in_place_output
 
 
 @torch.library.custom_op("sparse_llm::linear_add_", mutates_args=("out",))

@@ -1,6 +1,6 @@
 """RMSNorm as transformers' LlamaRMSNorm computes it, and its backward written out.
 
-The backward is spelled out for the sparse FFN block (sparse_llm.ops.train_block), which runs
+The backward is spelled out for the sparse FFN block (sparse_llm.ops.ffn.block), which runs
 the norm inside its own autograd function and differentiates it on the rows that changed only.
 """
 

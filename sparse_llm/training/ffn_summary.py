@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_llm.ops.select import PHASES, FFNSelection
+from sparse_llm.ops.ffn.select import PHASES, FFNSelection
 
 if TYPE_CHECKING:  # only read here: its phases' selections
     from sparse_llm.model.ffn import FFNPlan

@@ -24,7 +24,7 @@ from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
 from sparse_llm.model.compiling import compile_model, compiled_graphs
 from sparse_llm.model.state import load_model_state
-from sparse_llm.ops.select import KernelsUnavailable
+from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
 from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io

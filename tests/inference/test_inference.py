@@ -441,7 +441,7 @@ def test_cuda_ffn_generation_matches_dense_on_bf16(tmp_path):
 
 
 def test_kv_write_rejects_bad_shapes_before_writing():
-    from sparse_llm.model.kv_cache import write_kv
+    from sparse_llm.ops.kv_cache_write import write_kv
 
     cache = torch.zeros(1, 2, 8, 2, 16)
     k = torch.ones(2, 4, 2, 16)

@@ -13,9 +13,10 @@ from sparse_llm.inference.decode import EOS_CHECK_EVERY, decode_step, why_not_gr
 from sparse_llm.inference.generate import left_pad
 from sparse_llm.inference.sampling import filter_logits, sample_next
 from sparse_llm.model import FFNPlan, KVCache, build_model
-from sparse_llm.model.kv_cache import ColumnWriteCache, write_kv
-from sparse_llm.ops import ffn as ffn_ops
-from sparse_llm.ops.select import FFNSelection
+from sparse_llm.model.kv_cache import ColumnWriteCache
+from sparse_llm.ops.ffn.inference import DECODE_MAX_ROWS
+from sparse_llm.ops.ffn.select import FFNSelection
+from sparse_llm.ops.kv_cache_write import write_kv
 
 # Prompts of three lengths: the batch is left-padded, each row has its own positions and mask.
 PROMPTS = [[5, 9, 13, 2, 7, 31, 8], [11, 4], [3, 17, 23, 29]]
@@ -236,17 +237,17 @@ def test_decode_mode_is_resolved_once_with_a_reason():
 
 
 def test_the_kernels_decode_ffn_is_capturable_on_its_decode_path(monkeypatch):
-    """The kernels' decode FFN reads nothing on the host up to ops.ffn.DECODE_MAX_ROWS rows and
-    DECODE_MAX_DIM hidden size (above, the TwELL kernels read their heavy-row count): capturable
-    there, per batch."""
+    """The kernels' decode FFN reads nothing on the host where its decode kernel takes the rows
+    (ops.ffn.inference.decode_kernel_fits; elsewhere the TwELL kernels read their heavy-row count):
+    capturable there, per batch."""
     dense = FFNSelection("dense", "dense was asked for")
     model = tiny_model().with_ffn_plan(FFNPlan(dense, dense, dense, FFNSelection("cuda", None)))
-    monkeypatch.setattr(ffn_ops, "DECODE_MAX_ROWS", 4)
-    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 64)
+    max_dim = 64
+    monkeypatch.setattr(decode, "decode_kernel_fits", lambda rows, dim: rows <= 4 and dim <= max_dim)
     on_cpu = "CUDA graphs need a CUDA device; the model is on cpu"
     assert why_not_graph(model) == why_not_graph(model, 4) == on_cpu
-    assert why_not_graph(model, 5) == "the 'cuda' decode FFN reads on the host above 4 rows (batch 5)"
-    monkeypatch.setattr(ffn_ops, "DECODE_MAX_DIM", 32)
+    assert why_not_graph(model, 5).startswith("the 'cuda' decode FFN reads on the host at batch 5")
+    max_dim = 32
     assert "reads on the host at hidden size 64" in why_not_graph(model)
     with pytest.raises(ValueError, match="decode='graph' cannot run: the 'cuda' decode FFN"):
         resolve_decode_mode(model, "graph")
@@ -412,7 +413,7 @@ def test_kernels_decode_ffn_in_graphs_equals_eager():
         pytest.skip(why_not_graph(sparse))
     decoder = StaticDecoder(sparse, capture=True)
     params = greedy(24)
-    rows = ffn_ops.DECODE_MAX_ROWS
+    rows = DECODE_MAX_ROWS
     captured = {}
     for prompts in (PROMPTS, [PROMPTS[i % 3] for i in range(rows + 1)]):
         eager = generate_ids(sparse, prompts, params)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_llm.model.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
+from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.cross_entropy import (
     cross_entropy_rows,
     cross_entropy_rows_,
@@ -16,7 +17,6 @@ from sparse_llm.ops.cross_entropy import (
     runs_on_kernel,
 )
 from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
-from sparse_llm.ops.select import KernelsUnavailable
 
 
 def _inputs(tokens: int, dim: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:

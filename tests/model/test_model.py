@@ -145,10 +145,10 @@ def test_training_through_sparse_reference_equals_dense():
 
 def test_training_forward_uses_the_train_op_unless_fallen_back(monkeypatch):
     from sparse_llm.model import ffn as model_ffn
-    from sparse_llm.ops import train_block
+    from sparse_llm.ops.ffn import block
 
     calls = []
-    real = train_block.ffn_block_train
+    real = block.ffn_block_train
     monkeypatch.setattr(model_ffn, "ffn_block_train", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = build_model(small_config(ffn_impl="reference"))
     ids = torch.randint(0, 97, (2, 7))
@@ -220,7 +220,7 @@ def test_dense_fallback_recomputes_its_ffn_in_the_backward():
         torch.testing.assert_close(got, want)
     torch.manual_seed(0)
     checkpointed = build_model(cfg, activation_checkpointing=True)
-    assert not any(layer.mlp.recompute_fallback for layer in checkpointed.model.layers)
+    assert not any(layer.ffn.recompute_fallback for layer in checkpointed.model.layers)
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
@@ -310,7 +310,7 @@ def test_compiled_sparse_training_step_keeps_one_token_sized_residual_per_layer(
 def test_swiglu_runs_dense_and_refuses_the_sparse_paths():
     """hidden_act=silu (SwiGLU, the dense baseline): auto is dense and says why; the sparse paths,
     which need a ReLU gate, are refused before anything runs."""
-    from sparse_llm.ops.select import KernelsUnavailable
+    from sparse_llm.ops import KernelsUnavailable
 
     model = build_model(small_config(hidden_act="silu", ffn_impl="auto"))
     assert model.ffn_plan.impl("train") == "dense"
@@ -429,7 +429,7 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
     model runs them under autocast); a trace that found the cache empty would transpose Wd inside
     every replayed step."""
     from sparse_llm.model.ffn import FFNPlan
-    from sparse_llm.ops.select import FFNSelection
+    from sparse_llm.ops.ffn.select import FFNSelection
 
     model = build_model(small_config())
     model.prepare_inference()  # dense everywhere: no Wd^T, only the stacked q/k/v weights

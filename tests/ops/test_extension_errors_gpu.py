@@ -1,6 +1,6 @@
 """A failed check in the CUDA extension raises a Python exception, and the process lives on.
 
-The extension is called directly (`sparse_llm.ops.select.extension()`), past the Python fronts'
+The extension is called directly (`sparse_llm.ops._extension.extension()`), past the Python fronts'
 own checks: a bad argument raises ValueError, a failed launch RuntimeError (kernels/errors.h),
 and the next valid call of the same entry point works. A failed check used to end the process
 (a segmentation fault on the device machines), so the first check runs in a child process: if it
@@ -15,7 +15,7 @@ import pytest
 import torch
 from ffn_patterns import needs_hopper
 
-from sparse_llm.ops.select import extension
+from sparse_llm.ops._extension import extension
 
 pytestmark = [pytest.mark.gpu, needs_hopper]
 
@@ -25,7 +25,7 @@ BF16 = torch.bfloat16
 _CHILD = textwrap.dedent(
     """
     import torch
-    from sparse_llm.ops.select import extension
+    from sparse_llm.ops._extension import extension
 
     ext = extension()
     g = torch.randn(3, 5, device="cuda", dtype=torch.bfloat16)  # H = 5: not a multiple of 8

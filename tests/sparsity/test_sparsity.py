@@ -25,7 +25,7 @@ from sparse_llm.analysis.plots import (
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.analysis.sweep import SweepError, summarize_sweep
 from sparse_llm.config import ModelConfig, SparsityConfig
-from sparse_llm.model import FFNPlan, FFNStats, GatedMLP, build_model
+from sparse_llm.model import FFNStats, GatedMLP, build_model
 from sparse_llm.sparsity import SparsityMonitor, l1_coefficient, l1_penalty, reinit_dead_units
 
 
@@ -88,9 +88,9 @@ def test_l1_coefficient_without_warmup():
 
 def test_l1_value_and_gradient_match_hand_computation():
     torch.manual_seed(0)
-    mlp = GatedMLP(tiny_cfg(), FFNPlan.dense())
+    mlp = GatedMLP(tiny_cfg())
     x = torch.randn(3, 5, 32)
-    _, (l1, _, _) = mlp(x, "train", with_stats=True)
+    _, (l1, _, _) = mlp(x, with_stats=True)
     wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
     gw_auto, uw_auto = torch.autograd.grad(l1, (wg, wu))
 

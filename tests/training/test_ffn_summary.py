@@ -6,7 +6,7 @@ import torch
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import FFNPlan
-from sparse_llm.ops.select import FFNSelection
+from sparse_llm.ops.ffn.select import FFNSelection
 from sparse_llm.training.ffn_summary import describe_ffn
 
 CPU = torch.device("cpu")

@@ -8,8 +8,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm import ops
-from sparse_llm.ops.select import CUDA_TRAIN_MAX_HIDDEN, KernelsUnavailable, select_ffn
-from sparse_llm.ops.train import ffn_forward_train
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.select import CUDA_TRAIN_MAX_HIDDEN, select_ffn
+from sparse_llm.ops.ffn.training import ffn_forward_train
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 
@@ -111,7 +112,7 @@ def test_adversarial_patterns_match_fp64_dense(name, m, h):
 
 def test_leading_dims_and_l0():
     x, wg, wu, wd = make(2 * 5, 8, 16)
-    out = ffn_forward_train(x.view(2, 5, 8), wg, wu, wd)
+    out = ffn_forward_train(x.view(2, 5, 8), wg, wu, wd, "reference")
     y, l1, nnz, fire = dense_formula(x, wg, wu, wd)
     assert out.y.shape == (2, 5, 8) and out.nnz_per_token.shape == (10,) and out.fire_counts.shape == (16,)
     torch.testing.assert_close(out.y.view(10, 8), y)
@@ -124,7 +125,7 @@ def test_gradcheck_float64():
     x, wg, wu, wd = (t.requires_grad_(True) for t in make(6, 4, 9, seed=3, dtype=torch.float64))
 
     def fn(x, wg, wu, wd):
-        out = ffn_forward_train(x, wg, wu, wd)
+        out = ffn_forward_train(x, wg, wu, wd, "reference")
         return out.y, out.l1
 
     assert torch.autograd.gradcheck(fn, (x, wg, wu, wd))
@@ -149,7 +150,7 @@ def test_compile_fullgraph_matches_eager():
     inputs = make(17, 8, 24, seed=4)
 
     def fn(x, wg, wu, wd):
-        out = ffn_forward_train(x, wg, wu, wd)
+        out = ffn_forward_train(x, wg, wu, wd, "reference")
         return out.y, out.l1, out.nnz_per_token, out.fire_counts
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -172,11 +173,11 @@ def test_accumulation_over_two_micro_batches_equals_one_batch():
     weights = [w.clone().requires_grad_(True) for w in (wg, wu, wd)]
     r = torch.randn(20, 8, generator=torch.Generator().manual_seed(1))
     for half in (slice(0, 10), slice(10, 20)):
-        out = ffn_forward_train(x[half], *weights)
+        out = ffn_forward_train(x[half], *weights, "reference")
         ((out.y * r[half]).sum() + LAMBDA * out.l1 / 2).backward()  # l1 is a per-micro-batch mean
     accumulated = [w.grad for w in weights]
     whole = [w.detach().clone().requires_grad_(True) for w in (wg, wu, wd)]
-    out = ffn_forward_train(x, *whole)
+    out = ffn_forward_train(x, *whole, "reference")
     ((out.y * r).sum() + LAMBDA * out.l1).backward()
     for got, want in zip(accumulated, (w.grad for w in whole), strict=True):
         torch.testing.assert_close(got, want)
@@ -234,7 +235,7 @@ def test_saves_no_dense_hidden_tensor():
     dense_bytes, _ = saved_bytes(dense_formula, (x, wg, wu, wd))
     assert all(s[-1] != h or s[0] != m for s in shapes if len(s) == 2), shapes
     assert all(torch.Size(s).numel() < m * h for s in shapes), shapes
-    nnz = int(ffn_forward_train(x, wg, wu, wd).nnz_per_token.sum())
+    nnz = int(ffn_forward_train(x, wg, wu, wd, "reference").nnz_per_token.sum())
     weights = 3 * h * d * 4
     budget = m * d * 4 + weights + m * 8 + nnz * (2 + 4 + 4)  # x, weights, row lengths, record
     assert ours_bytes <= budget, (ours_bytes, budget)
@@ -249,7 +250,7 @@ def test_impl_cuda_without_a_gpu_is_a_clear_error_and_bad_impl_rejected():
         ffn_forward_train(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         ffn_forward_train(x, wg, wu, wd, impl="fast")
-    # The training kernels' own bound on H, as ops.select reports it for a CUDA device.
+    # The training kernels' own bound on H, as ops.ffn.select reports it for a CUDA device.
     too_wide = dict(hidden_size=8, intermediate_size=CUDA_TRAIN_MAX_HIDDEN + 8)
     with pytest.raises(
         KernelsUnavailable, match=f"need H <= {CUDA_TRAIN_MAX_HIDDEN}, got {CUDA_TRAIN_MAX_HIDDEN + 8}"
@@ -310,7 +311,7 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
     """The CUDA backward op hands float32 weights to the extension as they are (the kernels write
     their float32 gradients directly), casts any other dtype to x's, and returns each gradient in
     its weight's dtype. The extension is replaced by a recorder: this checks the op's routing."""
-    from sparse_llm.ops import train_ops
+    from sparse_llm.ops.ffn import training
 
     seen = {}
 
@@ -319,7 +320,7 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
             seen["dtypes"] = (wg.dtype, wu.dtype, wd.dtype)
             return torch.ones_like(x), torch.ones_like(wg), torch.ones_like(wu), torch.ones_like(wd)
 
-    monkeypatch.setattr(train_ops, "extension", RecordingExtension)
+    monkeypatch.setattr(training, "extension", RecordingExtension)
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     wg, wu = (torch.randn(16, 8, dtype=weight_dtype) for _ in range(2))
     wd = torch.randn(8, 16, dtype=weight_dtype)

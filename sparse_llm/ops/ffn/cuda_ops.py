@@ -1,11 +1,12 @@
-"""The CUDA kernels as torch.library custom ops (with fake kernels, so torch.compile can trace them)."""
+"""The inference FFN kernels as torch.library custom ops (with fake kernels, so torch.compile can
+trace them). The training kernels' ops are sparse_llm.ops.ffn.training's."""
 
 from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops.select import extension
-from sparse_llm.ops.twell import SLOTS, n_tiles
+from sparse_llm.ops._extension import extension
+from sparse_llm.ops.ffn.twell import SLOTS, n_tiles
 
 
 @torch.library.custom_op("sparse_llm::twell_ffn_forward", mutates_args=())

@@ -1,13 +1,34 @@
-"""The training FFN as torch.library custom ops: forward, backward, fakes and autograd.
+"""The training FFN front: `ffn_forward_train`, differentiable, with the sparsity statistics.
+
+    out = ffn_forward_train(x, Wg, Wu, Wd, impl)  # impl: "reference" or "cuda", as decided
+    out.y              [..., D]  like x; differentiable in x, Wg, Wu, Wd
+    out.l0             []        mean number of active units (relu(g) > 0) per token (float32,
+                                 float64 for float64 inputs)
+    out.l1             []        mean over tokens of sum over units of |h| (float32, float64 for
+                                 float64 inputs); differentiable
+    out.nnz_per_token  [M] int64 active units per token (M = x.numel() // D, row-major)
+    out.fire_counts    [H] int64 tokens on which each unit fired
+
+so a model takes its FFNStats (l1, nnz_per_token, fire_counts) straight from one call, with no
+second pass over the activations. The L1 weight lambda enters through autograd: the loss
+`ce + lambda * mean_layers(l1)` hands each layer grad_l1 = lambda / L, and the backward op
+consumes grad_y and grad_l1 together (dh = grad_y Wd + grad_l1 * sign(h) / M), so the L1
+gradient costs no separate pass. Autograd saves x, the weights and a compact record of the
+active entries (sparse_llm.ops.ffn.reference), never a dense M x H tensor.
+
+Under autocast the op runs in the autocast dtype (inputs cast as autocast casts a matmul's);
+gradients reach fp32 master weights through those casts.
+
+Underneath, the training FFN as torch.library custom ops: forward, backward, fakes and autograd.
 
 Two pairs with the same outputs (y, l1, nnz_per_token, fire_counts, active_rows: the rows with an
 active unit, kept_rows, then the compact record of the active entries for the backward).
 kept_rows are the active rows of the optional input `keep` ([M, *], [0, D] without it): a caller
-that runs the op inside its own autograd function (ops.train_block) gets the rows it saves from
+that runs the op inside its own autograd function (ops.ffn.block) gets the rows it saves from
 the op, where torch.compile saves them rather than the whole tensor they come from.
 
 - `sparse_llm::ffn_train_fwd_ref` / `ffn_train_bwd_ref`: the PyTorch reference
-  (sparse_llm.ops.train_reference), any device and float dtype.
+  (sparse_llm.ops.ffn.reference), any device and float dtype.
 - `sparse_llm::ffn_train_fwd_cuda` / `ffn_train_bwd_cuda`: the CUDA kernels (kernels/csr.cuh,
   kernels/train_bindings.cpp), bf16 on Hopper. The record (int32 columns) holds the light rows'
   entries only; then come the indices of the heavy rows (those on the dense GEMM path) and their
@@ -19,29 +40,70 @@ without a graph break.
 Autograd saves x, the three weights and the compact record; never a dense M x H tensor. The
 backward ops also take the weights wider than x (the fp32 master weights under autocast) and cast
 them inside, where torch.compile cannot see the cast: a caller that saves the master weights
-(ops.train_block) then keeps no bf16 copy of them from the forward to the backward.
+(ops.ffn.block) then keeps no bf16 copy of them from the forward to the backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from sparse_llm.ops.select import extension
-from sparse_llm.ops.train_reference import (
+from sparse_llm.ops._extension import extension
+from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD, check_ffn_inputs, check_heavy_threshold
+from sparse_llm.ops.ffn.reference import (
     acc_dtype,
     col_dtype,
     ffn_train_backward_reference,
     ffn_train_forward_reference,
 )
+from sparse_llm.ops.ffn.select import check_impl, kernel_inputs
+from sparse_llm.ops.precision import autocast_dtype
 
 _T = torch.Tensor
+# The forward ops' outputs, flat as torch.library returns them (named: TrainForward):
 # (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
 # adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
 CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
+
+
+class TrainRecord(NamedTuple):
+    """What the training forward keeps for its backward besides x and the weights: the active
+    entries of a = relu(x Wg^T) in compact form (sparse_llm.ops.ffn.reference), never a dense
+    M x H tensor. The CUDA pair's record also holds the heavy rows (those on the dense GEMM path)
+    and their own entries; the reference's has None there."""
+
+    nnz_per_token: torch.Tensor  # [M] int64: active units per row (the rows' lengths)
+    cols: torch.Tensor  # [nnz]: column of each active entry (the light rows' on the CUDA path)
+    a_vals: torch.Tensor  # [nnz]: relu(g) at that entry
+    u_vals: torch.Tensor  # [nnz]: x Wu^T at that entry
+    heavy_rows: torch.Tensor | None = None  # [n_heavy] int64, then the heavy rows' own entries
+    heavy_cols: torch.Tensor | None = None
+    heavy_a: torch.Tensor | None = None
+    heavy_u: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields that are set, in order: what a backward op and save_for_backward take."""
+        return tuple(t for t in self if t is not None)
+
+
+class TrainForward(NamedTuple):
+    """A forward op's outputs by name."""
+
+    y: torch.Tensor  # [M, D]
+    l1: torch.Tensor  # []: mean over rows of sum over units of |h|
+    fire_counts: torch.Tensor  # [H] int64: rows on which each unit fired
+    active_rows: torch.Tensor  # [n_active] int64: the rows with an active unit
+    kept_rows: torch.Tensor  # `keep`'s active rows ([0, D] without `keep`)
+    record: TrainRecord
+
+
+def _named(flat: Sequence[torch.Tensor]) -> TrainForward:
+    y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, *entries = flat
+    return TrainForward(y, l1, fire_counts, active_rows, kept_rows, TrainRecord(nnz_per_token, *entries))
 
 
 def _fake_record(x: torch.Tensor, cols: torch.dtype) -> tuple[_T, _T, _T]:
@@ -216,23 +278,23 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heav
 
 def _setup_context(ctx, inputs, output):
     # Inputs: x, the weights, then options that get no gradient (keep; the CUDA pair's
-    # heavy_threshold). Outputs: y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, then
-    # the record the backward takes after nnz_per_token.
+    # heavy_threshold).
     x, wg, wu, wd, *options = inputs
-    _, _, nnz_per_token, fire_counts, active_rows, kept_rows, *record = output
+    out = _named(output)
+    record = out.record.tensors()
     ctx.n_options = len(options)
-    ctx.save_for_backward(x, wg, wu, wd, nnz_per_token, *record)
-    ctx.mark_non_differentiable(nnz_per_token, fire_counts, active_rows, kept_rows, *record)
+    ctx.save_for_backward(x, wg, wu, wd, *record)
+    ctx.mark_non_differentiable(out.fire_counts, out.active_rows, out.kept_rows, *record)
 
 
 def _backward_with(backward_op: Callable[..., TrainBackwardOutput]) -> Callable:
     def backward(ctx, grad_y, grad_l1, *_unused):
-        x, *saved = ctx.saved_tensors
+        x, wg, wu, wd, *record = ctx.saved_tensors  # the record flat, as the op takes it
         if grad_y is None:
             grad_y = x.new_zeros(x.shape)
         if grad_l1 is None:
             grad_l1 = x.new_zeros((), dtype=acc_dtype(x.dtype))
-        grads = backward_op(grad_y.contiguous(), grad_l1, x, *saved)
+        grads = backward_op(grad_y.contiguous(), grad_l1, x, wg, wu, wd, *record)
         return (*grads, *(None,) * ctx.n_options)
 
     return backward
@@ -253,19 +315,79 @@ def train_forward(
     wd: torch.Tensor,
     heavy_threshold: int,
     keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The forward op of `impl` ('cuda' or 'reference'):
-    (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, *record)."""
+) -> TrainForward:
+    """The forward op of `impl` ('cuda' or 'reference'), its outputs by name."""
     if impl == "cuda":
-        return ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold)
-    return ffn_train_fwd_ref(x, wg, wu, wd, keep)
+        return _named(ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold))
+    return _named(ffn_train_fwd_ref(x, wg, wu, wd, keep))
 
 
 def train_backward(
-    impl: str, grad_y: torch.Tensor, grad_l1: torch.Tensor, x: torch.Tensor, *saved: torch.Tensor
+    impl: str,
+    grad_y: torch.Tensor,
+    grad_l1: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    record: TrainRecord,
 ) -> TrainBackwardOutput:
-    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x and (Wg, Wu, Wd,
-    nnz_per_token, *record): the weights in x's dtype or wider (their gradients come back in their
-    dtypes), the rest as the forward returned them."""
+    """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x, the weights (in x's
+    dtype or wider: their gradients come back in their dtypes) and the forward's record."""
     op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
-    return op(grad_y, grad_l1, x, *saved)
+    return op(grad_y, grad_l1, x, wg, wu, wd, *record.tensors())
+
+
+# --- the front ----------------------------------------------------------------------------------
+
+
+class FFNTrainOutput(NamedTuple):
+    y: torch.Tensor
+    l0: torch.Tensor
+    l1: torch.Tensor
+    nnz_per_token: torch.Tensor
+    fire_counts: torch.Tensor
+
+
+def check_train_weights(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, impl: str, heavy_threshold: int
+) -> None:
+    """Check the weights (one float dtype, possibly wider than x's: master weights that the caller
+    casts) against the FFN's input x, in the compute dtype, then heavy_threshold and `impl` (for
+    'cuda': that the training kernels take these inputs)."""
+    check_ffn_inputs(x.new_empty((0, x.shape[-1]), dtype=wg.dtype), wg, wu, wd)
+    check_heavy_threshold(heavy_threshold, inference=False)
+    check_impl(impl, True, kernel_inputs(x, wg, wu, wd))
+
+
+def ffn_forward_train(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    impl: str,
+    *,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
+) -> FFNTrainOutput:
+    """Training forward of y = (relu(x Wg^T) * (x Wu^T)) Wd^T with L0, L1 and the unit counts.
+
+    x: [..., D]; Wg, Wu: [H, D]; Wd: [D, H] (Hugging Face layout). impl: the implementation decided
+    for the inputs (sparse_llm.ops.ffn.select), 'reference' or 'cuda' (KernelsUnavailable where the
+    kernels cannot run: no fallback here). Exact on every pattern. See the module docstring for
+    the outputs and how the L1 gradient is fused. On the CUDA path, rows
+    with more than `heavy_threshold` active units take dense GEMMs on the gathered rows (a speed
+    knob: any value is exact); the forward reads the numbers of active entries and heavy rows on
+    the host once (they size the records and the GEMMs) while the GPU packs and projects the light
+    rows, and the backward reads nothing."""
+    dtype = autocast_dtype(x)
+    if dtype is not None:  # cast as autocast casts a matmul's inputs
+        x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
+    check_ffn_inputs(x, wg, wu, wd)
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    check_heavy_threshold(heavy_threshold, inference=False)
+    check_impl(impl, True, kernel_inputs(x, wg, wu, wd))
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = train_forward(impl, x2, wg, wu, wd, heavy_threshold)
+    nnz_per_token = out.record.nnz_per_token
+    l0 = nnz_per_token.to(acc_dtype(x.dtype)).mean()
+    return FFNTrainOutput(out.y.view(x.shape), l0, out.l1, nnz_per_token, out.fire_counts)

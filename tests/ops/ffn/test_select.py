@@ -1,4 +1,4 @@
-"""ops.select: the one answer to "which FFN implementation runs here, and why not the kernels"."""
+"""ops.ffn.select: the one answer to "which FFN implementation runs here, and why not the kernels"."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import FFNPlan, build_model
-from sparse_llm.ops.select import KernelsUnavailable, select_ffn
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.select import select_ffn
 
 SHAPE = dict(hidden_size=64, intermediate_size=256)
 

@@ -18,11 +18,11 @@ from ffn_patterns import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.block import ffn_block_train
+from sparse_llm.ops.ffn.training import ffn_forward_train
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
-from sparse_llm.ops.select import KernelsUnavailable
-from sparse_llm.ops.train import ffn_forward_train
-from sparse_llm.ops.train_block import ffn_block_train
 
 EPS = 1e-5
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
@@ -149,7 +149,7 @@ def test_saves_the_residual_only_on_rows_with_an_active_unit():
     wg[: h // 4, 1] = 200.0
     x[:, 1] = torch.where(torch.arange(m) % 10 == 0, 1.0, -1.0)  # ... except on every tenth row
     inputs = (x, norm_weight, wg, wu, wd)
-    nnz = ffn_block_train(*inputs[:1], norm_weight, EPS, wg, wu, wd).nnz_per_token
+    nnz = ffn_block_train(*inputs[:1], norm_weight, EPS, wg, wu, wd, "reference").nnz_per_token
     active = int((nnz > 0).sum())
     assert 0 < active <= m // 10
     ours = saved_tensors(block("reference"), inputs)
@@ -233,9 +233,9 @@ def test_compile_fullgraph_and_checkpointing_match_eager():
 def test_bad_inputs_are_clear_errors():
     x, norm_weight, wg, wu, wd = cpu_inputs(4, 8, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="norm_weight must be"):
-        ffn_block_train(x, norm_weight[:4], EPS, wg, wu, wd)
+        ffn_block_train(x, norm_weight[:4], EPS, wg, wu, wd, "reference")
     with pytest.raises(ValueError, match="Wd must be"):
-        ffn_block_train(x, norm_weight, EPS, wg, wu, wd.T.contiguous())
+        ffn_block_train(x, norm_weight, EPS, wg, wu, wd.T.contiguous(), "reference")
     with pytest.raises(KernelsUnavailable, match="impl=cuda cannot run the kernels"):
         ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="cuda")
 

@@ -8,8 +8,8 @@ from ffn_patterns import ABS_FLOOR, PATTERNS, ffn64, gpu_pattern, needs_hopper, 
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.ffn import DECODE_MAX_DIM, DECODE_MAX_ROWS
-from sparse_llm.ops.select import extension
+from sparse_llm.ops._extension import extension
+from sparse_llm.ops.ffn.inference import DECODE_MAX_DIM, DECODE_MAX_ROWS
 
 pytestmark = [pytest.mark.gpu, needs_hopper]
 

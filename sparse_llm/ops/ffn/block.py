@@ -1,6 +1,6 @@
 """The FFN half of a decoder layer on the sparse training path, as one differentiable op:
 
-    out = ffn_block_train(x, norm_weight, eps, Wg, Wu, Wd, impl="auto")
+    out = ffn_block_train(x, norm_weight, eps, Wg, Wu, Wd, impl)  # "reference" or "cuda", as decided
     out.y              x + FFN(rms_norm(x)), like x
     out.l1, out.nnz_per_token, out.fire_counts   as ffn_forward_train gives them
 
@@ -12,7 +12,7 @@ its norm, so this op keeps, on the rows with an active unit only, the norm's nor
 autocast the normalised rows are kept in the compute dtype (bf16: half the fp32 residual's bytes;
 at L0 ~30 about 95% of tokens have an active unit, so this is most of what the op keeps). The
 gradients are the unfused ones up to that rounding: within the exactness contract (twice the dense
-bf16 path's error against float64; tests/ops/test_ops_train_block.py), float32-exact without
+bf16 path's error against float64; tests/ops/ffn/test_block.py), float32-exact without
 autocast. The norm is transformers' LlamaRMSNorm (sparse_llm.ops.rms_norm). Under autocast the op casts the FFN weights
 itself and keeps the fp32 parameters for the backward, whose op casts them again: autograd (and
 torch.compile) would otherwise keep the bf16 casts from the forward to the backward.
@@ -28,12 +28,17 @@ from __future__ import annotations
 
 import torch
 
-from sparse_llm.ops import train_ops
-from sparse_llm.ops.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.ffn.reference import acc_dtype
+from sparse_llm.ops.ffn.training import (
+    FFNTrainOutput,
+    TrainRecord,
+    check_train_weights,
+    train_backward,
+    train_forward,
+)
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm_backward_from, rms_norm_stats
-from sparse_llm.ops.train import FFNTrainOutput, TrainImpl, check_train_weights
-from sparse_llm.ops.train_reference import acc_dtype
 
 
 class _FFNBlock(torch.autograd.Function):
@@ -64,22 +69,23 @@ class _FFNBlock(torch.autograd.Function):
         # The op returns those rows where a unit is active (`keep`): as an output of a custom op
         # they are what torch.compile saves, where an index_select here would be moved into the
         # backward and the whole input kept for it.
-        y, l1, nnz_per_token, fire_counts, active_rows, xhat_active, *record = train_ops.train_forward(
+        out = train_forward(
             impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=kept
         )
+        record = out.record.tensors()  # flat: what save_for_backward and an output take
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
-        ctx.save_for_backward(xhat_active, r, active_rows, norm_weight, wg, wu, wd, nnz_per_token, *record)
+        ctx.save_for_backward(out.kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *record)
         ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = impl, x.shape[0], compute_dtype, x.dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
-        ctx.mark_non_differentiable(nnz_per_token, fire_counts, xhat_active, active_rows, *record)
-        return x + y, l1, nnz_per_token, fire_counts, xhat_active, active_rows, *record
+        ctx.mark_non_differentiable(out.fire_counts, out.kept_rows, out.active_rows, *record)
+        return x + out.y, out.l1, out.fire_counts, out.kept_rows, out.active_rows, *record
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
-        xhat_active, r, active_rows, norm_weight, *saved = ctx.saved_tensors
+        xhat_active, r, active_rows, norm_weight, wg, wu, wd, *record = ctx.saved_tensors
         dtype = ctx.compute_dtype
         xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
@@ -95,8 +101,8 @@ class _FFNBlock(torch.autograd.Function):
         normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
-        grad_normed, grad_wg, grad_wu, grad_wd = train_ops.train_backward(
-            ctx.impl, grad_y, grad_l1, normed, *saved
+        grad_normed, grad_wg, grad_wu, grad_wd = train_backward(
+            ctx.impl, grad_y, grad_l1, normed, wg, wu, wd, TrainRecord(*record)
         )
         # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
         grad_x_active, grad_norm_weight = rms_norm_backward_from(
@@ -117,7 +123,7 @@ def ffn_block_train(
     wg: torch.Tensor,
     wu: torch.Tensor,
     wd: torch.Tensor,
-    impl: TrainImpl = "auto",
+    impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> FFNTrainOutput:
@@ -135,11 +141,12 @@ def ffn_block_train(
     # carries what the checks read (D, dtype, device) without computing it twice.
     ffn_input = x.new_empty((0, x.shape[-1]), dtype=compute_dtype)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    impl = check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
+    check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        out, l1, nnz_per_token, fire_counts, *_saved = _FFNBlock.apply(
+        out, l1, fire_counts, _kept, _active, *record = _FFNBlock.apply(
             x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold
         )
+    nnz_per_token = TrainRecord(*record).nnz_per_token
     l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()
     return FFNTrainOutput(out.view(x.shape), l0, l1, nnz_per_token, fire_counts)

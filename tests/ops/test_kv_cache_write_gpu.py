@@ -5,8 +5,9 @@ import pytest
 import torch
 from ffn_patterns import needs_hopper
 
-from sparse_llm.model.kv_cache import write_kv, write_kv_columns
-from sparse_llm.model.rope import RotaryEmbedding, apply_rotary
+from sparse_llm.model.rope import RotaryEmbedding
+from sparse_llm.ops.kv_cache_write import write_kv, write_kv_columns
+from sparse_llm.ops.rotary import apply_rotary
 
 pytestmark = pytest.mark.gpu
 

@@ -5,8 +5,8 @@ import torch
 
 from benchmarks.common import make_workload
 from sparse_llm import ops
-from sparse_llm.ops.select import KernelsUnavailable
-from sparse_llm.ops.twell import SLOTS, TILE, twell_pack_reference, twell_unpack
+from sparse_llm.ops import KernelsUnavailable
+from sparse_llm.ops.ffn.twell import SLOTS, TILE, twell_pack_reference, twell_unpack
 
 
 def _ffn64(x, wg, wu, wd):
@@ -33,12 +33,6 @@ def test_reference_matches_float64(dtype, tol):
     y = ops.ffn_forward(x, wg, wu, wd, impl="reference")
     assert y.shape == x.shape and y.dtype == dtype
     assert _rel_err(y, _ffn64(x, wg, wu, wd)) < tol
-
-
-def test_auto_on_cpu_is_the_reference():
-    wg, wu, wd = _weights(32, 40)
-    x = torch.randn(7, 32)
-    torch.testing.assert_close(ops.ffn_forward(x, wg, wu, wd), ops.ffn_forward_reference(x, wg, wu, wd))
 
 
 def _adversarial_g(rows: int, hidden: int) -> dict[str, torch.Tensor]:
@@ -88,7 +82,7 @@ def test_twell_round_trip(pattern, hidden):
 
 def test_twell_pack_front_on_cpu_and_layout():
     g = torch.tensor([[-1.0, 2.0, 0.0, 3.0] + [0.0] * 4], dtype=torch.bfloat16)
-    packed = ops.twell_pack(g, heavy_threshold=1)
+    packed = ops.twell_pack(g, heavy_threshold=1, impl="reference")
     assert packed.values.shape == (1, 1, SLOTS) and packed.cols.dtype == torch.uint8
     assert (
         packed.counts.tolist() == [[2]] and packed.row_nnz.tolist() == [2] and packed.heavy.tolist() == [True]
@@ -110,25 +104,27 @@ def test_twell_pack_front_on_cpu_and_layout():
 def test_input_shape_checks(shapes, error, match):
     x, wg, wu, wd = (torch.randn(s) for s in shapes)
     if error is None:
-        ops.ffn_forward(x, wg, wu, wd)
+        ops.ffn_forward(x, wg, wu, wd, "reference")
     else:
         with pytest.raises(error, match=match):
-            ops.ffn_forward(x, wg, wu, wd)
+            ops.ffn_forward(x, wg, wu, wd, "reference")
 
 
 def test_input_dtype_and_impl_checks():
     wg, wu, wd = _weights(16, 24)
     x = torch.randn(4, 16)
     with pytest.raises(TypeError, match="one dtype"):
-        ops.ffn_forward(x.double(), wg, wu, wd)
+        ops.ffn_forward(x.double(), wg, wu, wd, "reference")
     with pytest.raises(TypeError, match="floating-point"):
-        ops.ffn_forward(x.long(), wg, wu, wd)
+        ops.ffn_forward(x.long(), wg, wu, wd, "reference")
     with pytest.raises(ValueError, match="impl must be"):
         ops.ffn_forward(x, wg, wu, wd, impl="triton")
+    with pytest.raises(ValueError, match="impl must be"):  # deciding is select_ffn's job
+        ops.ffn_forward(x, wg, wu, wd, impl="auto")
     with pytest.raises(KernelsUnavailable, match="impl=cuda cannot run the kernels"):
         ops.ffn_forward(x, wg, wu, wd, impl="cuda")
     with pytest.raises(ValueError, match="heavy_threshold"):
-        ops.ffn_forward(x, wg, wu, wd, heavy_threshold=-1)
+        ops.ffn_forward(x, wg, wu, wd, "reference", heavy_threshold=-1)
 
 
 def test_workload_hits_target_sparsity():
@@ -158,8 +154,8 @@ def test_ffn_add_is_out_plus_forward_in_place(dtype):
     wg, wu, wd = _weights(32, 48, dtype)
     x = torch.randn(2, 5, 32).to(dtype)
     out = torch.randn(2, 5, 32).to(dtype)
-    expected = out + ops.ffn_forward(x, wg, wu, wd)
-    got = ops.ffn_add_(out, x, wg, wu, wd)
+    expected = out + ops.ffn_forward(x, wg, wu, wd, "reference")
+    got = ops.ffn_add_(out, x, wg, wu, wd, "reference")
     assert got is out
     assert torch.equal(out, expected)
 
@@ -168,17 +164,17 @@ def test_ffn_add_input_checks():
     wg, wu, wd = _weights(16, 24)
     x = torch.randn(4, 16)
     with pytest.raises(ValueError, match="out must be shaped like x"):
-        ops.ffn_add_(torch.zeros(3, 16), x, wg, wu, wd)
+        ops.ffn_add_(torch.zeros(3, 16), x, wg, wu, wd, "reference")
     with pytest.raises(ValueError, match="out must be shaped like x"):
-        ops.ffn_add_(torch.zeros(4, 16, dtype=torch.float64), x, wg, wu, wd)
+        ops.ffn_add_(torch.zeros(4, 16, dtype=torch.float64), x, wg, wu, wd, "reference")
     with pytest.raises(ValueError, match="contiguous"):
-        ops.ffn_add_(torch.zeros(16, 4).t(), x, wg, wu, wd)
+        ops.ffn_add_(torch.zeros(16, 4).t(), x, wg, wu, wd, "reference")
     with pytest.raises(ValueError, match="share memory with x"):
-        ops.ffn_add_(x, x, wg, wu, wd)
+        ops.ffn_add_(x, x, wg, wu, wd, "reference")
     with pytest.raises(RuntimeError, match="no autograd"):
-        ops.ffn_add_(torch.zeros(4, 16), x, wg.requires_grad_(), wu, wd)
+        ops.ffn_add_(torch.zeros(4, 16), x, wg.requires_grad_(), wu, wd, "reference")
     with torch.no_grad():
-        ops.ffn_add_(torch.zeros(4, 16), x, wg, wu, wd)  # fine without gradients
+        ops.ffn_add_(torch.zeros(4, 16), x, wg, wu, wd, "reference")  # fine without gradients
 
 
 def test_fake_ffn_add_mutates_nothing_it_should_not():

@@ -1,9 +1,11 @@
-"""Pure-PyTorch reference of the training FFN: forward with L1/L0 and counts, exact backward.
+"""Pure-PyTorch reference of the sparse FFN op: the CPU path, the fallback and the test oracle.
 
-Both halves are plain functions on 2-D tensors; `sparse_llm.ops.train_ops` registers them as
-custom ops and ties them together with autograd. What the forward hands to the backward is x
-(kept by the caller) plus a compact record of the active entries of a = relu(x Wg^T), in CSR
-order (row-major, columns ascending within a row):
+Inference: `ffn_forward_reference`, the dense formula (transformers' LlamaMLP with a ReLU gate).
+
+Training: a forward with L1/L0 and counts, and an exact backward, both plain functions on 2-D
+tensors; `sparse_llm.ops.ffn.training` registers them as custom ops and ties them together with
+autograd. What the forward hands to the backward is x (kept by the caller) plus a compact record of
+the active entries of a = relu(x Wg^T), in CSR order (row-major, columns ascending within a row):
 
     nnz_per_token [M] int64       how many units are active in each row (the row lengths)
     cols          [nnz] int16     column of each active entry (int32 when H > 32767)
@@ -19,8 +21,16 @@ temporaries; none of them outlives its call.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 INT16_MAX_UNITS = 32767  # column indices fit int16 below this many units
+
+
+def ffn_forward_reference(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> torch.Tensor:
+    """y = (relu(x Wg^T) * (x Wu^T)) Wd^T, as transformers' LlamaMLP with hidden_act="relu"."""
+    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

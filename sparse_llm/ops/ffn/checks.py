@@ -1,4 +1,4 @@
-"""Input checks shared by every implementation, raised before any compute."""
+"""The FFN op's input checks, shared by every implementation, raised before any compute."""
 
 from __future__ import annotations
 
@@ -44,11 +44,3 @@ def check_ffn_inputs(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: to
         raise ValueError(
             f"x, Wg, Wu, Wd must be on one device, got {x.device}, {wg.device}, {wu.device}, {wd.device}"
         )
-
-
-def check_in_place_output(op: str, out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
-    """What the in-place ops (ffn_add_, linear_add_) need of `out`, the tensor they update."""
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous: it is updated in place")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, *inputs)):
-        raise RuntimeError(f"{op} has no autograd: run it under torch.no_grad()")

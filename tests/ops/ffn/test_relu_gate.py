@@ -7,7 +7,7 @@ import torch
 from ffn_patterns import needs_hopper
 
 from sparse_llm.ops.activation_counts import activation_counts_reference
-from sparse_llm.ops.relu_gate import relu_gate_stats, relu_gate_stats_reference
+from sparse_llm.ops.ffn.relu_gate import relu_gate_stats, relu_gate_stats_reference
 
 
 def _inputs(rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):

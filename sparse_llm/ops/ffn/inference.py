@@ -1,22 +1,15 @@
-"""One front for the sparse FFN ops: picks the CUDA kernels or the PyTorch reference."""
+"""The inference front of the sparse FFN op: the CUDA kernels or the PyTorch reference, as the
+caller decided (`sparse_llm.ops.ffn.select`)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from sparse_llm.ops.checks import (
-    DEFAULT_HEAVY_THRESHOLD,
-    check_ffn_inputs,
-    check_heavy_threshold,
-    check_in_place_output,
-)
-from sparse_llm.ops.reference import ffn_forward_reference
-from sparse_llm.ops.select import CUDA_ALIGN, select_ffn, select_for_tensors
-from sparse_llm.ops.twell import TwellPacked, twell_pack_reference
-
-Impl = Literal["auto", "cuda", "reference"]
+from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD, check_ffn_inputs, check_heavy_threshold
+from sparse_llm.ops.ffn.reference import ffn_forward_reference
+from sparse_llm.ops.ffn.select import CUDA_ALIGN, KernelInputs, check_impl, kernel_inputs
+from sparse_llm.ops.ffn.twell import TwellPacked, twell_pack_reference
+from sparse_llm.ops.in_place import check_in_place_output
 
 # Up to this many rows (a decode step: one token per sequence) the CUDA path is the decode FFN of
 # kernels/decode_ffn.cu: the gate's active units compacted on the GPU, up and down over those rows
@@ -26,7 +19,9 @@ DECODE_MAX_ROWS = 64
 DECODE_MAX_DIM = 2048  # kernels/decode_ffn.cuh kDecodeMaxDim: a row's output lives in registers
 
 
-def _decode_applies(rows: int, dim: int) -> bool:
+def decode_kernel_fits(rows: int, dim: int) -> bool:
+    """Whether the CUDA path of `rows` rows of width `dim` is the decode FFN (no host read, so a
+    CUDA graph can capture it) rather than the TwELL kernels (one host read a call)."""
     return rows <= DECODE_MAX_ROWS and dim <= DECODE_MAX_DIM
 
 
@@ -45,17 +40,18 @@ def ffn_forward(
     wg: torch.Tensor,
     wu: torch.Tensor,
     wd: torch.Tensor,
-    impl: Impl = "auto",
+    impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
     wd_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = (relu(x Wg^T) * (x Wu^T)) Wd^T for x: [..., D], Wg, Wu: [H, D], Wd: [D, H].
 
-    impl="auto" runs the TwELL kernels when they can take the inputs, else the reference;
-    impl="cuda" raises instead of falling back. The kernels take: bfloat16 tensors on a Hopper GPU
-    (sm_90), D a multiple of 8 in [8, 8192], H a multiple of 8, contiguous weights (x of any
-    layout and leading shape, any M >= 0). The result equals the dense computation up to bf16
+    `impl` is the implementation decided for the inputs (sparse_llm.ops.ffn.select): "reference",
+    or "cuda", the TwELL kernels, which raise KernelsUnavailable where they cannot run (no fallback
+    here). The kernels take: bfloat16 tensors on a Hopper GPU (sm_90), D a multiple of 8 in
+    [8, 8192], H a multiple of 8, contiguous weights (x of any layout and leading shape, any
+    M >= 0). The result equals the dense computation up to bf16
     rounding for every input (heavy rows take an exact dense path; nothing is dropped).
     `heavy_threshold` (0..512) only moves work between the two paths. `wd_t` may pass a cached
     contiguous Wd^T ([H, D]) to skip the per-call transpose. Up to DECODE_MAX_ROWS rows (and
@@ -64,10 +60,11 @@ def ffn_forward(
     """
     check_ffn_inputs(x, wg, wu, wd)
     _check_threshold_and_wd_t(heavy_threshold, wd, wd_t)
-    if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
+    check_impl(impl, False, kernel_inputs(x, wg, wu, wd))
+    if impl == "reference":
         return ffn_forward_reference(x, wg, wu, wd)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if _decode_applies(*x2.shape):
+    if decode_kernel_fits(*x2.shape):
         y = torch.zeros_like(x2)
         torch.ops.sparse_llm.ffn_decode_add_(y, x2, wg, wu, _down_t(wd, wd_t))
         return y.view(x.shape)
@@ -81,7 +78,7 @@ def ffn_add_(
     wg: torch.Tensor,
     wu: torch.Tensor,
     wd: torch.Tensor,
-    impl: Impl = "auto",
+    impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
     wd_t: torch.Tensor | None = None,
@@ -106,35 +103,27 @@ def ffn_add_(
         for name, t in (("x", x), ("Wg", wg), ("Wu", wu), ("Wd", wd)):
             if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 raise ValueError(f"out must not share memory with {name}")
-    if select_for_tensors(impl, "eval", x, wg, wu, wd).impl != "cuda":
+    check_impl(impl, False, kernel_inputs(x, wg, wu, wd))
+    if impl == "reference":
         return out.add_(ffn_forward_reference(x, wg, wu, wd))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     # The ops mutate a 2-D view of out: Inductor's scheduler fails (KeyError in compute_ancestors,
     # torch 2.11-2.13) on a custom op mutating a [B, 1, D] tensor, e.g. a decode step's residual.
     out2 = out.view(-1, out.shape[-1])
-    if _decode_applies(*x2.shape):
+    if decode_kernel_fits(*x2.shape):
         torch.ops.sparse_llm.ffn_decode_add_(out2, x2, wg, wu, _down_t(wd, wd_t))
         return out
     torch.ops.sparse_llm.twell_ffn_add_(out2, x2, wg, wu, wd, wd_t, heavy_threshold)
     return out
 
 
-def twell_pack(
-    g: torch.Tensor, heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD, impl: Impl = "auto"
-) -> TwellPacked:
-    """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.twell)."""
+def twell_pack(g: torch.Tensor, heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD, *, impl: str) -> TwellPacked:
+    """Pack relu(g) ([M, H]) into TwELL (see sparse_llm.ops.ffn.twell) with `impl`, "reference"
+    or "cuda" (as for ffn_forward)."""
     if g.dim() != 2:
         raise ValueError(f"g must be [M, H], got shape {tuple(g.shape)}")
     # The pack reads g alone: D plays no part, so the check passes a D the kernels take.
-    selection = select_ffn(
-        impl,
-        "eval",
-        device=g.device,
-        dtype=g.dtype,
-        hidden_size=CUDA_ALIGN,
-        intermediate_size=g.shape[1],
-        contiguous=g.is_contiguous(),
-    )
-    if selection.impl != "cuda":
+    check_impl(impl, False, KernelInputs(g.device, g.dtype, CUDA_ALIGN, g.shape[1], g.is_contiguous()))
+    if impl == "reference":
         return twell_pack_reference(g, heavy_threshold)
     return TwellPacked(*torch.ops.sparse_llm.twell_pack(g, heavy_threshold))

@@ -27,7 +27,7 @@ from ffn_patterns import (
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks.common import make_workload
-from sparse_llm.ops.train import ffn_forward_train
+from sparse_llm.ops.ffn.training import ffn_forward_train
 
 pytestmark = pytest.mark.gpu
 
