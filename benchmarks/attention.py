@@ -4,7 +4,7 @@ for `attn_impl=sdpa` (the `default` row) the fastest one on this GPU and torch v
 Causal bf16 attention, median of CUDA-event timings: the training shape (forward + backward) and
 the prefill shape (forward) of the 1b preset by default. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/attention.py --json attn.json --md attn.md
+    python -m benchmarks.attention --json attn.json --md attn.md
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import median_ms, write_report
 from sparse_llm.training.run_info import collect_run_info

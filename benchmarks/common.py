@@ -2,8 +2,7 @@
 made sparse by a short high-L1 training run, the median time of a call, the kernel table (and GPU
 idle) of one profiled call, where the memory peak of a recorded call comes from, and the report files.
 
-Every script runs from the repository root as `python benchmarks/<name>.py ...` or
-`python -m benchmarks.<name> ...`.
+Every script is a module, run from the repository root as `python -m benchmarks.<name> ...`.
 """
 
 from __future__ import annotations

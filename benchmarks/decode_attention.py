@@ -2,7 +2,7 @@
 against ops.decode_attention, which reads each row's columns by their bounds; both inside one CUDA
 graph, at 1, 8 and 64 rows.
 
-    python benchmarks/decode_attention.py [--rows 1 8 64] [--context 1024 2048] [--json F] [--md F]
+    python -m benchmarks.decode_attention [--rows 1 8 64] [--context 1024 2048] [--json F] [--md F]
 
 Each graph runs `--layers` layers with distinct caches (more bytes than the L2 holds, as in a model)
 of a 1b model's shape (32 heads of 64). Every row attends to `context` columns of a cache of
@@ -13,13 +13,10 @@ for both, so the ratio is the kernels'. GB/s counts the keys and values read.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_report
 from benchmarks.decode_ffn import graph_ms
 from benchmarks.inference import copy_bandwidth_gbs

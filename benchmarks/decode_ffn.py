@@ -1,8 +1,8 @@
 """The FFN of a decode step, dense against the decode kernels (kernels/decode_ffn.cu), both inside
 one CUDA graph: what the bytes allow at 1, 8 and 64 rows.
 
-    python benchmarks/decode_ffn.py [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
-    python benchmarks/decode_ffn.py --rows 1 8 --splits 1 2 4 8 16   # ours at each CTA split too
+    python -m benchmarks.decode_ffn [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
+    python -m benchmarks.decode_ffn --rows 1 8 --splits 1 2 4 8 16   # ours at each CTA split too
 
 Each graph runs `--layers` FFNs with distinct weights (more bytes than the L2 holds, so every layer
 reads its weights from memory as in a model), out += ffn(x) into one residual. Dense: the three
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import make_workload, median_ms, write_report
 from benchmarks.ffn import print_profile
 from benchmarks.inference import copy_bandwidth_gbs

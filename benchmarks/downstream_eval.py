@@ -2,8 +2,8 @@
 kernels) against lm-eval's own `hf` model on the export, same weights, same batch size.
 
     # 1b weights at L0 30 (benchmarks/sparse_weights.py --preset 1b --target-l0 30 --out runs/sparse_1b)
-    python benchmarks/downstream_eval.py --model runs/sparse_1b --json downstream_eval.json --md downstream_eval.md
-    python benchmarks/downstream_eval.py --tiny --out /tmp/bench      # CPU, toy size (what the test runs)
+    python -m benchmarks.downstream_eval --model runs/sparse_1b --json downstream_eval.json --md downstream_eval.md
+    python -m benchmarks.downstream_eval --tiny --out /tmp/bench      # CPU, toy size (what the test runs)
 
 Each variant evaluates the tasks (default: the shipped offline ones, python_completion and
 python_perplexity, sparse_llm/eval/tasks) --warmup times untimed, then --reps times timed: `hf`
@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import active_units_per_token, sparsify, write_report
 from sparse_llm.eval import harness, results

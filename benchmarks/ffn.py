@@ -4,21 +4,18 @@ The workload is docs/design.md section 5 (benchmarks/common.py). Each timed call
 several input sets in turn (x and all three weights), so no call finds its weights in L2 from
 the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
 
-    python benchmarks/ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
-    python benchmarks/ffn.py --train ...   # forward+backward with L1 and saved bytes, vs dense
+    python -m benchmarks.ffn --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
+    python -m benchmarks.ffn --train ...   # forward+backward with L1 and saved bytes, vs dense
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import device_kernel_table, gpu_idle_table, make_workload, write_report
 from sparse_llm import ops

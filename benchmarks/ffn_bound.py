@@ -21,7 +21,7 @@ the measured reuse within 64-row blocks. Time over the bound is what any kernel 
 can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
 sets the rates our kernels reach on an H100 instead (docs/notes/kernels_log.md, session 15).
 
-    python benchmarks/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
+    python -m benchmarks.ffn_bound --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md
 """
 
@@ -29,13 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import make_workload
 

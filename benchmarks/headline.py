@@ -1,7 +1,7 @@
 """The headline figures, dense against sparse side by side in one process on 1b weights at L0 ~30.
 
-    python benchmarks/headline.py --model runs/sparse_1b --out-dir benchmarks/results
-    python benchmarks/headline.py --quick        # makes the weights first: ~11 min on an H100
+    python -m benchmarks.headline --model runs/sparse_1b --out-dir benchmarks/results
+    python -m benchmarks.headline --quick        # makes the weights first: ~11 min on an H100
     make bench-headline                          # that, into $OUT; MODEL=<run dir>: these weights, full
 
 Parts, in this order; the report is rewritten after each, so a run cut short keeps what it measured:
@@ -39,8 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks import ffn, inference
 from benchmarks.common import REPO, free_memory, sparse_path, token_batch
@@ -168,15 +166,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- the parts -------------------------------------------------------------------------------------
 def make_weights(out: Path, target_l0: float, tiny: bool, per_layer: bool) -> Path:
-    """Sparse weights at `target_l0` by benchmarks/sparse_weights.py, in a subprocess: its GPU memory
-    and compiled graphs are gone when it returns."""
-    script = REPO / "benchmarks" / "sparse_weights.py"
+    """Sparse weights at `target_l0` by `python -m benchmarks.sparse_weights`, in a subprocess: its
+    GPU memory and compiled graphs are gone when it returns."""
     size = TINY_MODEL_ARGS if tiny else ["--preset", "1b"]
-    cmd = [sys.executable, str(script), *size, "--target-l0", f"{target_l0:g}", "--out", str(out)]
+    module = [sys.executable, "-m", "benchmarks.sparse_weights"]
+    cmd = [*module, *size, "--target-l0", f"{target_l0:g}", "--out", str(out.resolve())]
     if per_layer:
         cmd.append("--per-layer")
     print("headline: making the weights:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
     return out
 
 

@@ -17,11 +17,11 @@ kernels' FFN above its decode path's row limit) shows why instead of a graph tim
 static step uncaptured (`static`).
 
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
-    python benchmarks/inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
+    python -m benchmarks.inference --sparsify --preset 1b --out benchmarks/results/inference_1b
     # an existing model (export, checkpoint or run directory)
-    python benchmarks/inference.py --model runs/my_run/export --batch 64 --prompt-len 2048
+    python -m benchmarks.inference --model runs/my_run/export --batch 64 --prompt-len 2048
     # CPU, toy size (what the tests run); `cuda` is replaced by its reference there
-    python benchmarks/inference.py --tiny --out /tmp/bench
+    python -m benchmarks.inference --tiny --out /tmp/bench
 
 --sparsify trains the preset for --sparsify-steps with a high L1 coefficient through the
 project's Trainer (benchmarks.common.sparsify; run directory <out>/sparsify_run, checkpoint +
@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparse_path, sparsify, token_batch
 from sparse_llm.config import ModelConfig

@@ -1,8 +1,8 @@
 """The FFN training op layer by layer, on a trained model's own activations: what each layer's FFN
 costs, dense against the sparse op, at the L0 and row density that layer has.
 
-    python benchmarks/layer_ffn.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
-    python benchmarks/layer_ffn.py --tiny      # CPU, seconds: the reference op, the script end to end
+    python -m benchmarks.layer_ffn --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python -m benchmarks.layer_ffn --tiny      # CPU, seconds: the reference op, the script end to end
 
 One forward over held-out text (rows x seq-len tokens, the M of one training step) keeps each
 layer's FFN input (the post-attention norm's output). Then, layer by layer, on that input and the
@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gpu_busy_ms, median_ms, sparse_path, write_report
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args

@@ -14,8 +14,8 @@ Reports the median step ms, tokens/s, peak memory and ours / each (ms): a Markdo
 / Markdown with --json / --md (device, commit via $GIT_COMMIT or git, date). On fp32 weights and a
 CPU (no autocast) ours and lean give the same loss: tests/benchmarks/test_lean_llama.py.
 
-    python benchmarks/lean_llama.py --preset 1b --json lean_1b.json --md lean_1b.md
-    python benchmarks/lean_llama.py --preset tiny --seq-len 64 --micro-batch 2 --steps 3 --no-compile
+    python -m benchmarks.lean_llama --preset 1b --json lean_1b.json --md lean_1b.md
+    python -m benchmarks.lean_llama --preset tiny --seq-len 64 --micro-batch 2 --steps 3 --no-compile
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import free_memory, median_ms, model_preset, write_report
 from benchmarks.model_step import load_weights, model_step_args, time_impl, trainer_batches

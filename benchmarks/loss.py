@@ -4,21 +4,18 @@ PyTorch (impl='reference', which Inductor fuses across chunks), against F.cross_
 whole logits. Medians of CUDA-event timings, the peak memory above the inputs, and the error of
 the loss and both gradients against the unfused path. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/loss.py --json out.json --md out.md   # 1b preset sizes
-    python benchmarks/loss.py --tiny                         # CPU, seconds: the script end to end
+    python -m benchmarks.loss --json out.json --md out.md   # 1b preset sizes
+    python -m benchmarks.loss --tiny                         # CPU, seconds: the script end to end
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import median_ms, write_report
 from sparse_llm.model.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy

@@ -9,8 +9,8 @@ tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the ke
 reference where they cannot run (sparse_llm.ops.select says why; the table shows which ran). The
 whole run, from initialisation, is benchmarks/whole_run.py. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/model_step.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
-    python benchmarks/model_step.py --tiny      # CPU, seconds: the script end to end
+    python -m benchmarks.model_step --preset 1b --sparsify-steps 300 --json out.json --md out.md
+    python -m benchmarks.model_step --tiny      # CPU, seconds: the script end to end
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import (
     free_memory,

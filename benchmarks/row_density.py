@@ -1,8 +1,8 @@
 """How active units spread over the tokens of a training step, layer by layer: what sizes the sparse
 training op's records and its heavy rows' GEMMs (kernels/train_bindings.cpp).
 
-    python benchmarks/row_density.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
-    python benchmarks/row_density.py --tiny      # CPU, seconds: the script end to end
+    python -m benchmarks.row_density --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python -m benchmarks.row_density --tiny      # CPU, seconds: the script end to end
 
 For each layer, over one step's tokens (rows x seq-len of held-out text, the M of one op call):
 L0, the tokens with an active unit (what the FFN block keeps), the largest and the 99th-percentile
@@ -15,14 +15,11 @@ that capacity and send the rest to an overflow path, so `past early` counts what
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import active_units_per_token, token_batch, write_report
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model

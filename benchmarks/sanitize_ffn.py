@@ -2,12 +2,7 @@
 inference forward (TwELL, or the decode FFN up to 64 rows), its in-place add into a residual, and the
 training forward + backward."""
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
 
 from benchmarks.common import make_workload
 from sparse_llm import ops

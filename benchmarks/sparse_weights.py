@@ -1,7 +1,7 @@
 """Repeatable sparse weights for the benchmarks: train a preset to a target L0 and save it.
 
-    python benchmarks/sparse_weights.py --preset 1b --target-l0 30 --out runs/sparse_1b_l0_30
-    python benchmarks/sparse_weights.py --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
+    python -m benchmarks.sparse_weights --preset 1b --target-l0 30 --out runs/sparse_1b_l0_30
+    python -m benchmarks.sparse_weights --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
 
 On the 1b preset (H100): 800 steps of 8 x 2048 tokens, L1 ramped to 1e-3 over 100 steps (where
 L0 is near 30-50), then the controller's defaults; about 4.5 minutes. Trains through the trainer
@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
     active_units_per_token,

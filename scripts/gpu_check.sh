@@ -32,20 +32,20 @@ fi
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   step "compute-sanitizer memcheck"
-  compute-sanitizer --tool memcheck --error-exitcode 9 $PY benchmarks/sanitize_ffn.py 2>&1 \
+  compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m benchmarks.sanitize_ffn 2>&1 \
     | tee "$OUT/sanitizer.log" || status=1
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "benchmark"
   # shellcheck disable=SC2086
-  $PY benchmarks/ffn.py ${BENCH_ARGS:-} --json "$OUT/ffn_inference.json" --md "$OUT/ffn_inference.md" 2>&1 \
+  $PY -m benchmarks.ffn ${BENCH_ARGS:-} --json "$OUT/ffn_inference.json" --md "$OUT/ffn_inference.md" 2>&1 \
     | tee "$OUT/bench.log" || status=1
 fi
 if [ "${SKIP_TRAIN_BENCH:-0}" != 1 ]; then
   step "training benchmark"
   # shellcheck disable=SC2086
-  $PY benchmarks/ffn.py --train ${TRAIN_BENCH_ARGS:-} --json "$OUT/ffn_train.json" --md "$OUT/ffn_train.md" \
+  $PY -m benchmarks.ffn --train ${TRAIN_BENCH_ARGS:-} --json "$OUT/ffn_train.json" --md "$OUT/ffn_train.md" \
     2>&1 | tee "$OUT/train_bench.log" || status=1
 fi
 step "done, status $status"

@@ -13,13 +13,13 @@ mkdir -p "$OUT"
 source scripts/device_env.sh || exit 1
 status=0
 python3 -m sparse_llm.ops.build >/dev/null || exit 1
-python3 benchmarks/inference.py --sparsify --preset 1b --sparsify-steps "${STEPS:-400}" \
+python3 -m benchmarks.inference --sparsify --preset 1b --sparsify-steps "${STEPS:-400}" \
   --l1-coeff "${L1:-3e-3}" --prompt-len 1920 --decode-tokens 128 --out /tmp/inference \
   ${PROFILE:+--profile} 2>&1 \
   | grep -v -e Warning -e "it/s" -e "step/s" | tail -n 25 || status=1
 cp /tmp/inference/*.json /tmp/inference/*.md /tmp/inference/*.txt "$OUT"/ 2>/dev/null
 # shellcheck disable=SC2086
-[ "${SKIP_TRAIN:-0}" = 1 ] || python3 benchmarks/model_step.py --model /tmp/inference/sparsify_run --compile ${TRAIN_ARGS:-} \
+[ "${SKIP_TRAIN:-0}" = 1 ] || python3 -m benchmarks.model_step --model /tmp/inference/sparsify_run --compile ${TRAIN_ARGS:-} \
   ${PROFILE:+--profile "$OUT"} \
   --json "$OUT/train_1b_sparse.json" --md "$OUT/train_1b_sparse.md" 2>&1 | grep -v Warning | tail -n 12 || status=1
 ls "$OUT"

@@ -53,7 +53,7 @@ case "${PHASE:-1}" in
     step "micro-batch 16"
     bench train_1b_mb16 --model "$SPARSE_DIR" --micro-batch 16
     step "loss"
-    python3 benchmarks/loss.py --json "$OUT/loss.json" --md "$OUT/loss.md" 2>&1 | tail -n 8 || status=1
+    python3 -m benchmarks.loss --json "$OUT/loss.json" --md "$OUT/loss.md" 2>&1 | tail -n 8 || status=1
     ;;
   3)
     [ -d "$SPARSE_DIR" ] || { echo "no $SPARSE_DIR: run PHASE=1 first, on the same machine"; exit 1; }

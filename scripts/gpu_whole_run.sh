@@ -65,7 +65,7 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ "${MEMCHECK:-0}" = 1 ]; then
   step "compute-sanitizer memcheck"
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_ffn.py \
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m benchmarks.sanitize_ffn \
     >"$OUT/sanitizer.log" 2>&1 || status=1
   tail -n 2 "$OUT/sanitizer.log"
 fi
