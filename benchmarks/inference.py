@@ -56,6 +56,7 @@ from sparse_llm.inference import (
 )
 from sparse_llm.inference.calibrate import synchronize
 from sparse_llm.inference.decode import why_not_graph
+from sparse_llm.inference.generate import eager_decode_from
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
 from sparse_llm.training.run_info import git_commit
 
@@ -230,21 +231,15 @@ def _timed(device: torch.device, energy: Energy, fn, *args, **kwargs) -> tuple[A
     return out, t1 - t0, None if e0 is None else e1 - e0
 
 
-def greedy_decode(model, first: torch.Tensor, cache: KVCache, tokens: int) -> list[torch.Tensor]:
-    """`tokens` greedy tokens per row ([B] each), `first` included, one model call per token."""
-    generated = [first]
-    for _ in range(tokens - 1):
-        generated.append(model(generated[-1][:, None], cache=cache).logits[:, -1].argmax(-1))
-    return generated
-
-
 @torch.no_grad()
 def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled) -> dict[str, Any]:
-    """Prefill (eager, and through `compiled` when given) then greedy decode (eager) with `model`,
-    whose FFN plan runs `impl`."""
+    """Prefill (eager, and through `compiled` when given) then greedy decode (the package's eager
+    decode: `eager_decode_from`) with `model`, whose FFN plan runs `impl`."""
     device = ids.device
     batch, length = ids.shape
     dtype = model.lm_head.weight.dtype
+    greedy = SamplingParams(max_new_tokens=args.decode_tokens)
+    lengths = torch.full((batch,), length, device=device)
     times: dict[str, list[float]] = {"prefill": [], "prefill_compiled": [], "decode": []}
     joules: dict[str, list[float]] = {key: [] for key in times}
     tokens = logits_last = compiled_logits = None
@@ -259,16 +254,15 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
             del cache, out
         cache = KVCache(model.config, batch, length + args.decode_tokens, device, dtype)
         out, *measured["prefill"] = _timed(device, energy, model, ids, cache=cache, last_logits_only=True)
-        first = out.logits[:, -1].argmax(-1)
         generated, *measured["decode"] = _timed(
-            device, energy, greedy_decode, model, first, cache, args.decode_tokens
+            device, energy, eager_decode_from, model, out.logits[:, -1], cache, greedy, lengths
         )
         if rep >= args.warmup:
             for key, (seconds, energy_j) in measured.items():
                 times[key].append(seconds)
                 if energy_j is not None:
                     joules[key].append(energy_j)
-        tokens, logits_last = torch.stack(generated, 1).cpu(), out.logits[:, -1].float().cpu()
+        tokens, logits_last = generated.cpu(), out.logits[:, -1].float().cpu()
         del cache, out
     counts = {
         "prefill": batch * length,
@@ -343,35 +337,35 @@ def decode_step_bytes(
 
 @torch.no_grad()
 def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: int, reps: int) -> float:
-    """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]):
-    `eager` (one forward over the filled columns per step: greedy_decode) or the static step of
-    sparse_llm.inference.decode, CUDA-graph-captured (`graph`), compiled by Inductor and then
-    captured (`graph-compiled`) or neither (`static`). The cache ends at W + steps columns; every
-    repetition decodes the same `steps` columns again."""
+    """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]), by
+    the package's decode loops: `eager` (one forward over the filled columns per step:
+    `eager_decode_from`) or the static step of sparse_llm.inference.decode (`DecodeSlot.decode`),
+    CUDA-graph-captured (`graph`), compiled by Inductor and then captured (`graph-compiled`) or
+    neither (`static`). The cache ends at W + steps columns; every repetition decodes the same
+    `steps` columns again."""
     device, (batch, width) = ids.device, ids.shape
     why = why_not_graph(model, batch) if mode.startswith("graph") else None
     if why:  # a StaticDecoder would run it uncaptured: not what "graph" is timed as
         raise ValueError(f"cannot time a graph-captured decode step: {why}")
+    greedy = SamplingParams(max_new_tokens=steps + 1)  # `steps` forwards after the first token
+    lengths = torch.full((batch,), width, device=device)
     if mode == "eager":
         cache = KVCache(model.config, batch, width + steps, device, model.lm_head.weight.dtype)
-        first = model(ids, cache=cache, last_logits_only=True).logits[:, -1].argmax(-1)
+        logits = model(ids, cache=cache, last_logits_only=True).logits[:, -1]
 
         def run() -> None:
             cache.length = width
-            greedy_decode(model, first, cache, steps + 1)  # `steps` forwards
+            eager_decode_from(model, logits, cache, greedy, lengths)
 
     else:
         decoder = StaticDecoder(model, capture=mode.startswith("graph"), compile=mode == "graph-compiled")
         slot = decoder.slot(batch, width + steps, 0)
-        step = slot.step_for(SamplingParams(max_new_tokens=steps + 1))  # captures before the prefill
+        slot.step_for(greedy)  # captures before the prefill
         first = model(ids, cache=slot.state.prefill_cache(), last_logits_only=True).logits[:, -1].argmax(-1)
-        lengths = torch.full((batch,), width, device=device)
         no_eos = torch.empty(0, dtype=torch.long, device=device)
 
         def run() -> None:
-            slot.state.load(first, lengths, width, no_eos)
-            for _ in range(steps):
-                step()
+            slot.decode(first, lengths, width, greedy, no_eos)
 
     return median_ms(run, device, warmup, reps) / 1000 / steps
 
