@@ -406,12 +406,17 @@ def token_batch(
     return torch.randint(0, vocab_size, (batch, length), generator=gen), "random tokens"
 
 
-def layers_over_dense_above(l0_per_layer: Sequence[float], hidden: int, max_density: float) -> int:
-    """How many of these layers the trainer's dense fallback would run dense, from sparse
-    (`training.ffn_fallback.wants_dense` on each layer's L0 / H against `model.ffn_dense_above`)."""
+def runs_dense(l0: float, hidden: int, max_density: float) -> bool:
+    """Whether the trainer's dense fallback runs a sparse layer at this L0 dense
+    (`training.ffn_fallback.wants_dense` on L0 / H against `model.ffn_dense_above`)."""
     from sparse_llm.training.ffn_fallback import DEFAULT_HYSTERESIS, wants_dense
 
-    return sum(wants_dense(l0 / hidden, False, max_density, DEFAULT_HYSTERESIS) for l0 in l0_per_layer)
+    return wants_dense(l0 / hidden, False, max_density, DEFAULT_HYSTERESIS)
+
+
+def layers_over_dense_above(l0_per_layer: Sequence[float], hidden: int, max_density: float) -> int:
+    """How many of these layers the trainer's dense fallback would run dense, from sparse."""
+    return sum(runs_dense(l0, hidden, max_density) for l0 in l0_per_layer)
 
 
 @torch.no_grad()

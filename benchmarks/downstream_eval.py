@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import active_units_per_token, sparsify, write_report
+from benchmarks.common import active_units_per_token, sparse_path, sparsify, write_report
+from sparse_llm.config import ModelConfig
 from sparse_llm.eval import harness, results
 from sparse_llm.eval.tasks import SHIPPED_TASKS, TASK_DIR
 from sparse_llm.inference import load_model
@@ -50,7 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="run, checkpoint or export directory")
     p.add_argument("--tiny", action="store_true", help="train a toy model on CPU first (a smoke test)")
     p.add_argument("--tasks", nargs="+", default=list(SHIPPED_TASKS), help="lm-eval task names or presets")
-    p.add_argument("--ffn", nargs="+", default=None, choices=FFN_CHOICES, help="ours: default dense cuda")
+    p.add_argument(
+        "--ffn",
+        nargs="+",
+        default=None,
+        choices=FFN_CHOICES,
+        help="ours: default dense and the kernels (their reference where they cannot run)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="sequences per forward, both models")
     p.add_argument("--limit", type=int, default=None, help="examples per task")
     p.add_argument("--reps", type=int, default=3, help="timed evaluations per variant (median)")
@@ -104,9 +111,9 @@ def export_for_hf(model_path: Path) -> Path:
 
 
 @torch.no_grad()
-def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
+def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tuple[float, ModelConfig]:
     """Mean active FFN units per token (over layers and tokens) on the python_perplexity documents,
-    and the units a layer has (H)."""
+    and the model's config."""
     loaded = load_model(model_path, device, dtype)
     docs = [
         json.loads(line)["text"] for line in (TASK_DIR / "python_perplexity.jsonl").read_text().splitlines()
@@ -117,7 +124,7 @@ def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tupl
             :, : loaded.model.config.max_position_embeddings
         ]
         counts.append(active_units_per_token(loaded.model, ids.to(device)).float())
-    return torch.cat(counts, dim=1).mean().item(), loaded.model.config.intermediate_size
+    return torch.cat(counts, dim=1).mean().item(), loaded.model.config
 
 
 def timed_requests(lm: Any) -> list[float]:
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = tiny_model(out) if args.tiny and args.model is None else args.model
     device = resolve_device("cpu" if args.tiny else args.device)
     dtype = resolve_dtype(args.dtype, device)
-    impls = args.ffn or (["dense", "reference"] if device.type == "cpu" else ["dense", "cuda"])
+    l0, cfg = tasks_l0(model_path, device, dtype)
+    impls = args.ffn or ["dense", sparse_path("prefill", cfg, device, dtype)[0]]
     tasks = harness.expand_tasks(args.tasks)
     manager = harness.task_manager(tasks)
     harness.check_tasks(tasks, manager)
@@ -263,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         del lm
     import lm_eval
 
-    l0, hidden = tasks_l0(model_path, device, dtype)
     report = {
         **collect_run_info(device, world_size=1),
         "model": str(model_path),
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype_name,
         "lm_eval": lm_eval.__version__,
         "l0": l0,
-        "hidden": hidden,
+        "hidden": cfg.intermediate_size,
         "batch_size": args.batch_size,
         "reps": args.reps,
         "warmup": args.warmup,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.common import gpu_busy_ms, median_ms, sparse_path, write_report
+from benchmarks.common import gpu_busy_ms, median_ms, runs_dense, sparse_path, write_report
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args
 from sparse_llm.training.run_info import collect_run_info
@@ -91,16 +91,16 @@ def time_layer(
     return times
 
 
-def totals(rows: list[dict], dense_above_units: float, prefix: str = "ms") -> dict[str, float]:
+def totals(rows: list[dict], hidden: int, max_density: float, prefix: str = "ms") -> dict[str, float]:
     """Sums over layers of the `prefix` times ("ms": event-timed, "gpu_ms": GPU busy): all dense,
-    all ours, the trainer's rule (dense recomputed where L0 is over the threshold, ours elsewhere),
-    and the faster of those two in each layer."""
+    all ours, the trainer's rule (dense recomputed where its fallback runs a layer of `hidden`
+    units at that L0 dense, ours elsewhere), and the faster of those two in each layer."""
     dense, recomputed, ours = f"{prefix}_dense", f"{prefix}_dense_recomputed", f"{prefix}_ours"
     return {
         dense: sum(r[dense] for r in rows),
         ours: sum(r[ours] for r in rows),
         f"{prefix}_trainer_rule": sum(
-            r[recomputed] if r["l0"] > dense_above_units else r[ours] for r in rows
+            r[recomputed] if runs_dense(r["l0"], hidden, max_density) else r[ours] for r in rows
         ),
         f"{prefix}_best_per_layer": sum(min(r[recomputed], r[ours]) for r in rows),
     }
@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "reps": args.reps,
         "sets": args.sets,
     }
-    sums = totals(rows, meta["dense_above_units"])
+    sums = totals(rows, cfg.intermediate_size, cfg.ffn_dense_above)
     if device.type == "cuda":
-        sums |= totals(rows, meta["dense_above_units"], prefix="gpu_ms")
+        sums |= totals(rows, cfg.intermediate_size, cfg.ffn_dense_above, prefix="gpu_ms")
     meta["totals"] = sums
     write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
     return rows

@@ -32,10 +32,10 @@ def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
         {"l0": 80.0, "ms_dense": 4.0, "ms_dense_recomputed": 5.0, "ms_ours": 3.5},
         {"l0": 120.0, "ms_dense": 4.0, "ms_dense_recomputed": 5.0, "ms_ours": 6.0},
     ]
-    sums = totals(rows, dense_above_units=56.0)  # layers 1 and 2 run dense, recomputed
+    sums = totals(rows, hidden=1000, max_density=0.056)  # layers 1 and 2 run dense, recomputed
     assert sums == {"ms_dense": 12.0, "ms_ours": 11.5, "ms_trainer_rule": 12.0, "ms_best_per_layer": 10.5}
     gpu_rows = [{k.replace("ms_", "gpu_ms_"): v for k, v in r.items()} for r in rows]
-    assert totals(gpu_rows, 56.0, prefix="gpu_ms")["gpu_ms_trainer_rule"] == 12.0
+    assert totals(gpu_rows, 1000, 0.056, prefix="gpu_ms")["gpu_ms_trainer_rule"] == 12.0
 
 
 @pytest.mark.slow
