@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import active_units_per_token, sparse_path, sparsify, write_report
+from benchmarks import common
 from sparse_llm.config import ModelConfig
 from sparse_llm.eval import harness, results
 from sparse_llm.eval.tasks import SHIPPED_TASKS, TASK_DIR
@@ -40,14 +40,12 @@ from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
 from sparse_llm.inference.loading import resolve_device, resolve_dtype
 from sparse_llm.model.hf_export import export_hf
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
-from sparse_llm.training.run_info import collect_run_info
 
 REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--model", type=Path, help="run, checkpoint or export directory")
     p.add_argument("--tiny", action="store_true", help="train a toy model on CPU first (a smoke test)")
     p.add_argument("--tasks", nargs="+", default=list(SHIPPED_TASKS), help="lm-eval task names or presets")
@@ -72,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="writes downstream_eval.json / .md here, and the --tiny model (default for that: "
         "runs/downstream_eval)",
     )
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.model is None and not args.tiny:
         p.error("give --model <run, checkpoint or export directory> (or --tiny)")
@@ -82,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def tiny_model(out: Path) -> Path:
     """A toy model with some sparsity, trained for a few seconds on CPU (benchmarks.common.sparsify)."""
-    return sparsify(
+    return common.sparsify(
         out / "tiny_run",
-        TINY_MODEL,
+        common.TINY_MODEL,
         steps=20,
         l1_coeff=1e-3,
         lr=3e-3,
@@ -123,7 +119,7 @@ def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tupl
         ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"][
             :, : loaded.model.config.max_position_embeddings
         ]
-        counts.append(active_units_per_token(loaded.model, ids.to(device)).float())
+        counts.append(common.active_units_per_token(loaded.model, ids.to(device)).float())
     return torch.cat(counts, dim=1).mean().item(), loaded.model.config
 
 
@@ -241,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device("cpu" if args.tiny else args.device)
     dtype = resolve_dtype(args.dtype, device)
     l0, cfg = tasks_l0(model_path, device, dtype)
-    impls = args.ffn or ["dense", sparse_path("prefill", cfg, device, dtype)[0]]
+    impls = args.ffn or ["dense", common.sparse_path("prefill", cfg, device, dtype)[0]]
     tasks = harness.expand_tasks(args.tasks)
     manager = harness.task_manager(tasks)
     harness.check_tasks(tasks, manager)
@@ -271,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         del lm
     import lm_eval
 
-    report = {
-        **collect_run_info(device, world_size=1),
+    report = common.run_meta(device) | {
         "model": str(model_path),
         "export": str(export),
         "dtype": dtype_name,
@@ -289,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or (out / "downstream_eval.json" if args.out else None)
     md_path = args.md or (out / "downstream_eval.md" if args.out else None)
     meta = {k: v for k, v in report.items() if k != "rows"}
-    write_report(markdown(report), meta, report["rows"], json_path, md_path)
+    common.write_report(markdown(report), meta, report["rows"], json_path, md_path)
     return 0
 
 

@@ -33,9 +33,7 @@ corpus (or --random-tokens).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparse_path, sparsify, token_batch
+from benchmarks import common
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import (
     FASTEST,
@@ -58,7 +56,6 @@ from sparse_llm.inference.calibrate import synchronize
 from sparse_llm.inference.decode import why_not_graph
 from sparse_llm.inference.generate import eager_decode_from
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
-from sparse_llm.training.run_info import git_commit
 
 TINY = dict(
     batch=2,
@@ -74,7 +71,7 @@ TINY = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__, report=False)
     p.add_argument("--model", type=Path, help="export, checkpoint or run directory to benchmark")
     p.add_argument("--sparsify", action="store_true", help="first train --preset with a high L1 (Trainer)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on CPU (implies --sparsify unless --model)")
@@ -149,14 +146,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def sparsify_run(args: argparse.Namespace) -> Path:
     """Train the preset briefly with a high L1 through the Trainer; returns the run directory."""
     gpu = torch.cuda.is_available() and args.device != "cpu"
-    model = model_preset(args.preset)
+    model = common.model_preset(args.preset)
     size = dict(seq_len=args.sparsify_seq_len, batch=args.sparsify_batch, lr=args.sparsify_lr)
     data = None
     if args.tiny:
-        model.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+        model.update(common.TINY_MODEL)
         size = dict(seq_len=32, batch=4, lr=1e-2)
         data = {"max_documents": 200}
-    return sparsify(
+    return common.sparsify(
         args.out / "sparsify_run",
         model,
         steps=args.sparsify_steps,
@@ -294,17 +291,6 @@ def compare_with_dense(row: dict[str, Any], dense: dict[str, Any]) -> None:
     row["max_logit_diff_vs_dense"] = (row["_logits"] - dense["_logits"]).abs().max().item()
 
 
-def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:
-    """The device's copy bandwidth in GB/s (bytes read + written) from a large device-to-device
-    copy: what a bandwidth-bound decode step is measured against. None off CUDA."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(size_bytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, reps=20)
-    return 2 * size_bytes / (ms / 1000) / 1e9
-
-
 def active_rows(hidden: int, l0: float, batch: int) -> float:
     """Expected units active in at least one of `batch` tokens at `l0` active units per token,
     assuming units fire independently: the up and down rows a sparse FFN must read for a step."""
@@ -367,7 +353,7 @@ def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: in
         def run() -> None:
             slot.decode(first, lengths, width, greedy, no_eos)
 
-    return median_ms(run, device, warmup, reps) / 1000 / steps
+    return common.median_ms(run, device, warmup, reps) / 1000 / steps
 
 
 def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], args) -> dict[str, Any]:
@@ -380,7 +366,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
             "static" if m.startswith("graph") and device.type != "cuda" else m for m in args.decode_modes
         )
     )
-    bandwidth = copy_bandwidth_gbs(device)
+    bandwidth = common.copy_bandwidth_gbs(device)
     l0_per_layer = [(1 - s) * cfg.intermediate_size for s in sparsity["per_layer"]]
     elem_bytes = model.lm_head.weight.element_size()
     rows = []
@@ -388,7 +374,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
         impl_model = with_ffn(model, impl)
         for batch in args.decode_batches:
             for context in args.decode_contexts:
-                ids, _ = token_batch(
+                ids, _ = common.token_batch(
                     tokenizer,
                     cfg.vocab_size,
                     batch,
@@ -468,7 +454,7 @@ def profile_prefill(model, ids: torch.Tensor, forward, path: Path) -> None:
     cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, ids.device, model.lm_head.weight.dtype)
     forward(ids, cache=cache, last_logits_only=True)  # warm (and compiled) before the trace
     cache.length = 0
-    path.write_text(kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
+    path.write_text(common.kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -529,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     model = loaded.model
     device = model.lm_head.weight.device
     impls = list(dict.fromkeys(args.impls))
-    sparse_impl, reason = sparse_path(
+    sparse_impl, reason = common.sparse_path(
         "prefill", model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     )
     if args.decode_sweep and max(args.decode_contexts) > model.config.max_position_embeddings:
@@ -544,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len + args.decode_tokens > model.config.max_position_embeddings:
         print("error: --prompt-len + --decode-tokens exceed max_position_embeddings", file=sys.stderr)
         return 2
-    ids, _ = token_batch(
+    ids, _ = common.token_batch(
         loaded.tokenizer,
         model.config.vocab_size,
         args.batch,
@@ -607,13 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(
                 "Decode sweep: CUDA graphs need a GPU; the `static` rows run the graphs' step uncaptured."
             )
-    report = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or "cpu"),
-        "commit": git_commit(REPO),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
+    report = common.run_meta(device) | {
         "model": str(loaded.path),
         "parameters": model.num_parameters(),
         "hidden_size": model.config.hidden_size,

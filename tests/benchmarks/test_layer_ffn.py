@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from benchmarks.layer_ffn import ffn_inputs, main, totals
-from benchmarks.row_density import TINY_MODEL
+from benchmarks.row_density import RANDOM_TINY
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 
 
 def test_ffn_inputs_are_what_each_layer_feeds_its_ffn():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**TINY_MODEL)).eval()
-    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 12))
+    model = build_model(ModelConfig(**RANDOM_TINY)).eval()
+    ids = torch.randint(0, RANDOM_TINY["vocab_size"], (2, 12))
     inputs = ffn_inputs(model, ids)
     stats = model(ids, with_stats=True).ffn_stats.nnz_per_token  # [layers, tokens]
-    assert len(inputs) == TINY_MODEL["num_hidden_layers"]
+    assert len(inputs) == RANDOM_TINY["num_hidden_layers"]
     for x, mlp, nnz in zip(inputs, (layer.mlp for layer in model.model.layers), stats, strict=True):
-        assert x.shape == (24, TINY_MODEL["hidden_size"])
+        assert x.shape == (24, RANDOM_TINY["hidden_size"])
         assert torch.equal((x @ mlp.gate_proj.weight.T > 0).sum(-1), nnz)
 
 
@@ -41,7 +41,7 @@ def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
 @pytest.mark.slow
 def test_tiny_end_to_end(tmp_path):
     rows = main(["--tiny", "--warmup", "1", "--reps", "1", "--sets", "2", "--json", str(tmp_path / "r.json")])
-    assert [r["layer"] for r in rows] == list(range(TINY_MODEL["num_hidden_layers"]))
+    assert [r["layer"] for r in rows] == list(range(RANDOM_TINY["num_hidden_layers"]))
     assert all(
         r["ms_dense"] > 0 and r["ms_dense_recomputed"] > 0 and r["ms_ours"] > 0 and r["l0"] > 0 for r in rows
     )
