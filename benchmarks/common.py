@@ -53,12 +53,12 @@ def require_cuda(what: str, kernels: bool = False) -> torch.device:
     return torch.device("cuda")
 
 
-def run_meta(device: torch.device | str, **fields: Any) -> dict[str, Any]:
-    """A report's meta: the device, commit, date and versions of this one-process run
-    (`training.run_info.collect_run_info`), then the script's `fields`."""
+def run_meta(device: torch.device | str, world_size: int = 1, **fields: Any) -> dict[str, Any]:
+    """A report's meta: the device, commit, date and versions of this run over `world_size`
+    processes (`training.run_info.collect_run_info`), then the script's `fields`."""
     from sparse_llm.training.run_info import collect_run_info
 
-    return collect_run_info(torch.device(device), world_size=1) | fields
+    return collect_run_info(torch.device(device), world_size) | fields
 
 
 def measure_cases(

@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["off"],
         help="train.recompute_norms: RMSNorm outputs recomputed in the backward; both: each is timed",
     )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (train=paper's 512 x 2048 tokens: 64 of 8); tokens/s "
+        "counts them all, and the optimizer's share of the step is reported",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3)
@@ -151,7 +158,7 @@ def step_config(
         "train": {
             "device": device,
             "seq_len": shape[1] - 1,
-            "global_batch_size": shape[0],
+            "global_batch_size": shape[0] * args.accumulate,
             "micro_batch_size": shape[0],
             "max_steps": args.warmup + args.steps + 8,
             "lr": 1e-5,
@@ -236,6 +243,7 @@ def time_trainer_step(
         lambda *_: forward_end.append(torch.cuda.memory_allocated()) if device == "cuda" else None
     )
     step = trainer.train_step
+    optimizer_timer = OptimizerTimer(trainer.optimizer, device)
     try:
         # The first step runs every layer dense (a fresh run's start) and sets each layer's path
         # from its L0; the warm-up compiles what the timed steps run.
@@ -270,9 +278,14 @@ def time_trainer_step(
             times.append(time.perf_counter() - begin)
     finally:
         hook.remove()
+        optimizer_timer.remove()
     hist = trainer.sparsity.last_step_histogram()
-    tokens = ids.numel() - ids.shape[0]  # inputs: each row drops its last id
+    tokens = (ids.numel() - ids.shape[0]) * args.accumulate  # inputs: each row drops its last id
+    record["accumulate"] = args.accumulate
     record["ms_step"] = 1000 * statistics.median(times)
+    # AdamW of the timed steps (the last len(times) optimizer steps), as a share of the step.
+    record["optimizer_ms"] = statistics.median(optimizer_timer.ms()[-len(times) :])
+    record["optimizer_share"] = record["optimizer_ms"] / record["ms_step"]
     record["tokens_per_s"] = tokens / statistics.median(times)
     record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     record["loss_first"], record["loss_last"] = losses[0], losses[-1]
@@ -287,6 +300,41 @@ def time_trainer_step(
     # the tokens with an active unit.
     record["active_token_fraction"] = 1.0 - (hist[:, 0].sum() / hist.sum()).item()
     return record
+
+
+class OptimizerTimer:
+    """The time of each `optimizer.step()` (AdamW), by CUDA events around it (the host clock on a
+    CPU), through the optimizer's step hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: str) -> None:
+        self.on_gpu = device == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self._begin: Any = None
+        self.handles = [
+            optimizer.register_step_pre_hook(lambda *_: self._mark(begin=True)),
+            optimizer.register_step_post_hook(lambda *_: self._mark(begin=False)),
+        ]
+
+    def _mark(self, begin: bool) -> None:
+        if self.on_gpu:
+            now: Any = torch.cuda.Event(enable_timing=True)
+            now.record()
+        else:
+            now = time.perf_counter()
+        if begin:
+            self._begin = now
+        else:
+            self.spans.append((self._begin, now))
+
+    def ms(self) -> list[float]:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self.spans]
+        return [1000 * (b - a) for a, b in self.spans]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def write_memory_snapshot(step: Callable[[], object], out_dir: Path, impl: str) -> None:
@@ -313,7 +361,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# Training step, whole model: {meta['device']}",
         "",
         f"preset `{meta['preset']}`, commit `{meta['commit']}`, {meta['date']}, torch {meta['torch']}, "
-        f"{' and '.join(str(b) for b in micro_batches)} x {meta['seq_len']} tokens per step, median of "
+        f"{' and '.join(str(b) for b in micro_batches)} x {meta['seq_len']} tokens per micro-batch, "
+        f"{meta.get('accumulate', 1)} micro-batch(es) per optimizer step, median of "
         f"{meta['steps']} steps after {meta['warmup']} warm-up, compile={meta['compile']}, "
         + (
             f"weights `{meta['model']}`"
@@ -324,8 +373,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "| micro-batch | recompute norms | ffn_impl | ms/step | tokens/s | vs first | peak GiB | vs first "
         "| at step start GiB | held by forward GiB | L0 | L0 of a layer | sparsity | tokens with an active unit "
-        "| loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| AdamW ms (share) | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = next(
@@ -340,7 +389,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r['peak_mem_gib']:.2f} | {mem_ratio:.2f}x | {r.get('start_mem_gib', float('nan')):.2f} "
             f"| {r.get('forward_held_gib', float('nan')):.2f} | {r['l0_mean']:.1f} | {layer_l0_range(r)} "
             f"| {100 * r['sparsity']:.2f}% "
-            f"| {100 * r['active_token_fraction']:.1f}% | {r['loss_last']:.4f} |"
+            f"| {100 * r['active_token_fraction']:.1f}% "
+            f"| {r['optimizer_ms']:.1f} ({100 * r['optimizer_share']:.1f}%) | {r['loss_last']:.4f} |"
         )
     return "\n".join(lines + pairings_markdown(rows)) + "\n"
 
@@ -403,6 +453,7 @@ def model_step_args(
         steps=steps,
         l1=l1,
         micro_batch=[micro_batch],
+        accumulate=1,
         recompute_norms=["off"],
         profile=None,
         memory_snapshot=None,
@@ -421,7 +472,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "preset": "tiny" if args.tiny else args.preset,
         "model": str(args.model) if args.model else None,
         "tokens": tokens,
-        **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile")},
+        **{
+            k: getattr(args, k)
+            for k in ("micro_batch", "accumulate", "seq_len", "steps", "warmup", "compile")
+        },
         **{k: getattr(args, k) for k in ("sparsify_steps", "sparsify_l1", "l1")},
     }
     rows = []

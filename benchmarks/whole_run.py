@@ -9,6 +9,12 @@ writes the comparison:
     python -m benchmarks.whole_run --impl auto --out-dir $OUT
     python -m benchmarks.whole_run --join dense.json auto.json --json run_1b_h100.json --md run_1b_h100.md
     python -m benchmarks.whole_run --tiny --impl reference --out-dir /tmp/w   # CPU, the script end to end
+    python -m benchmarks.whole_run --impl auto --gpus 2 --out-dir $OUT   # FSDP2 over 2 GPUs
+    python -m benchmarks.whole_run --join dense_2gpu.json auto_2gpu.json --baseline run_1b_h100.json ...
+
+`--gpus N` launches the trainer with `accelerate launch` and configs/accelerate/fsdp2.yaml: each GPU
+takes the 8 x 2048 tokens of one GPU's run, so the global batch is N times larger; the report adds
+tokens/s per GPU and, with `--baseline` (a joined one-GPU comparison), the scaling over one GPU.
 
 The recipe is benchmarks/sparse_weights.py's (the weights every fixed-weight benchmark times):
 800 steps of 8 x 2048 tokens of the embedded corpus, AdamW at 1e-3 after 60 warm-up steps, the L1
@@ -36,10 +42,12 @@ from typing import Any
 from benchmarks import common
 from benchmarks.sparse_weights import heldout_layer_l0
 from sparse_llm.analysis.runs import read_metrics
+from sparse_llm.run_files import EXPORT_DIR
 
 # (steps, micro-batch = global batch, seq_len, model preset, log_every)
 FULL = dict(steps=800, batch=8, seq_len=2048, preset="1b", log_every=20)
 TINY = dict(steps=8, batch=2, seq_len=32, preset="tiny", log_every=4)
+ACCELERATE_FSDP2 = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp2.yaml"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default=None, help="configs/model/<preset>.yaml (default 1b)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="train.seed; not 0: the files are named ..._seed<N>")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="processes (one GPU each); over 1: FSDP2 through accelerate launch, 8 sequences per GPU",
+    )
+    p.add_argument("--port", type=int, default=29500, help="with --gpus > 1: the launcher's rendezvous port")
     p.add_argument("--target-l0", type=float, default=30.0)
     p.add_argument(
         "--early-l0", type=float, default=60.0, help="the early phase ends when L0 first reaches this"
@@ -71,7 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--plot", type=Path, default=None, help="with --join: tokens/s and L0 over the steps (PNG)"
     )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="with --join of multi-GPU runs: the one-GPU comparison (a --join JSON) to scale against",
+    )
     args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus must be >= 1, got {args.gpus}")
     if args.join is None and (args.impl is None or args.out_dir is None):
         p.error("give --impl and --out-dir for a run, or --join DENSE_JSON SPARSE_JSON")
     if args.tiny:
@@ -97,14 +120,15 @@ def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"sparsity.l1_warmup_end={max(1, recipe_steps // 8)}",
         f"train.max_steps={steps}",
         f"train.seq_len={shape['seq_len']}",
-        f"train.global_batch_size={shape['batch']}",
+        f"train.global_batch_size={shape['batch'] * args.gpus}",
         f"train.micro_batch_size={shape['batch']}",
         "train.lr=1e-3",
         f"train.warmup_steps={max(1, (recipe_steps * 3) // 40)}",
         f"train.log_every={shape['log_every']}",
         "train.eval_every=0",
         "train.checkpoint_every=0",
-        "train.export=false",
+        # Sharded runs export the gathered weights, which the held-out L0 reads.
+        f"train.export={str(args.gpus > 1).lower()}",
         "train.progress=false",
         f"train.seed={args.seed}",
     ]
@@ -115,6 +139,15 @@ def recipe(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return overrides + list(args.override)
 
 
+def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The trainer's command line: one process, or FSDP2 over `--gpus` processes."""
+    if args.gpus == 1:
+        return [sys.executable, "-m", "sparse_llm.train", *overrides]
+    launch = ["--config_file", str(ACCELERATE_FSDP2), "--num_processes", str(args.gpus)]
+    launch += ["--main_process_port", str(args.port)]
+    return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "sparse_llm.train", *overrides]
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = args.run_dir or Path(f"/tmp/{run_name(args)}")
     if (run_dir / "metrics.jsonl").exists():
@@ -122,7 +155,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     overrides = recipe(args, run_dir)
     # Hydra's group choices (train=...) come before their keys' overrides.
     overrides.sort(key=lambda o: "." in o.split("=")[0])
-    command = [sys.executable, "-m", "sparse_llm.train", *overrides]
+    command = train_command(args, overrides)
     print(" ".join(command), flush=True)
     start = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -130,13 +163,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     records = [r for r in read_metrics(run_dir) if "elapsed_s" in r]
     config = _read_yaml(run_dir / "config.yaml")
     seq_len = int(config["train"]["seq_len"])
-    layer_l0 = heldout_layer_l0(run_dir, rows=16, seq_len=seq_len)
+    weights = run_dir / EXPORT_DIR if (run_dir / EXPORT_DIR).is_dir() else run_dir
+    layer_l0 = heldout_layer_l0(weights, rows=16, seq_len=seq_len)
     summary = summarize(
         records, args.early_l0, args.steady_steps, int(config["train"]["global_batch_size"]) * seq_len
     )
     summary.update(
         impl=args.impl,
         seed=args.seed,
+        gpus=args.gpus,
+        steady_tokens_per_s_per_gpu=summary["steady_tokens_per_s"] / args.gpus,
         preset=config["model"].get("name", args.preset),
         process_s=process_s,
         heldout_l0=sum(layer_l0) / len(layer_l0),
@@ -158,7 +194,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             for r in records
         ],
     )
-    meta = common.run_meta(common.bench_device())
+    meta = common.run_meta(common.bench_device(), world_size=args.gpus)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{run_name(args)}.json"
     path.write_text(json.dumps({"meta": meta, "results": [summary]}, indent=1) + "\n")
@@ -169,7 +205,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_name(args: argparse.Namespace) -> str:
-    return f"whole_run_{args.impl}" + (f"_seed{args.seed}" if args.seed else "")
+    """whole_run_<impl>[_<preset>][_<N>gpu][_seed<S>]: the 1b preset on one GPU, seed 0 unmarked."""
+    preset = args.preset or (TINY if args.tiny else FULL)["preset"]
+    return (
+        f"whole_run_{args.impl}"
+        + (f"_{preset}" if preset not in ("1b", "tiny") else "")
+        + (f"_{args.gpus}gpu" if args.gpus > 1 else "")
+        + (f"_seed{args.seed}" if args.seed else "")
+    )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -253,9 +296,13 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["recompiles"] = max(p["recompiles"] or 0 for p in pairs)
     result["pairs"] = pairs
+    if args.baseline is not None:
+        result["scaling"] = scaling(pairs, json.loads(args.baseline.read_text())["results"][0]["pairs"])
     if args.plot:
         plot(pairs[0]["dense"], pairs[0]["sparse"], args.plot)
     text = "\n".join(markdown(p, m) for p, m in zip(pairs, metas, strict=True))
+    if "scaling" in result:
+        text += scaling_markdown(result["scaling"], args.baseline)
     if len(pairs) > 1:
         text += (
             "\nMedian over the pairs: "
@@ -264,6 +311,45 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
         )
     common.write_report(text, {"pairs": metas}, [result], args.json, args.md)
     return result
+
+
+def scaling(pairs: list[dict[str, Any]], one_gpu_pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Multi-GPU runs against one GPU's (medians over each side's pairs): steady tokens/s over one
+    GPU's, per implementation, and the sparse/dense steady ratio on each side."""
+
+    def steady(side: list[dict[str, Any]], impl: str) -> float:
+        return statistics.median(p[impl]["steady_tokens_per_s"] for p in side)
+
+    gpus = pairs[0]["sparse"].get("gpus", 1)
+    result: dict[str, Any] = {"gpus": gpus}
+    for impl in ("dense", "sparse"):
+        result[f"{impl}_scaling"] = steady(pairs, impl) / steady(one_gpu_pairs, impl)
+        result[f"{impl}_tokens_per_s_per_gpu"] = steady(pairs, impl) / gpus
+        result[f"{impl}_tokens_per_s_one_gpu"] = steady(one_gpu_pairs, impl)
+    result["steady_speedup"] = statistics.median(p["steady_speedup"] for p in pairs)
+    result["steady_speedup_one_gpu"] = statistics.median(p["steady_speedup"] for p in one_gpu_pairs)
+    result["steady_speedup_change"] = result["steady_speedup"] - result["steady_speedup_one_gpu"]
+    return result
+
+
+def scaling_markdown(s: dict[str, Any], baseline: Path) -> str:
+    return "\n".join(
+        [
+            "",
+            f"Against one GPU (`{baseline.name}`, steady tokens/s, medians over its pairs):",
+            "",
+            f"| | one GPU, tokens/s | {s['gpus']} GPUs, tokens/s per GPU | scaling over one GPU |",
+            "|---|---|---|---|",
+            *(
+                f"| {name} | {s[f'{impl}_tokens_per_s_one_gpu']:.0f} | {s[f'{impl}_tokens_per_s_per_gpu']:.0f} "
+                f"| **{s[f'{impl}_scaling']:.3f}x** |"
+                for name, impl in (("dense", "dense"), ("sparse", "sparse"))
+            ),
+            f"| sparse/dense steady ratio | {s['steady_speedup_one_gpu']:.3f}x | {s['steady_speedup']:.3f}x "
+            f"| change **{s['steady_speedup_change']:+.3f}** |",
+            "",
+        ]
+    )
 
 
 def _load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -291,7 +377,8 @@ TABLE_ROWS = (
         False,
     ),
     ("tokens/s, steady (the last steps)", "steady_tokens_per_s", ".0f", "steady_speedup", ".3f", True),
-    ("the run's peak memory, GiB", "peak_mem_gib", ".2f", "run_peak_mem_ratio", ".3f", True),
+    ("tokens/s per GPU, steady", "steady_tokens_per_s_per_gpu", ".0f", "", "", False),
+    ("the run's peak memory (per GPU), GiB", "peak_mem_gib", ".2f", "run_peak_mem_ratio", ".3f", True),
     ("graphs compiled", "graphs", ".0f", "", "", False),
     ("graphs compiled after the first step", "recompiles", ".0f", "", "", False),
     ("fallback flips", "flips", ".0f", "", "", False),
@@ -315,7 +402,8 @@ def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"# A whole training run, dense FFN against `{s['impl']}`, seed {s.get('seed', 0)}: {sm.get('device')}",
         "",
-        f"preset `{s['preset']}`, from initialisation to a target L0, {s['steps']} steps; dense run: commit "
+        f"preset `{s['preset']}`, {_gpus_text(s.get('gpus', 1))}, from initialisation to a target L0, "
+        f"{s['steps']} steps; dense run: commit "
         f"`{dm.get('commit')}`, {dm.get('date')}; {s['impl']} run: commit `{sm.get('commit')}`, {sm.get('date')}; "
         f"torch {sm.get('torch')}. Ratios: dense time / sparse time, sparse memory / dense memory, "
         "sparse loss / dense loss. Each run is `python -m sparse_llm.train` with "
@@ -326,6 +414,10 @@ def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
         *(f"| {name} | {a} | {b} | {c} |" for name, a, b, c in rows),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _gpus_text(gpus: int) -> str:
+    return "one GPU" if gpus == 1 else f"{gpus} GPUs (FSDP2, 8 sequences per GPU a step)"
 
 
 def plot(dense: dict[str, Any], sparse: dict[str, Any], path: Path) -> None:

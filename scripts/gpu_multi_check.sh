@@ -9,6 +9,9 @@
 #                whole job once step FSDP_KILL_AFTER is logged, resume with train.resume=auto, and
 #                compare the resumed losses with the ones logged before the kill (and, with
 #                FSDP_REFERENCE=1, with an uninterrupted run); checks the Hugging Face export.
+#                FSDP_KERNELS=1: the CUDA training kernels on every layer and the L1 controller
+#                (per layer, target L0 30), and the killed run also resumed in ONE process without
+#                FSDP2 (DCP loads the shards whole), compared with the uninterrupted 2-process run.
 #   scaling      the 1b preset compiled in bf16, 8 x 2048 tokens per GPU per step (bench_1b):
 #                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
 #                SCALE_EXTRA: overrides of every scaling run (e.g. data.prefetch=2);
@@ -21,7 +24,7 @@
 # Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling
 # Env: DEADLINE (seconds for the whole script; a run that would not fit is skipped), MATCH_STEPS,
 #      SCALE_STEPS, SCALE_SKIP (warm-up windows dropped), FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER,
-#      FSDP_REFERENCE=1, MATCH_FP32=1, WHEELS (wheel directory, default .whl), GIT_COMMIT.
+#      FSDP_REFERENCE=1, FSDP_KERNELS=1, MATCH_FP32=1, WHEELS (wheel directory, default .whl), GIT_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -136,9 +139,17 @@ FSDP="model=1b train.seq_len=2048 train.global_batch_size=8 train.micro_batch_si
 train.lr=1e-3 train.warmup_steps=2 train.log_every=1 train.eval_every=0 train.eval_batches=2 \
 train.checkpoint_every=$FSDP_CKPT train.keep_last=2 train.export=true train.precision=bf16 \
 train.compile=${FSDP_COMPILE:-false} sparsity=paper sparsity.l1_coeff=2e-5 sparsity.l1_warmup_end=0"
+# The kernels from the first step and the per-layer controller moving every step.
+FSDP_KERNELS_ARGS="model.ffn_impl=cuda model.ffn_dense_above=1.0 sparsity=target sparsity.target_sparsity=null \
+sparsity.target_l0=30 sparsity.l1_coeff=1e-3 sparsity.l1_warmup_end=2 sparsity.controller.per_layer=true"
+[ "${FSDP_KERNELS:-0}" = 1 ] && FSDP="$FSDP $FSDP_KERNELS_ARGS"
+RESUME_KEYS="loss,ce,l1,grad_norm,l1_coeff,l1_coeff/layer_00,l1_coeff/layer_17"
 
 fsdp_resume() {
   fits 200 fsdp_resume || return 0
+  if [ "${FSDP_KERNELS:-0}" = 1 ] && [ -n "${BUILD_PID:-}" ]; then
+    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"; BUILD_PID=
+  fi
   local dir=$RUNS/fsdp_killed
   local log=$WORK/logs/fsdp_killed.log
   echo "== fsdp_killed ($(date -u +%H:%M:%S)): kill -9 after step $FSDP_KILL_AFTER" | tee -a "$WORK/logs/commands.log"
@@ -164,18 +175,30 @@ EOF
   echo "   killed at $(date -u +%H:%M:%S); checkpoints: $(ls -a "$dir/checkpoints" | tr '\n' ' ')" | tee -a "$log"
   # The losses logged before the kill, as a run directory of their own for compare_losses.py.
   mkdir -p "$RUNS/fsdp_prekill" && cp "$dir/metrics.jsonl" "$RUNS/fsdp_prekill/metrics.jsonl"
+  local keys=loss,ce,l1,grad_norm
+  if [ "${FSDP_KERNELS:-0}" = 1 ]; then
+    keys=$RESUME_KEYS
+    cp -r "$dir" "${dir}_1proc"  # the same crash, resumed on one process below
+  fi
   run_limited 300 fsdp_resumed $(launch fsdp2 $FSDP run_dir=$dir train.resume=auto) || return 1
   local resumed_at
   resumed_at=$(grep -ho "at step [0-9]*" "$WORK/logs/fsdp_resumed.log" | head -n 1 | awk '{print $3}')
   echo "   resumed at step ${resumed_at:-?}"
   # Steps after the checkpoint: logged before the kill, and again by the resumed run.
   python3 scripts/compare_losses.py "$RUNS/fsdp_prekill" "$dir" --labels before_kill,resumed \
-    --keys loss,ce,l1,grad_norm --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
+    --keys $keys --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
     | tail -n 8
+  if [ "${FSDP_KERNELS:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=0 run_limited 300 fsdp_resumed_1proc $(one $FSDP run_dir=${dir}_1proc train.resume=auto) || return 1
+  fi
   if [ "${FSDP_REFERENCE:-0}" = 1 ] && fits 150 fsdp_straight; then
     run_limited 300 fsdp_straight $(launch fsdp2 $FSDP run_dir=$RUNS/fsdp_straight) \
       && python3 scripts/compare_losses.py $RUNS/fsdp_straight "$dir" --labels straight,killed_resumed \
-        --keys loss,ce,l1,val_loss --json "$WORK/results/fsdp_resume_vs_straight.json" 2>&1 | tail -n 4
+        --keys $keys,val_loss --json "$WORK/results/fsdp_resume_vs_straight.json" 2>&1 | tail -n 4
+    # Across process counts: the one-process resume against the uninterrupted two-process run.
+    [ -d "${dir}_1proc" ] && python3 scripts/compare_losses.py $RUNS/fsdp_straight "${dir}_1proc" \
+      --labels straight_2proc,resumed_1proc --keys $keys,val_loss --min-step $((${resumed_at:-0} + 1)) \
+      --json "$WORK/results/fsdp_resume_1proc_vs_straight.json" 2>&1 | tail -n 4
   fi
   # The export gathered from the shards: every weight of a transformers Llama, with its shape.
   python3 - "$dir/export" "$WORK/results/fsdp_export.json" <<'EOF' 2>&1 | tail -n 3
@@ -236,7 +259,7 @@ EOF
 
 cuda_ffn() {
   if [ -n "${BUILD_PID:-}" ]; then
-    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"
+    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"; BUILD_PID=
   fi
   local cuda="model.ffn_impl=cuda model.ffn_dense_above=1.0"
   # The dense twin of cuda_ddp is ddp_match's DDP run.
@@ -260,7 +283,7 @@ cuda_ffn() {
 for part in "$@"; do
   case "$part" in ddp_match | fsdp_resume | scaling | cuda_ffn) ;; *) echo "unknown part $part"; exit 2 ;; esac
 done
-if [[ " $* " == *" cuda_ffn "* ]]; then  # CPU work: overlaps the GPU runs of the other parts
+if [[ " $* " == *" cuda_ffn "* ]] || [ "${FSDP_KERNELS:-0}" = 1 ]; then  # CPU work: overlaps the GPU runs of the other parts
   python3 -m sparse_llm.ops.build >"$WORK/logs/ops_build.log" 2>&1 &
   BUILD_PID=$!
 fi

@@ -4,6 +4,10 @@
 # built into build/extensions (kept on a warm machine between calls) while a dense run goes.
 # Results under $OUT: whole_run_<impl>.json, the run's log, layer_ffn.* and gpu_tests.log.
 # Env: IMPL (dense | auto, default auto; several: one run each), SEED (train.seed, default 0),
+# PRESET (model preset, default 1b), GPUS (processes, one GPU each; over 1: FSDP2, default 1),
+# SIDE_BY_SIDE=1 (one-GPU runs: the IMPLs at the same time, one per GPU of the machine),
+# PAPER_BATCH=1 (benchmarks/model_step.py with 64 micro-batches of 8 a step, train=paper's 512 x 2048
+# tokens, dense against cuda on the last run's final weights),
 # MEMORY_RANGES (e.g. "2:3 30:33": first a 40-step run of MEMORY_IMPL (default auto) that writes the blocks alive
 # at the peak of each step range, benchmarks/memory_peak.py), LAYER_FFN=1 (benchmarks/layer_ffn.py on the run's final
 # weights), MODEL_STEP=1 (benchmarks/model_step.py on them: the trainer's step on fixed weights), TESTS (pytest paths of GPU tests to run after; empty: none), TEST_TIMEOUT (s, default
@@ -37,13 +41,28 @@ if [ -n "${MEMORY_RANGES:-}" ]; then
     --steady-steps 20 --run-dir /tmp/memory_run/run --override "callbacks=[$entries]" >"$OUT/memory_run.log" 2>&1 || status=1
   head -n 3 "$OUT"/memory_peak_steps_*.txt
 fi
+PRESET=${PRESET:-1b}
+GPUS=${GPUS:-1}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast off
+gpu=0
 for impl in $IMPL; do
-  step "whole run: $impl, seed $SEED"
-  name=whole_run_$impl$([ "$SEED" = 0 ] || echo "_seed$SEED")
-  python3 -m benchmarks.whole_run --impl "$impl" --seed "$SEED" --out-dir "$OUT" --run-dir "/tmp/$name" \
-    >"$OUT/$name.log" 2>&1 || status=1
-  grep -v -e Warning -e warn "$OUT/$name.log" | tail -n 3
+  step "whole run: $impl, preset $PRESET, $GPUS GPU(s), seed $SEED"
+  name=whole_run_$impl$([ "$PRESET" = 1b ] || echo "_$PRESET")$([ "$GPUS" = 1 ] || echo "_${GPUS}gpu")
+  name=$name$([ "$SEED" = 0 ] || echo "_seed$SEED")
+  run=(python3 -m benchmarks.whole_run --impl "$impl" --seed "$SEED" --preset "$PRESET" --gpus "$GPUS"
+    --out-dir "$OUT" --run-dir "/tmp/$name")
+  if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=$gpu "${run[@]}" >"$OUT/$name.log" 2>&1 &
+    gpu=$((gpu + 1))
+  else
+    "${run[@]}" >"$OUT/$name.log" 2>&1 || status=1
+    grep -v -e Warning -e warn "$OUT/$name.log" | tail -n 3
+  fi
 done
+if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+  for job in $(jobs -p); do [ "$job" = "$build" ] || wait "$job" || status=1; done
+  for impl in $IMPL; do tail -n 2 "$OUT"/whole_run_"$impl"*.log; done
+fi
 wait $build || { tail -n 30 "$OUT/build.log"; status=1; }
 
 if [ "${LAYER_FFN:-0}" = 1 ]; then
@@ -55,6 +74,12 @@ if [ "${MODEL_STEP:-0}" = 1 ]; then
   step "model_step on the run's weights (the trainer's step, dense against cuda)"
   python3 -m benchmarks.model_step --model "/tmp/$name" --compile --steps 10 --warmup 3 \
     --json "$OUT/model_step.json" --md "$OUT/model_step.md" 2>&1 | grep -v Warning | tail -n 6 || status=1
+fi
+if [ "${PAPER_BATCH:-0}" = 1 ]; then
+  step "the paper's batch (64 x 8 x 2048 tokens a step) on the run's final weights"
+  weights=/tmp/$name; [ -d "$weights/export" ] && weights=$weights/export
+  python3 -m benchmarks.model_step --model "$weights" --compile --accumulate 64 --steps 2 --warmup 0 \
+    --json "$OUT/paper_batch.json" --md "$OUT/paper_batch.md" 2>&1 | grep -v Warning | tail -n 6 || status=1
 fi
 if [ -n "${TESTS:-}" ]; then
   step "pytest -m gpu"

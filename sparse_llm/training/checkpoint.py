@@ -15,7 +15,8 @@ safetensors for weights, `torch.load(weights_only=True)` for the optimizer.
 A sharded model (FSDP2: DTensor parameters) is saved instead as `sharded/`, a
 torch.distributed.checkpoint (DCP) directory of model and optimizer shards written by every rank
 (`save_sharded_state`, collective) in place of model.safetensors and optimizer.pt. DCP reshards on
-load, so it resumes on any number of processes; `consolidate_sharded` turns it into one full
+load, so it resumes under FSDP2 on any number of processes, or in one process without FSDP2;
+`consolidate_sharded` turns it into one full
 model state dict offline, in a single process (for a Hugging Face export).
 """
 
@@ -27,6 +28,7 @@ import logging
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,9 @@ def load_sharded_state(directory: Path, model: nn.Module, optimizer: torch.optim
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    with warnings.catch_warnings():  # one process without a process group: loading whole is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -312,13 +316,14 @@ def save_training_state(
 def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
     """Load the checkpoint at `path` into `parts` (collective under FSDP2); returns it for the
     trainer's own counters (step, tokens_seen, the world size it was written by)."""
-    if (path / SHARDED_DIR).is_dir() != parts.sharded:
+    saved_sharded = (path / SHARDED_DIR).is_dir()
+    if parts.sharded and not saved_sharded:
         raise CheckpointError(
-            f"{path} is {'' if not parts.sharded else 'not '}sharded and this run is "
-            f"{'' if parts.sharded else 'not '}(FSDP2 checkpoints resume under FSDP2 only)"
+            f"{path} is not sharded and this run is (FSDP2): a one-process or DDP checkpoint resumes "
+            "without FSDP2"
         )
     ckpt = load_checkpoint(path)
-    if parts.sharded:
+    if saved_sharded:  # DCP reshards: into FSDP2 shards of any count, or whole into one process
         load_sharded_state(path / SHARDED_DIR, parts.model, parts.optimizer)
     else:
         load_model_state(parts.model, ckpt.model)

@@ -26,3 +26,16 @@ def test_the_trainers_step_with_and_without_its_fallback():
     assert every_layer_sparse["cuda"]["dense_fallback_layers"] == 0
     assert ran_label(with_rule["cuda"]) == f"{with_rule['cuda']['train_ffn']}, 2 layers dense"
     assert ran_label(every_layer_sparse["cuda"]) == every_layer_sparse["cuda"]["train_ffn"]
+
+
+@pytest.mark.slow
+def test_accumulated_steps_count_every_micro_batch_and_time_the_optimizer():
+    one, four = (
+        {r["impl"]: r for r in main([*TINY_ARGS, "--impls", "dense", "--accumulate", str(n)])}["dense"]
+        for n in (1, 4)
+    )
+    assert (one["accumulate"], four["accumulate"]) == (1, 4)
+    # Four micro-batches a step: four times the tokens of one, over the step's median time.
+    assert four["tokens_per_s"] * four["ms_step"] == pytest.approx(4 * one["tokens_per_s"] * one["ms_step"])
+    assert 0 < four["optimizer_ms"] < four["ms_step"] and 0 < four["optimizer_share"] < 1
+    assert four["optimizer_share"] < one["optimizer_share"]  # AdamW once per four forwards and backwards

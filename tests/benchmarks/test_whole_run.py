@@ -4,10 +4,11 @@ metrics.jsonl, and the joined comparison."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from benchmarks.whole_run import main, summarize
+from benchmarks.whole_run import main, parse_args, recipe, run_name, scaling, summarize, train_command
 
 
 def test_summarize_reads_phases_from_the_timed_records():
@@ -75,3 +76,37 @@ def test_two_tiny_runs_and_their_comparison(tmp_path):
     assert result["final_loss_ratio"] == pytest.approx(1.0, rel=1e-4)
     assert "wall clock after the first step" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_multi_gpu_runs_launch_fsdp2_with_one_gpus_batch_on_each():
+    args = parse_args(["--impl", "auto", "--gpus", "2", "--out-dir", "/tmp/x", "--preset", "2b"])
+    overrides = recipe(args, Path("/tmp/run"))
+    assert "train.global_batch_size=16" in overrides and "train.micro_batch_size=8" in overrides
+    assert "train.export=true" in overrides  # the gathered weights, for the held-out L0
+    command = train_command(args, overrides)
+    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    config = Path(command[command.index("--config_file") + 1])
+    assert config.is_file() and config.name == "fsdp2.yaml"
+    assert command[command.index("--num_processes") + 1] == "2"
+    assert run_name(args) == "whole_run_auto_2b_2gpu"
+    one = parse_args(["--impl", "dense", "--out-dir", "/tmp/x"])
+    assert train_command(one, [])[1:] == ["-m", "sparse_llm.train"] and run_name(one) == "whole_run_dense"
+
+
+def test_scaling_against_one_gpu_uses_the_medians_of_each_side():
+    def pair(dense: float, sparse: float, gpus: int) -> dict:
+        return {
+            "dense": {"steady_tokens_per_s": dense, "gpus": gpus},
+            "sparse": {"steady_tokens_per_s": sparse, "gpus": gpus},
+            "steady_speedup": sparse / dense,
+        }
+
+    one_gpu = [pair(70.0, 84.0, 1), pair(74.0, 86.0, 1)]
+    got = scaling([pair(140.0, 160.0, 2)], one_gpu)
+    assert got["gpus"] == 2
+    assert got["dense_scaling"] == pytest.approx(140 / 72) and got["sparse_scaling"] == pytest.approx(
+        160 / 85
+    )
+    assert got["sparse_tokens_per_s_per_gpu"] == 80.0
+    assert got["steady_speedup_one_gpu"] == pytest.approx((84 / 70 + 86 / 74) / 2)
+    assert got["steady_speedup_change"] == pytest.approx(160 / 140 - got["steady_speedup_one_gpu"])

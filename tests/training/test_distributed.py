@@ -586,6 +586,17 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
     resumed_export = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
     for name, tensor in exported.items():
         assert torch.equal(resumed_export[name], tensor), name
+    # The sharded checkpoint resumes in one process without FSDP2 (DCP loads the shards whole):
+    # the steps of the uninterrupted 2-process run, to the round-off of one process against two.
+    source = tmp_path / "straight" / "checkpoints" / f"step_{KILL_AT:08d}"
+    shutil.copytree(source, tmp_path / "one_process" / "checkpoints" / source.name)
+    resumed_alone = record_run(fsdp2_run_config(tmp_path / "one_process", resume="auto"))
+    straight = ranks[0]["straight"]
+    for r1, r2 in zip(resumed_alone["steps"], straight["steps"][KILL_AT:], strict=True):
+        for key in ("ce", "l1", "loss", "val_loss"):
+            if key in r2:
+                assert _close(r1[key], r2[key]), (r2["step"], key, r1[key], r2[key])
+    assert resumed_alone["data_state"] == straight["data_state"]
 
 
 if __name__ == "__main__":

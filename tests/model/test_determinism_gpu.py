@@ -1,0 +1,47 @@
+"""GPU: a training step's gradients are the same bits every time it runs on the same weights and
+batch, dense or on the kernels, at a fresh model's density and at a sparse one. A bitwise resume
+(kill -9, resume from the checkpoint) needs nothing less."""
+
+import pytest
+import torch
+from ffn_patterns import needs_hopper
+
+from sparse_llm.config import ModelConfig
+from sparse_llm.model import build_model
+from sparse_llm.sparsity import l1_penalty
+
+
+def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids, labels=ids, with_stats=True)
+        loss = out.loss + 1e-3 * l1_penalty(out.ffn_stats)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("ffn_impl", ["dense", "cuda"])
+@pytest.mark.parametrize("live_units", [None, 24], ids=["fresh", "sparse"])
+def test_training_step_gradients_are_bitwise_reproducible(ffn_impl, live_units):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        ffn_impl=ffn_impl,
+        ffn_dense_above=1.0,
+    )
+    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16)
+    model.set_ffn_dense_fallback([False] * cfg.num_hidden_layers)
+    if live_units is not None:  # the rest of the units dead: ~12 active a token, hot units
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate_proj.weight[live_units:] = 0
+    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    first, second = _gradients(model, ids), _gradients(model, ids)
+    differing = [name for name, grad in first.items() if not torch.equal(grad, second[name])]
+    assert not differing, differing
