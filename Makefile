@@ -58,8 +58,10 @@ sweep-summary: setup
 kernels: setup
 	PYTHON=$(PYTHON) bash scripts/compile_kernels.sh
 
+# The GPU checks (scripts/gpu_check.sh, its header lists the parts): by default the kernel tests,
+# the memcheck and the FFN benchmarks; ARGS picks parts, e.g. make gpu-check ARGS="whole_run".
 gpu-check:
-	bash scripts/gpu_check.sh
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf .make build *.egg-info .pytest_cache .ruff_cache
