@@ -19,7 +19,7 @@ The defaults are optimistic for an H100 or H200: 800 TFLOP/s is above what cuBLA
 gate GEMM (~750), 7 TB/s above the measured L2 gather rate of the sparse up/down (~5), and 1.4 is
 the measured reuse within 64-row blocks. Time over the bound is what any kernel of this design
 can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
-sets the rates our kernels reach on an H100 instead (docs/notes/kernels_log.md, session 15).
+sets the rates our kernels reach on an H100 instead (measured with the 5194881 kernels; docs/kernels.md).
 
     python -m benchmarks.ffn_bound --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md
@@ -54,7 +54,7 @@ class Rates:
         return self.activation_gather_bytes or self.gather_bytes
 
 
-# What our kernels reach on an H100 at 30 non-zeros, M = 16384 (session 15): cuBLAS's gate GEMM 378
+# What our kernels reach on an H100 at 30 non-zeros, M = 16384 (5194881): cuBLAS's gate GEMM 378
 # GFLOP in 0.488 ms; the light up/down and the per-row backward gather weight rows at 5.0-6.2 TB/s; the
 # per-unit kernels gather x and grad_y rows at ~4.7 TB/s; no reuse across rows.
 MEASURED_H100 = Rates(gemm_flops=775e12, gather_bytes=5.5e12, reuse=1.0, activation_gather_bytes=4.7e12)

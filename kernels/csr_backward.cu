@@ -20,8 +20,8 @@ constexpr int kDotLoads = 8;   // 16-byte wd_t loads in flight per lane
 constexpr int kDxUnroll = 2;   // entries in flight per thread (two weight rows each)
 // One warp per unit and 256-column slice: the CTAs running at once all work on the same slice
 // (units vary fastest in the grid), so the slices of x and grad_y they gather rows from (16 MiB
-// at 16384 tokens and D = 2048) stay in L2. 128 threads (1024 columns) was 8% slower at 65536
-// tokens on an H100 (benchmarks/results/ffn_train_units_ab_h100.md).
+// at 16384 tokens and D = 2048) stay in L2. 128 threads (1024 columns) was 7.6-8.4% slower at
+// 65536 tokens on an H100, and 64 threads no faster (one-call A/B at 4fc1555; docs/kernels.md).
 constexpr int kUnitThreads = 32;
 constexpr int kUnitCols = kUnitThreads * kChunk;  // columns of one units-kernel CTA
 constexpr int kUnitUnroll = 4;                    // entries in flight per thread

@@ -328,8 +328,9 @@ class StaticDecoder:
         model.prepare_inference()  # derived weights (Wd^T, [Wq; Wk; Wv]) made before any trace or capture
         # `compile`: the step's forward through Inductor, once per batch size and cache length (on
         # the first, uncaptured warm-up step), then captured: RMSNorm, RoPE, the residual adds and
-        # casts fuse into a few kernels a layer, where eager runs ~40 small ones (most of a dense
-        # 1b decode step at batch 1 on an H100: benchmarks/results/archive/decode_step_profile_dense_h100.txt).
+        # casts fuse into a few kernels a layer, where eager runs ~40 small ones (~1.4 of the ~2.45 ms
+        # of a captured dense 1b decode step at batch 1 on an H100, 4368863; compiling took the step
+        # from 2.37 to 1.74 ms at 37b96fc: docs/benchmarks.md).
         self.forward = (
             torch.compile(model.decode_step, dynamic=False, fullgraph=True) if compile else model.decode_step
         )

@@ -20,7 +20,8 @@ torch.compile) would otherwise keep the bf16 casts from the forward to the backw
 Under torch.compile the partitioner chooses from the whole graph what to keep; the active rows
 come out of the FFN's custom op (its `keep` input), which it cannot move into the backward, so it
 keeps them and the layer's output (the next layer's input) rather than the block's whole input
-and the FFN's output (checked on the AOT graph of a CPU model; docs/notes/kernels_log.md).
+and the FFN's output (checked on the AOT graph of a CPU model with TORCH_LOGS=aot_graphs; kept by
+tests/model/test_model.py::test_compiled_sparse_training_step_keeps_one_token_sized_residual_per_layer).
 """
 
 from __future__ import annotations

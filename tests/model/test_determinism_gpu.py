@@ -35,7 +35,7 @@ def test_training_step_gradients_are_bitwise_reproducible(ffn_impl, live_units):
         ffn_impl=ffn_impl,
         ffn_dense_above=1.0,
     )
-    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16)
+    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16).cuda()
     model.set_ffn_dense_fallback([False] * cfg.num_hidden_layers)
     if live_units is not None:  # the rest of the units dead: ~12 active a token, hot units
         with torch.no_grad():
