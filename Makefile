@@ -39,7 +39,7 @@ lint: setup
 	$(PYTHON) -m ruff format --check sparse_llm scripts benchmarks tests
 
 bench: setup
-	$(PYTHON) benchmarks/ffn.py $(ARGS)
+	$(PYTHON) -m benchmarks.ffn $(ARGS)
 
 # The headline figures in one GPU call (benchmarks/headline.py): dense vs sparse on 1b weights at
 # L0 ~30 (training step, peak memory, prefill, decode, the FFN op). MODEL=<run dir> times weights
@@ -47,7 +47,7 @@ bench: setup
 # all of it fits 10 minutes. Writes headline_<gpu>.json/.md into $OUT (the device tool's folder)
 # or benchmarks/results. Like gpu-check, no setup step: a GPU machine has its packages.
 bench-headline:
-	bash -c 'source scripts/device_env.sh && $(PYTHON) benchmarks/headline.py \
+	bash -c 'source scripts/device_env.sh && $(PYTHON) -m benchmarks.headline \
 		--out-dir "$(or $(OUT),benchmarks/results)" $(if $(MODEL),--model $(MODEL),--quick) $(ARGS)'
 
 # Summarise an L1 sweep (hydra multirun): make sweep-summary SWEEP=runs/sweeps/<date>
@@ -58,8 +58,10 @@ sweep-summary: setup
 kernels: setup
 	PYTHON=$(PYTHON) bash scripts/compile_kernels.sh
 
+# The GPU checks (scripts/gpu_check.sh, its header lists the parts): by default the kernel tests,
+# the memcheck and the FFN benchmarks; ARGS picks parts, e.g. make gpu-check ARGS="whole_run".
 gpu-check:
-	bash scripts/gpu_check.sh
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf .make build *.egg-info .pytest_cache .ruff_cache

@@ -1,2 +1,2 @@
-"""The benchmark scripts, run from the repository root: `python benchmarks/<name>.py` or
-`python -m benchmarks.<name>`. What they share is in benchmarks/common.py."""
+"""The benchmark scripts, each a module run from the repository root: `python -m benchmarks.<name>`.
+What they share is in benchmarks/common.py."""

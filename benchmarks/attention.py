@@ -4,23 +4,19 @@ for `attn_impl=sdpa` (the `default` row) the fastest one on this GPU and torch v
 Causal bf16 attention, median of CUDA-event timings: the training shape (forward + backward) and
 the prefill shape (forward) of the 1b preset by default. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/attention.py --json attn.json --md attn.md
+    python -m benchmarks.attention --json attn.json --md attn.md
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import median_ms, write_report
-from sparse_llm.training.run_info import collect_run_info
+from benchmarks import common
 
 BACKENDS = {
     "default": None,  # PyTorch's own choice: what attn_impl=sdpa runs
@@ -31,14 +27,12 @@ BACKENDS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--train-shape", type=int, nargs=2, default=[8, 2048], metavar=("BATCH", "SEQ"))
     p.add_argument("--prefill-shape", type=int, nargs=2, default=[64, 1920], metavar=("BATCH", "SEQ"))
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--md", type=Path)
     return p.parse_args(argv)
 
 
@@ -57,18 +51,16 @@ def measure(backend, batch: int, seq: int, args: argparse.Namespace, backward: b
 
     try:
         if backend is None:
-            return median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
+            return common.median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
         with sdpa_kernel(backend):
-            return median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
+            return common.median_ms(call, torch.device("cuda"), warmup=3, reps=args.reps)
     except RuntimeError as err:
         return f"unavailable ({str(err).strip().splitlines()[0][:80]})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    common.require_cuda("benchmarks.attention")
     cases = [("train fwd+bwd", *args.train_shape, True), ("prefill fwd", *args.prefill_shape, False)]
     rows = []
     for name, batch, seq, backward in cases:
@@ -80,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"ms": ms, "tflops": flops / ms / 1e9} if isinstance(ms, float) else {"error": ms}
             rows.append(row)
             print(row, file=sys.stderr)
-    meta = collect_run_info(torch.device("cuda"), world_size=1) | {
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-    }
+    meta = common.run_meta("cuda", heads=args.heads, head_dim=args.head_dim)
     lines = [
         f"# SDPA backends, causal bf16: {meta['device']}",
         "",
@@ -101,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             figures = f"{row['error']} | | "
         lines.append(f"| {row['case']} | {row['batch']} x {row['seq']} | {row['backend']} | {figures} |")
-    write_report("\n".join(lines) + "\n", meta, rows, args.json, args.md)
+    common.write_report("\n".join(lines) + "\n", meta, rows, args.json, args.md)
     return 0
 
 

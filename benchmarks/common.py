@@ -1,18 +1,20 @@
-"""What the benchmark scripts share, and no library code needs: the synthetic FFN workload, weights
-made sparse by a short high-L1 training run, the median time of a call, the kernel table (and GPU
-idle) of one profiled call, where the memory peak of a recorded call comes from, and the report files.
+"""What the benchmark scripts share, and no library code needs: their command line, device and
+report (parser, --json / --md, meta, the files), the synthetic FFN workload, the weights they time
+(loaded, freshly initialised or made sparse by a short high-L1 training run), the median time of a
+call, the kernel table (and GPU idle) of one profiled call, and where the memory peak of a recorded
+call comes from.
 
-Every script runs from the repository root as `python benchmarks/<name>.py ...` or
-`python -m benchmarks.<name> ...`.
+Every script is a module, run from the repository root as `python -m benchmarks.<name> ...`.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,57 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# The model of the scripts' --tiny runs on a CPU (the rest of ModelConfig: its defaults).
+TINY_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
+# ---- the command line, device and report of every script -----------------------------------------
+def script_parser(doc: str | None, report: bool = True) -> argparse.ArgumentParser:
+    """A script's parser, its module docstring as the help text; with `report`, --json and --md
+    (where `write_report` writes the rows with the meta, and the Markdown)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if report:
+        p.add_argument("--json", type=Path, default=None, help="write the meta and rows here as JSON")
+        p.add_argument("--md", type=Path, default=None, help="write the Markdown report here")
+    return p
+
+
+def bench_device(cpu: bool = False) -> torch.device:
+    """Where a script measures: the GPU where there is one, the CPU when `cpu` asks (a --tiny run)."""
+    return torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+
+
+def require_cuda(what: str, kernels: bool = False) -> torch.device:
+    """The GPU `what` measures on; exits with the reason where there is none or, with `kernels`,
+    where the CUDA kernels cannot run."""
+    from sparse_llm.ops.select import kernels_unavailable
+
+    reason = kernels_unavailable("cuda") if kernels else None if torch.cuda.is_available() else "no CUDA GPU"
+    if reason is not None:
+        raise SystemExit(f"{what}: needs {'the CUDA kernels' if kernels else 'a CUDA GPU'} ({reason})")
+    return torch.device("cuda")
+
+
+def run_meta(device: torch.device | str, world_size: int = 1, **fields: Any) -> dict[str, Any]:
+    """A report's meta: the device, commit, date and versions of this run over `world_size`
+    processes (`training.run_info.collect_run_info`), then the script's `fields`."""
+    from sparse_llm.training.run_info import collect_run_info
+
+    return collect_run_info(torch.device(device), world_size) | fields
+
+
+def measure_cases(
+    cases: Iterable[tuple[Any, ...]], bench: Callable[..., dict], progress: Callable[..., str]
+) -> list[dict]:
+    """The rows of `bench(*case)` for every case, with a progress line each (`progress(*case, row)`)
+    and the GPU's cached blocks freed between cases (each allocates its own inputs)."""
+    rows = []
+    for case in cases:
+        rows.append(bench(*case))
+        print(progress(*case, rows[-1]), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
@@ -41,6 +94,17 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: in
             fn()
             times.append(1000 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:
+    """The device's copy bandwidth in GB/s (bytes read + written) from a large device-to-device
+    copy: what a bandwidth-bound decode step is measured against. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(size_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, reps=20)
+    return 2 * size_bytes / (ms / 1000) / 1e9
 
 
 def kernel_table(
@@ -304,7 +368,27 @@ def make_workload(
     return FFNWorkload(x.to(dtype), wg.to(dtype), wu.to(dtype), wd.to(dtype), base)
 
 
-# ---- weights at realistic sparsity: a short training run at a high L1 --------------------------
+# ---- the weights a script times: loaded, freshly initialised, or made sparse -----------------------
+def load_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """The model config, fp32 weights (CPU) and tokenizer of an export, checkpoint or run directory."""
+    from sparse_llm.inference.loading import load_model
+
+    loaded = load_model(path, "cpu", torch.float32)
+    return loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
+
+
+def fresh_weights(fields: dict[str, Any], seed: int) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """(config, fp32 CPU weights, tokenizer) of a model of `fields` (ModelConfig fields) initialised
+    as the trainer does, seeded; the tokenizer is the trainer's default data's (the embedded one),
+    whose vocabulary the model takes unless `fields` sets one."""
+    from sparse_llm.config import ModelConfig
+    from sparse_llm.data import load_tokenizer
+    from sparse_llm.model import build_model
+
+    tokenizer = load_tokenizer("embedded")
+    cfg = ModelConfig(**{**fields, "vocab_size": fields.get("vocab_size") or len(tokenizer)})
+    torch.manual_seed(seed)
+    return cfg, build_model(cfg).state_dict(), tokenizer
 
 
 def model_preset(name: str) -> dict[str, Any]:
@@ -365,11 +449,7 @@ def sparsify(
     }
     run_dir = Path(run_dir)
     run(OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides))), run_dir)
-    # The trainer is gone; its compiled graphs (train.compile) still reference the weights.
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()  # the trainer is gone; its compiled graphs (train.compile) still reference the weights
     return run_dir
 
 
@@ -407,12 +487,17 @@ def token_batch(
     return torch.randint(0, vocab_size, (batch, length), generator=gen), "random tokens"
 
 
-def layers_over_dense_above(l0_per_layer: Sequence[float], hidden: int, max_density: float) -> int:
-    """How many of these layers the trainer's dense fallback would run dense, from sparse
-    (`training.ffn_fallback.wants_dense` on each layer's L0 / H against `model.ffn_dense_above`)."""
+def runs_dense(l0: float, hidden: int, max_density: float) -> bool:
+    """Whether the trainer's dense fallback runs a sparse layer at this L0 dense
+    (`training.ffn_fallback.wants_dense` on L0 / H against `model.ffn_dense_above`)."""
     from sparse_llm.training.ffn_fallback import DEFAULT_HYSTERESIS, wants_dense
 
-    return sum(wants_dense(l0 / hidden, False, max_density, DEFAULT_HYSTERESIS) for l0 in l0_per_layer)
+    return wants_dense(l0 / hidden, False, max_density, DEFAULT_HYSTERESIS)
+
+
+def layers_over_dense_above(l0_per_layer: Sequence[float], hidden: int, max_density: float) -> int:
+    """How many of these layers the trainer's dense fallback would run dense, from sparse."""
+    return sum(runs_dense(l0, hidden, max_density) for l0 in l0_per_layer)
 
 
 @torch.no_grad()

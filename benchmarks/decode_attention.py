@@ -2,7 +2,7 @@
 against ops.decode_attention, which reads each row's columns by their bounds; both inside one CUDA
 graph, at 1, 8 and 64 rows.
 
-    python benchmarks/decode_attention.py [--rows 1 8 64] [--context 1024 2048] [--json F] [--md F]
+    python -m benchmarks.decode_attention [--rows 1 8 64] [--context 1024 2048] [--json F] [--md F]
 
 Each graph runs `--layers` layers with distinct caches (more bytes than the L2 holds, as in a model)
 of a 1b model's shape (32 heads of 64). Every row attends to `context` columns of a cache of
@@ -13,32 +13,25 @@ for both, so the ratio is the kernels'. GB/s counts the keys and values read.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import itertools
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import write_report
+from benchmarks import common
 from benchmarks.decode_ffn import graph_ms
-from benchmarks.inference import copy_bandwidth_gbs
 from sparse_llm.model.kv_cache import decode_key_mask
 from sparse_llm.ops.decode_attention import decode_attention, sdpa_one_query
-from sparse_llm.training.run_info import collect_run_info
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.script_parser(__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--context", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=8, help="distinct caches per graph replay")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def bench(rows: int, context: int, args: argparse.Namespace) -> dict:
@@ -93,24 +86,22 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_attention.py needs a CUDA GPU")
-    meta = {
-        **collect_run_info(torch.device("cuda"), world_size=1),
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "layers": args.layers,
-        "copy_gbs": copy_bandwidth_gbs(torch.device("cuda")),
-    }
-    results = []
-    for context in args.context:
-        for rows in args.rows:
-            results.append(bench(rows, context, args))
-            print(f"rows {rows} context {context}: {results[-1]['speedup']:.2f}x", flush=True)
-            torch.cuda.empty_cache()
-    write_report(markdown(meta, results), meta, results, args.json, args.md)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = common.require_cuda("benchmarks.decode_attention")
+    meta = common.run_meta(
+        device,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        layers=args.layers,
+        copy_gbs=common.copy_bandwidth_gbs(device),
+    )
+    results = common.measure_cases(
+        itertools.product(args.context, args.rows),
+        lambda context, rows: bench(rows, context, args),
+        lambda context, rows, row: f"rows {rows} context {context}: {row['speedup']:.2f}x",
+    )
+    common.write_report(markdown(meta, results), meta, results, args.json, args.md)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The FFN of a decode step, dense against the decode kernels (kernels/decode_ffn.cu), both inside
 one CUDA graph: what the bytes allow at 1, 8 and 64 rows.
 
-    python benchmarks/decode_ffn.py [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
-    python benchmarks/decode_ffn.py --rows 1 8 --splits 1 2 4 8 16   # ours at each CTA split too
+    python -m benchmarks.decode_ffn [--rows 1 8 64] [--nnz 15 30] [--layers 8] [--json F] [--md F]
+    python -m benchmarks.decode_ffn --rows 1 8 --splits 1 2 4 8 16   # ours at each CTA split too
 
 Each graph runs `--layers` FFNs with distinct weights (more bytes than the L2 holds, so every layer
 reads its weights from memory as in a model), out += ffn(x) into one residual. Dense: the three
@@ -14,26 +14,21 @@ units active in the batch (their union), at the non-zeros per token asked for.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import make_workload, median_ms, write_report
+from benchmarks import common
 from benchmarks.ffn import print_profile
-from benchmarks.inference import copy_bandwidth_gbs
 from sparse_llm import ops
 from sparse_llm.inference.decode import DecodeGraph
-from sparse_llm.training.run_info import collect_run_info
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.script_parser(__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--nnz", type=float, nargs="+", default=[15, 30])
     p.add_argument("--D", type=int, default=2048)
@@ -51,20 +46,18 @@ def parse_args() -> argparse.Namespace:
         help="also time ours with up/down as its own launch over these CTAs a row (the op's tuning knob; "
         "the main table: its default plan, one launch at 1 row)",
     )
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def graph_ms(step: Callable[[], None], reps: int) -> float:
     """Median ms of one replay of `step` captured in a CUDA graph (as a decode step is: DecodeGraph)."""
     device = torch.device("cuda")
-    return median_ms(DecodeGraph(step, device, None, None), device, warmup=0, reps=reps)
+    return common.median_ms(DecodeGraph(step, device, None, None), device, warmup=0, reps=reps)
 
 
 def bench_rows(rows: int, nnz: float, args: argparse.Namespace) -> dict:
     d, h, layers = args.D, args.H, args.layers
-    loads = [make_workload(rows, d, h, nnz, seed=i, device="cuda") for i in range(layers)]
+    loads = [common.make_workload(rows, d, h, nnz, seed=i, device="cuda") for i in range(layers)]
     x = loads[0].x
     weights = [(w.wg, w.wu, w.wd, w.wd.t().contiguous()) for w in loads]
     out = torch.zeros_like(x)
@@ -139,24 +132,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_ffn.py needs a CUDA GPU")
-    meta = {
-        **collect_run_info(torch.device("cuda"), world_size=1),
-        "D": args.D,
-        "H": args.H,
-        "layers": args.layers,
-        "copy_gbs": copy_bandwidth_gbs(torch.device("cuda")),
-    }
-    rows = []
-    for m in args.rows:
-        for nnz in args.nnz:
-            rows.append(bench_rows(m, nnz, args))
-            print(f"rows {m} nnz {nnz:g}: {rows[-1]['speedup']:.2f}x", flush=True)
-            torch.cuda.empty_cache()
-    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = common.require_cuda("benchmarks.decode_ffn")
+    meta = common.run_meta(
+        device, D=args.D, H=args.H, layers=args.layers, copy_gbs=common.copy_bandwidth_gbs(device)
+    )
+    rows = common.measure_cases(
+        itertools.product(args.rows, args.nnz),
+        lambda m, nnz: bench_rows(m, nnz, args),
+        lambda m, nnz, row: f"rows {m} nnz {nnz:g}: {row['speedup']:.2f}x",
+    )
+    common.write_report(markdown(meta, rows), meta, rows, args.json, args.md)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 kernels) against lm-eval's own `hf` model on the export, same weights, same batch size.
 
     # 1b weights at L0 30 (benchmarks/sparse_weights.py --preset 1b --target-l0 30 --out runs/sparse_1b)
-    python benchmarks/downstream_eval.py --model runs/sparse_1b --json downstream_eval.json --md downstream_eval.md
-    python benchmarks/downstream_eval.py --tiny --out /tmp/bench      # CPU, toy size (what the test runs)
+    python -m benchmarks.downstream_eval --model runs/sparse_1b --json downstream_eval.json --md downstream_eval.md
+    python -m benchmarks.downstream_eval --tiny --out /tmp/bench      # CPU, toy size (what the test runs)
 
 Each variant evaluates the tasks (default: the shipped offline ones, python_completion and
 python_perplexity, sparse_llm/eval/tasks) --warmup times untimed, then --reps times timed: `hf`
@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import active_units_per_token, sparsify, write_report
+from benchmarks import common
+from sparse_llm.config import ModelConfig
 from sparse_llm.eval import harness, results
 from sparse_llm.eval.tasks import SHIPPED_TASKS, TASK_DIR
 from sparse_llm.inference import load_model
@@ -41,18 +40,22 @@ from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
 from sparse_llm.inference.loading import resolve_device, resolve_dtype
 from sparse_llm.model.hf_export import export_hf
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
-from sparse_llm.training.run_info import collect_run_info
 
 REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--model", type=Path, help="run, checkpoint or export directory")
     p.add_argument("--tiny", action="store_true", help="train a toy model on CPU first (a smoke test)")
     p.add_argument("--tasks", nargs="+", default=list(SHIPPED_TASKS), help="lm-eval task names or presets")
-    p.add_argument("--ffn", nargs="+", default=None, choices=FFN_CHOICES, help="ours: default dense cuda")
+    p.add_argument(
+        "--ffn",
+        nargs="+",
+        default=None,
+        choices=FFN_CHOICES,
+        help="ours: default dense and the kernels (their reference where they cannot run)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="sequences per forward, both models")
     p.add_argument("--limit", type=int, default=None, help="examples per task")
     p.add_argument("--reps", type=int, default=3, help="timed evaluations per variant (median)")
@@ -67,8 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="writes downstream_eval.json / .md here, and the --tiny model (default for that: "
         "runs/downstream_eval)",
     )
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.model is None and not args.tiny:
         p.error("give --model <run, checkpoint or export directory> (or --tiny)")
@@ -77,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def tiny_model(out: Path) -> Path:
     """A toy model with some sparsity, trained for a few seconds on CPU (benchmarks.common.sparsify)."""
-    return sparsify(
+    return common.sparsify(
         out / "tiny_run",
-        TINY_MODEL,
+        common.TINY_MODEL,
         steps=20,
         l1_coeff=1e-3,
         lr=3e-3,
@@ -106,9 +107,9 @@ def export_for_hf(model_path: Path) -> Path:
 
 
 @torch.no_grad()
-def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
+def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tuple[float, ModelConfig]:
     """Mean active FFN units per token (over layers and tokens) on the python_perplexity documents,
-    and the units a layer has (H)."""
+    and the model's config."""
     loaded = load_model(model_path, device, dtype)
     docs = [
         json.loads(line)["text"] for line in (TASK_DIR / "python_perplexity.jsonl").read_text().splitlines()
@@ -118,8 +119,8 @@ def tasks_l0(model_path: Path, device: torch.device, dtype: torch.dtype) -> tupl
         ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"][
             :, : loaded.model.config.max_position_embeddings
         ]
-        counts.append(active_units_per_token(loaded.model, ids.to(device)).float())
-    return torch.cat(counts, dim=1).mean().item(), loaded.model.config.intermediate_size
+        counts.append(common.active_units_per_token(loaded.model, ids.to(device)).float())
+    return torch.cat(counts, dim=1).mean().item(), loaded.model.config
 
 
 def timed_requests(lm: Any) -> list[float]:
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = tiny_model(out) if args.tiny and args.model is None else args.model
     device = resolve_device("cpu" if args.tiny else args.device)
     dtype = resolve_dtype(args.dtype, device)
-    impls = args.ffn or (["dense", "reference"] if device.type == "cpu" else ["dense", "cuda"])
+    l0, cfg = tasks_l0(model_path, device, dtype)
+    impls = args.ffn or ["dense", common.sparse_path("prefill", cfg, device, dtype)[0]]
     tasks = harness.expand_tasks(args.tasks)
     manager = harness.task_manager(tasks)
     harness.check_tasks(tasks, manager)
@@ -265,15 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         del lm
     import lm_eval
 
-    l0, hidden = tasks_l0(model_path, device, dtype)
-    report = {
-        **collect_run_info(device, world_size=1),
+    report = common.run_meta(device) | {
         "model": str(model_path),
         "export": str(export),
         "dtype": dtype_name,
         "lm_eval": lm_eval.__version__,
         "l0": l0,
-        "hidden": hidden,
+        "hidden": cfg.intermediate_size,
         "batch_size": args.batch_size,
         "reps": args.reps,
         "warmup": args.warmup,
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or (out / "downstream_eval.json" if args.out else None)
     md_path = args.md or (out / "downstream_eval.md" if args.out else None)
     meta = {k: v for k, v in report.items() if k != "rows"}
-    write_report(markdown(report), meta, report["rows"], json_path, md_path)
+    common.write_report(markdown(report), meta, report["rows"], json_path, md_path)
     return 0
 
 

@@ -4,30 +4,26 @@ The workload is docs/design.md section 5 (benchmarks/common.py). Each timed call
 several input sets in turn (x and all three weights), so no call finds its weights in L2 from
 the call before, as in a model with many layers. Prints a Markdown table, writes JSON and Markdown.
 
-    python benchmarks/ffn.py --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
-    python benchmarks/ffn.py --train ...   # forward+backward with L1 and saved bytes, vs dense
+    python -m benchmarks.ffn --nnz 15 30 60 120 --M 16384 65536 --json out.json --md out.md
+    python -m benchmarks.ffn --train ...   # forward+backward with L1 and saved bytes, vs dense
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import device_kernel_table, gpu_idle_table, make_workload, write_report
+from benchmarks import common
 from sparse_llm import ops
-from sparse_llm.ops._extension import extension, kernels_unavailable
-from sparse_llm.training.run_info import collect_run_info
+from sparse_llm.ops._extension import extension
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.script_parser(__doc__)
     p.add_argument("--nnz", type=float, nargs="+", default=[15, 30, 60, 120], help="mean non-zeros per token")
     p.add_argument("--M", type=int, nargs="+", default=[16384, 65536], help="tokens")
     p.add_argument("--D", type=int, default=2048)
@@ -44,8 +40,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="print a per-kernel profile of ours per case")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     p.add_argument(
         "--train",
         action="store_true",
@@ -59,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--train-impl", default="cuda", choices=["cuda", "reference"], help="ffn_forward_train impl (--train)"
     )
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def median_ms(fn: Callable, sets: Sequence[tuple], warmup: int, reps: int) -> float:
@@ -90,8 +84,8 @@ def print_profile(fn: Callable, iters: int = 5) -> None:
             fn()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-    print(device_kernel_table(prof.events(), calls=iters))
-    print(gpu_idle_table(prof.events()))
+    print(common.device_kernel_table(prof.events(), calls=iters))
+    print(common.gpu_idle_table(prof.events()))
 
 
 def rel_err64(out: torch.Tensor, x, wg, wu, wd) -> float:
@@ -104,7 +98,7 @@ def bench_one(m: int, nnz: float, args: argparse.Namespace, dense_compiled: Call
     ext = extension()
     sets = []
     for k in range(args.sets):
-        w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
+        w = common.make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
         sets.append((w.x, w.wg, w.wu, w.wd, w.wd.t().contiguous()))
     dense = [s[:4] for s in sets]
     row: dict = {"M": m, "nnz_target": nnz}
@@ -292,7 +286,7 @@ def bench_train_one(
 ) -> dict:
     sets = []
     for k in range(args.sets):
-        w = make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
+        w = common.make_workload(m, args.D, args.H, nnz, seed=args.seed + 1000 * k, device="cuda")
         sets.append(tuple(t.requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)))
 
     ours = train_ours(args.train_impl, args.heavy_threshold[0])
@@ -383,34 +377,15 @@ def markdown_train(meta: dict, rows: list[dict]) -> str:
 def run_cases(args: argparse.Namespace, bench, render, describe, extra_meta: dict) -> None:
     """Time every (M, nnz) case with `bench`, print a progress line (`describe`) and the table
     (`render`), and write JSON / Markdown where asked."""
-    meta = {
-        **collect_run_info(torch.device("cuda"), world_size=1),
-        "D": args.D,
-        "H": args.H,
-        "reps": args.reps,
-        "sets": args.sets,
-        **extra_meta,
-    }
-    rows = []
-    for m in args.M:
-        for nnz in args.nnz:
-            rows.append(bench(m, nnz))
-            print(f"M={m} nnz={nnz:g}: {describe(rows[-1])}", flush=True)
-            torch.cuda.empty_cache()
-    write_report(render(meta, rows), meta, rows, args.json, args.md)
-
-
-def require_gpu(what: str, kernels: bool) -> None:
-    """Exit with the reason where this run cannot go: no CUDA GPU, or (`kernels`) no CUDA kernels."""
-    reason = kernels_unavailable("cuda") if kernels else None if torch.cuda.is_available() else "no CUDA GPU"
-    if reason is not None:
-        raise SystemExit(
-            f"benchmarks/ffn.py{what}: needs {'the CUDA kernels' if kernels else 'a CUDA GPU'} ({reason})"
-        )
+    meta = common.run_meta("cuda", D=args.D, H=args.H, reps=args.reps, sets=args.sets, **extra_meta)
+    rows = common.measure_cases(
+        itertools.product(args.M, args.nnz), bench, lambda m, nnz, row: f"M={m} nnz={nnz:g}: {describe(row)}"
+    )
+    common.write_report(render(meta, rows), meta, rows, args.json, args.md)
 
 
 def main_train(args: argparse.Namespace) -> None:
-    require_gpu(" --train", kernels=args.train_impl == "cuda")
+    common.require_cuda("benchmarks.ffn --train", kernels=args.train_impl == "cuda")
     dense_compiled = torch.compile(dense_train, dynamic=False)
     ours_compiled = torch.compile(train_ours(args.train_impl, args.heavy_threshold[0]), dynamic=False)
     run_cases(
@@ -428,11 +403,12 @@ def main_train(args: argparse.Namespace) -> None:
 
 def main_gate_algos(args: argparse.Namespace) -> None:
     """Which of cuBLASLt's ranked ReLU-mask algorithms is fastest, against the plain GEMM."""
-    require_gpu(" --gate-algos", kernels=True)
+    common.require_cuda("benchmarks.ffn --gate-algos", kernels=True)
     ext = extension()
     for m in args.M:
         sets = [
-            make_workload(m, args.D, args.H, 30, seed=args.seed + k, device="cuda") for k in range(args.sets)
+            common.make_workload(m, args.D, args.H, 30, seed=args.seed + k, device="cuda")
+            for k in range(args.sets)
         ]
         inputs = [(w.x, w.wg) for w in sets]
         cells = [f"plain {median_ms(lambda x, wg: x @ wg.T, inputs, args.warmup, args.reps):.3f}"]
@@ -446,15 +422,15 @@ def main_gate_algos(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.gate_algos:
         main_gate_algos(args)
         return
     if args.train:
         main_train(args)
         return
-    require_gpu("", kernels=True)
+    common.require_cuda("benchmarks.ffn", kernels=True)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default, stated
     dense_compiled = torch.compile(ops.ffn_forward_reference, dynamic=False)
     run_cases(

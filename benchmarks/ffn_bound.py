@@ -21,7 +21,7 @@ the measured reuse within 64-row blocks. Time over the bound is what any kernel 
 can still win; dense time over the bound is the largest speed-up it can reach. `--measured-rates`
 sets the rates our kernels reach on an H100 instead (measured with the 5194881 kernels; docs/kernels.md).
 
-    python benchmarks/ffn_bound.py --measured benchmarks/results/ffn_inference_h100.json \
+    python -m benchmarks.ffn_bound --measured benchmarks/results/ffn_inference_h100.json \
         --measured-train benchmarks/results/ffn_train_h100.json --md bound.md
 """
 
@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import make_workload
+from benchmarks import common
 
 FORWARD_GEMM_ROWS = 2
 TRAIN_GEMM_ROWS = 7
@@ -76,7 +73,7 @@ def activity_profile(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(active units per row [M], for each unit the largest such count among the rows it fires in
     [H], 0 if it never fires), for the synthetic workload of benchmarks/ffn.py, in float32."""
-    w = make_workload(m, d, h, nnz, seed=seed, dtype=torch.float32)
+    w = common.make_workload(m, d, h, nnz, seed=seed, dtype=torch.float32)
     row_counts = torch.empty(m, dtype=torch.long)
     unit_max_row = torch.zeros(h, dtype=torch.long)
     for start in range(0, m, chunk):
@@ -170,8 +167,8 @@ def markdown(rows: list[dict], rates: Rates, meta: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.script_parser(__doc__)
     p.add_argument("--M", type=int, nargs="+", default=[16384], help="tokens")
     p.add_argument("--D", type=int, default=2048)
     p.add_argument("--H", type=int, default=5632)
@@ -192,16 +189,17 @@ def main() -> None:
     p.add_argument("--measured", type=Path, default=None, help="benchmarks/ffn.py JSON (inference)")
     p.add_argument("--measured-train", type=Path, default=None, help="benchmarks/ffn.py --train JSON")
     p.add_argument("--tiny", action="store_true", help="a small workload: checks the script end to end")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.tiny:
         args.M, args.D, args.H, args.nnz = [512], 64, 256, [4, 16]
     given = [args.gemm_tflops, args.gather_tbps, args.reuse, args.activation_gather_tbps]
     if min(v for v in given if v is not None) <= 0:
-        raise SystemExit(
-            "--gemm-tflops, --gather-tbps, --activation-gather-tbps and --reuse must be positive"
-        )
+        p.error("--gemm-tflops, --gather-tbps, --activation-gather-tbps and --reuse must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     measured = {False: measured_cases(args.measured), True: measured_cases(args.measured_train)}
     activation = None if args.activation_gather_tbps is None else args.activation_gather_tbps * 1e12
     rates = (

@@ -1,7 +1,7 @@
 """The headline figures, dense against sparse side by side in one process on 1b weights at L0 ~30.
 
-    python benchmarks/headline.py --model runs/sparse_1b --out-dir benchmarks/results
-    python benchmarks/headline.py --quick        # makes the weights first: ~11 min on an H100
+    python -m benchmarks.headline --model runs/sparse_1b --out-dir benchmarks/results
+    python -m benchmarks.headline --quick        # makes the weights first: ~11 min on an H100
     make bench-headline                          # that, into $OUT; MODEL=<run dir>: these weights, full
 
 Parts, in this order; the report is rewritten after each, so a run cut short keeps what it measured:
@@ -40,16 +40,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks import ffn, inference
-from benchmarks.common import REPO, free_memory, sparse_path, token_batch
-from benchmarks.model_step import layer_l0_range, load_weights, model_step_args, ran_label, time_impl
+from benchmarks import common, ffn, inference
+from benchmarks.model_step import layer_l0_range, model_step_args, ran_label, time_impl
 from benchmarks.sparse_weights import heldout_l0
 from sparse_llm import ops
 from sparse_llm.inference import compile_prefill, load_model
 from sparse_llm.ops._extension import kernels_unavailable
-from sparse_llm.training.run_info import collect_run_info
 
 PARTS = ("train", "inference", "ffn")
 # Graph-captured decode steps timed (inference.time_decode_step mode, row key); the headline ratio
@@ -123,7 +119,7 @@ TINY_MODEL_ARGS = ["--tiny", "--steps", "40", "--l1-warmup-end", "10"]  # sparse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__, report=False)
     p.add_argument("--model", type=Path, default=None, help="run directory of sparse weights to time")
     p.add_argument(
         "--weights-dir",
@@ -146,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--quick", action="store_true", help="fewer steps, tokens and repetitions")
     p.add_argument("--tiny", action="store_true", help="tiny weights on a CPU: the plumbing end to end")
-    p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--out-dir", type=Path, default=common.REPO / "benchmarks" / "results")
     p.add_argument(
         "--tag", default=None, help="file name suffix: headline_<tag>.json (default: the GPU, e.g. h100)"
     )
@@ -168,23 +164,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- the parts -------------------------------------------------------------------------------------
 def make_weights(out: Path, target_l0: float, tiny: bool, per_layer: bool) -> Path:
-    """Sparse weights at `target_l0` by benchmarks/sparse_weights.py, in a subprocess: its GPU memory
-    and compiled graphs are gone when it returns."""
-    script = REPO / "benchmarks" / "sparse_weights.py"
+    """Sparse weights at `target_l0` by `python -m benchmarks.sparse_weights`, in a subprocess: its
+    GPU memory and compiled graphs are gone when it returns."""
     size = TINY_MODEL_ARGS if tiny else ["--preset", "1b"]
-    cmd = [sys.executable, str(script), *size, "--target-l0", f"{target_l0:g}", "--out", str(out)]
+    module = [sys.executable, "-m", "benchmarks.sparse_weights"]
+    cmd = [*module, *size, "--target-l0", f"{target_l0:g}", "--out", str(out.resolve())]
     if per_layer:
         cmd.append("--per-layer")
     print("headline: making the weights:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, cwd=common.REPO)
     return out
 
 
 def train_rows(run_dir: Path, budget: Budget, device: str, no_fallback: bool) -> list[dict[str, Any]]:
     """The training step, dense then cuda FFN, on the same weights and held-out tokens; with
     `fallback` the cuda step runs the layers the trainer would run dense with the dense FFN."""
-    cfg, state, tokenizer = load_weights(run_dir)
-    ids, _ = token_batch(tokenizer, cfg.vocab_size, budget.micro_batch, budget.seq_len + 1)
+    cfg, state, tokenizer = common.load_weights(run_dir)
+    ids, _ = common.token_batch(tokenizer, cfg.vocab_size, budget.micro_batch, budget.seq_len + 1)
     step_args = model_step_args(
         steps=budget.train_steps,
         warmup=budget.train_warmup,
@@ -196,7 +192,7 @@ def train_rows(run_dir: Path, budget: Budget, device: str, no_fallback: bool) ->
     rows = []
     for impl in ("dense", "cuda"):
         rows.append({"part": "train", **time_impl(impl, "off", cfg, state, ids, step_args, device)})
-        free_memory()
+        common.free_memory()
     return rows
 
 
@@ -205,11 +201,11 @@ def inference_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str,
     then sparse, through inference.run_impl: one row per (impl, batch)."""
     loaded = load_model(run_dir, device)
     model = loaded.model
-    sparse, why_not = sparse_path(
+    sparse, why_not = common.sparse_path(
         "prefill", model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     )
     batches = sorted({*budget.decode_batches, budget.prefill_batch})
-    ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, max(batches), budget.prompt_len)
+    ids, _ = common.token_batch(loaded.tokenizer, model.config.vocab_size, max(batches), budget.prompt_len)
     ids = ids.to(device)
     run_args = argparse.Namespace(
         warmup=budget.inference_warmup, reps=budget.inference_reps, decode_tokens=budget.decode_tokens
@@ -231,7 +227,7 @@ def inference_rows(run_dir: Path, budget: Budget, device: str) -> list[dict[str,
                     row[key] = batch / graph_decode_seconds(impl_model, ids[:batch], budget, mode)
             rows.append({"part": "inference", "batch": batch, "kernels_unavailable": why_not, **row})
         del impl_model, compiled
-        free_memory()
+        common.free_memory()
     for row in rows:  # greedy tokens and last logits against dense's at the same batch
         dense = next(r for r in rows if r["impl"] == "dense" and r["batch"] == row["batch"])
         inference.compare_with_dense(row, dense)
@@ -549,8 +545,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"headline: wrote {paths[0]} and {paths[1]}")
         return report
     budget: Budget = args.budget
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    meta = collect_run_info(torch.device(device), world_size=1)
+    device = common.bench_device(cpu=args.tiny).type
+    meta = common.run_meta(device)
     tag = args.tag or gpu_tag(meta["device"] if device == "cuda" else "cpu")
     seconds: dict[str, float] = {}
     notes = [

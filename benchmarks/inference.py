@@ -17,11 +17,11 @@ kernels' FFN above its decode path's row limit) shows why instead of a graph tim
 static step uncaptured (`static`).
 
     # the done-when run on one H100/H200: make a 1B model >= 99% sparse, then benchmark it
-    python benchmarks/inference.py --sparsify --preset 1b --out benchmarks/results/inference_1b
+    python -m benchmarks.inference --sparsify --preset 1b --out benchmarks/results/inference_1b
     # an existing model (export, checkpoint or run directory)
-    python benchmarks/inference.py --model runs/my_run/export --batch 64 --prompt-len 2048
+    python -m benchmarks.inference --model runs/my_run/export --batch 64 --prompt-len 2048
     # CPU, toy size (what the tests run); `cuda` is replaced by its reference there
-    python benchmarks/inference.py --tiny --out /tmp/bench
+    python -m benchmarks.inference --tiny --out /tmp/bench
 
 --sparsify trains the preset for --sparsify-steps with a high L1 coefficient through the
 project's Trainer (benchmarks.common.sparsify; run directory <out>/sparsify_run, checkpoint +
@@ -33,9 +33,7 @@ corpus (or --random-tokens).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -44,9 +42,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import REPO, kernel_table, median_ms, model_preset, sparse_path, sparsify, token_batch
+from benchmarks import common
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import (
     FASTEST,
@@ -58,8 +54,8 @@ from sparse_llm.inference import (
 )
 from sparse_llm.inference.calibrate import synchronize
 from sparse_llm.inference.decode import why_not_graph
+from sparse_llm.inference.generate import eager_decode_from
 from sparse_llm.model import FFNPlan, KVCache, SparseLlamaForCausalLM
-from sparse_llm.training.run_info import git_commit
 
 TINY = dict(
     batch=2,
@@ -75,7 +71,7 @@ TINY = dict(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__, report=False)
     p.add_argument("--model", type=Path, help="export, checkpoint or run directory to benchmark")
     p.add_argument("--sparsify", action="store_true", help="first train --preset with a high L1 (Trainer)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on CPU (implies --sparsify unless --model)")
@@ -150,14 +146,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def sparsify_run(args: argparse.Namespace) -> Path:
     """Train the preset briefly with a high L1 through the Trainer; returns the run directory."""
     gpu = torch.cuda.is_available() and args.device != "cpu"
-    model = model_preset(args.preset)
+    model = common.model_preset(args.preset)
     size = dict(seq_len=args.sparsify_seq_len, batch=args.sparsify_batch, lr=args.sparsify_lr)
     data = None
     if args.tiny:
-        model.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+        model.update(common.TINY_MODEL)
         size = dict(seq_len=32, batch=4, lr=1e-2)
         data = {"max_documents": 200}
-    return sparsify(
+    return common.sparsify(
         args.out / "sparsify_run",
         model,
         steps=args.sparsify_steps,
@@ -232,21 +228,15 @@ def _timed(device: torch.device, energy: Energy, fn, *args, **kwargs) -> tuple[A
     return out, t1 - t0, None if e0 is None else e1 - e0
 
 
-def greedy_decode(model, first: torch.Tensor, cache: KVCache, tokens: int) -> list[torch.Tensor]:
-    """`tokens` greedy tokens per row ([B] each), `first` included, one model call per token."""
-    generated = [first]
-    for _ in range(tokens - 1):
-        generated.append(model(generated[-1][:, None], cache=cache).logits[:, -1].argmax(-1))
-    return generated
-
-
 @torch.no_grad()
 def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled) -> dict[str, Any]:
-    """Prefill (eager, and through `compiled` when given) then greedy decode (eager) with `model`,
-    whose FFN plan runs `impl`."""
+    """Prefill (eager, and through `compiled` when given) then greedy decode (the package's eager
+    decode: `eager_decode_from`) with `model`, whose FFN plan runs `impl`."""
     device = ids.device
     batch, length = ids.shape
     dtype = model.lm_head.weight.dtype
+    greedy = SamplingParams(max_new_tokens=args.decode_tokens)
+    lengths = torch.full((batch,), length, device=device)
     times: dict[str, list[float]] = {"prefill": [], "prefill_compiled": [], "decode": []}
     joules: dict[str, list[float]] = {key: [] for key in times}
     tokens = logits_last = compiled_logits = None
@@ -261,16 +251,15 @@ def run_impl(model, ids: torch.Tensor, impl: str, args, energy: Energy, compiled
             del cache, out
         cache = KVCache(model.config, batch, length + args.decode_tokens, device, dtype)
         out, *measured["prefill"] = _timed(device, energy, model, ids, cache=cache, last_logits_only=True)
-        first = out.logits[:, -1].argmax(-1)
         generated, *measured["decode"] = _timed(
-            device, energy, greedy_decode, model, first, cache, args.decode_tokens
+            device, energy, eager_decode_from, model, out.logits[:, -1], cache, greedy, lengths
         )
         if rep >= args.warmup:
             for key, (seconds, energy_j) in measured.items():
                 times[key].append(seconds)
                 if energy_j is not None:
                     joules[key].append(energy_j)
-        tokens, logits_last = torch.stack(generated, 1).cpu(), out.logits[:, -1].float().cpu()
+        tokens, logits_last = generated.cpu(), out.logits[:, -1].float().cpu()
         del cache, out
     counts = {
         "prefill": batch * length,
@@ -300,17 +289,6 @@ def compare_with_dense(row: dict[str, Any], dense: dict[str, Any]) -> None:
     on the same prompts (both from run_impl's `_tokens` and `_logits`), into `row`."""
     row["tokens_match_dense"] = (row["_tokens"] == dense["_tokens"]).float().mean().item()
     row["max_logit_diff_vs_dense"] = (row["_logits"] - dense["_logits"]).abs().max().item()
-
-
-def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:
-    """The device's copy bandwidth in GB/s (bytes read + written) from a large device-to-device
-    copy: what a bandwidth-bound decode step is measured against. None off CUDA."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(size_bytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, reps=20)
-    return 2 * size_bytes / (ms / 1000) / 1e9
 
 
 def active_rows(hidden: int, l0: float, batch: int) -> float:
@@ -345,37 +323,37 @@ def decode_step_bytes(
 
 @torch.no_grad()
 def time_decode_step(model, ids: torch.Tensor, mode: str, steps: int, warmup: int, reps: int) -> float:
-    """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]):
-    `eager` (one forward over the filled columns per step: greedy_decode) or the static step of
-    sparse_llm.inference.decode, CUDA-graph-captured (`graph`), compiled by Inductor and then
-    captured (`graph-compiled`) or neither (`static`). The cache ends at W + steps columns; every
-    repetition decodes the same `steps` columns again."""
+    """Median seconds of one greedy decode step of every row after a prefill of `ids` ([B, W]), by
+    the package's decode loops: `eager` (one forward over the filled columns per step:
+    `eager_decode_from`) or the static step of sparse_llm.inference.decode (`DecodeSlot.decode`),
+    CUDA-graph-captured (`graph`), compiled by Inductor and then captured (`graph-compiled`) or
+    neither (`static`). The cache ends at W + steps columns; every repetition decodes the same
+    `steps` columns again."""
     device, (batch, width) = ids.device, ids.shape
     why = why_not_graph(model, batch) if mode.startswith("graph") else None
     if why:  # a StaticDecoder would run it uncaptured: not what "graph" is timed as
         raise ValueError(f"cannot time a graph-captured decode step: {why}")
+    greedy = SamplingParams(max_new_tokens=steps + 1)  # `steps` forwards after the first token
+    lengths = torch.full((batch,), width, device=device)
     if mode == "eager":
         cache = KVCache(model.config, batch, width + steps, device, model.lm_head.weight.dtype)
-        first = model(ids, cache=cache, last_logits_only=True).logits[:, -1].argmax(-1)
+        logits = model(ids, cache=cache, last_logits_only=True).logits[:, -1]
 
         def run() -> None:
             cache.length = width
-            greedy_decode(model, first, cache, steps + 1)  # `steps` forwards
+            eager_decode_from(model, logits, cache, greedy, lengths)
 
     else:
         decoder = StaticDecoder(model, capture=mode.startswith("graph"), compile=mode == "graph-compiled")
         slot = decoder.slot(batch, width + steps, 0)
-        step = slot.step_for(SamplingParams(max_new_tokens=steps + 1))  # captures before the prefill
+        slot.step_for(greedy)  # captures before the prefill
         first = model(ids, cache=slot.state.prefill_cache(), last_logits_only=True).logits[:, -1].argmax(-1)
-        lengths = torch.full((batch,), width, device=device)
         no_eos = torch.empty(0, dtype=torch.long, device=device)
 
         def run() -> None:
-            slot.state.load(first, lengths, width, no_eos)
-            for _ in range(steps):
-                step()
+            slot.decode(first, lengths, width, greedy, no_eos)
 
-    return median_ms(run, device, warmup, reps) / 1000 / steps
+    return common.median_ms(run, device, warmup, reps) / 1000 / steps
 
 
 def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], args) -> dict[str, Any]:
@@ -388,7 +366,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
             "static" if m.startswith("graph") and device.type != "cuda" else m for m in args.decode_modes
         )
     )
-    bandwidth = copy_bandwidth_gbs(device)
+    bandwidth = common.copy_bandwidth_gbs(device)
     l0_per_layer = [(1 - s) * cfg.intermediate_size for s in sparsity["per_layer"]]
     elem_bytes = model.lm_head.weight.element_size()
     rows = []
@@ -396,7 +374,7 @@ def decode_sweep(model, impls: list[str], tokenizer, sparsity: dict[str, Any], a
         impl_model = with_ffn(model, impl)
         for batch in args.decode_batches:
             for context in args.decode_contexts:
-                ids, _ = token_batch(
+                ids, _ = common.token_batch(
                     tokenizer,
                     cfg.vocab_size,
                     batch,
@@ -476,7 +454,7 @@ def profile_prefill(model, ids: torch.Tensor, forward, path: Path) -> None:
     cache = KVCache(model.config, *ids.shape[:1], ids.shape[1] + 1, ids.device, model.lm_head.weight.dtype)
     forward(ids, cache=cache, last_logits_only=True)  # warm (and compiled) before the trace
     cache.length = 0
-    path.write_text(kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
+    path.write_text(common.kernel_table(lambda: forward(ids, cache=cache, last_logits_only=True), ids.device))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -537,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     model = loaded.model
     device = model.lm_head.weight.device
     impls = list(dict.fromkeys(args.impls))
-    sparse_impl, reason = sparse_path(
+    sparse_impl, reason = common.sparse_path(
         "prefill", model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     )
     if args.decode_sweep and max(args.decode_contexts) > model.config.max_position_embeddings:
@@ -552,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len + args.decode_tokens > model.config.max_position_embeddings:
         print("error: --prompt-len + --decode-tokens exceed max_position_embeddings", file=sys.stderr)
         return 2
-    ids, _ = token_batch(
+    ids, _ = common.token_batch(
         loaded.tokenizer,
         model.config.vocab_size,
         args.batch,
@@ -615,13 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(
                 "Decode sweep: CUDA graphs need a GPU; the `static` rows run the graphs' step uncaptured."
             )
-    report = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or "cpu"),
-        "commit": git_commit(REPO),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
+    report = common.run_meta(device) | {
         "model": str(loaded.path),
         "parameters": model.num_parameters(),
         "hidden_size": model.config.hidden_size,

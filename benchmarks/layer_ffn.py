@@ -1,8 +1,8 @@
 """The FFN training op layer by layer, on a trained model's own activations: what each layer's FFN
 costs, dense against the sparse op, at the L0 and row density that layer has.
 
-    python benchmarks/layer_ffn.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
-    python benchmarks/layer_ffn.py --tiny      # CPU, seconds: the reference op, the script end to end
+    python -m benchmarks.layer_ffn --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python -m benchmarks.layer_ffn --tiny      # CPU, seconds: the reference op, the script end to end
 
 One forward over held-out text (rows x seq-len tokens, the M of one training step) keeps each
 layer's FFN input (the post-attention norm's output). Then, layer by layer, on that input and the
@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpu_busy_ms, median_ms, sparse_path, write_report
+from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args
-from sparse_llm.training.run_info import collect_run_info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,22 +84,22 @@ def time_layer(
     recomputed = lambda *inputs: checkpoint(dense, *inputs, use_reentrant=False)
     for name, fn in (("dense", dense), ("dense_recomputed", recomputed), ("ours", ours)):
         call = rotating(forward_backward(fn, grad_l1), sets)
-        times[f"ms_{name}"] = median_ms(call, x.device, args.warmup, args.reps)
+        times[f"ms_{name}"] = common.median_ms(call, x.device, args.warmup, args.reps)
         if x.is_cuda:
-            times[f"gpu_ms_{name}"] = gpu_busy_ms(call, calls=args.sets)
+            times[f"gpu_ms_{name}"] = common.gpu_busy_ms(call, calls=args.sets)
     return times
 
 
-def totals(rows: list[dict], dense_above_units: float, prefix: str = "ms") -> dict[str, float]:
+def totals(rows: list[dict], hidden: int, max_density: float, prefix: str = "ms") -> dict[str, float]:
     """Sums over layers of the `prefix` times ("ms": event-timed, "gpu_ms": GPU busy): all dense,
-    all ours, the trainer's rule (dense recomputed where L0 is over the threshold, ours elsewhere),
-    and the faster of those two in each layer."""
+    all ours, the trainer's rule (dense recomputed where its fallback runs a layer of `hidden`
+    units at that L0 dense, ours elsewhere), and the faster of those two in each layer."""
     dense, recomputed, ours = f"{prefix}_dense", f"{prefix}_dense_recomputed", f"{prefix}_ours"
     return {
         dense: sum(r[dense] for r in rows),
         ours: sum(r[ours] for r in rows),
         f"{prefix}_trainer_rule": sum(
-            r[recomputed] if r["l0"] > dense_above_units else r[ours] for r in rows
+            r[recomputed] if common.runs_dense(r["l0"], hidden, max_density) else r[ours] for r in rows
         ),
         f"{prefix}_best_per_layer": sum(min(r[recomputed], r[ours]) for r in rows),
     }
@@ -144,7 +139,7 @@ def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = common.bench_device(cpu=args.tiny)
     model, ids, text, name = model_and_tokens(args, device)
     inputs = ffn_inputs(model, ids)
     mlps = [layer.mlp for layer in model.model.layers]
@@ -152,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         [(x @ mlp.gate_proj.weight.to(x.dtype).T > 0).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)]
     )
     rows = layer_rows(nnz.cpu(), args.heavy_threshold)
-    impl, _ = sparse_path(
+    impl, _ = common.sparse_path(
         "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     dense = torch.compile(dense_train, dynamic=False) if device.type == "cuda" else dense_train
@@ -160,23 +155,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row, x, mlp in zip(rows, inputs, mlps, strict=True):
         row.update(time_layer(x, mlp, args, dense, ours))
     cfg = model.config
-    meta = {
-        **collect_run_info(device, world_size=1),
-        "model": name,
-        "tokens": nnz.shape[1],
-        "text": text,
-        "impl": impl,
-        "dense": "compiled" if device.type == "cuda" else "eager",
-        "heavy_threshold": args.heavy_threshold,
-        "dense_above_units": cfg.ffn_dense_above * cfg.intermediate_size,
-        "reps": args.reps,
-        "sets": args.sets,
-    }
-    sums = totals(rows, meta["dense_above_units"])
+    meta = common.run_meta(
+        device,
+        model=name,
+        tokens=nnz.shape[1],
+        text=text,
+        impl=impl,
+        dense="compiled" if device.type == "cuda" else "eager",
+        heavy_threshold=args.heavy_threshold,
+        dense_above_units=cfg.ffn_dense_above * cfg.intermediate_size,
+        reps=args.reps,
+        sets=args.sets,
+    )
+    sums = totals(rows, cfg.intermediate_size, cfg.ffn_dense_above)
     if device.type == "cuda":
-        sums |= totals(rows, meta["dense_above_units"], prefix="gpu_ms")
+        sums |= totals(rows, cfg.intermediate_size, cfg.ffn_dense_above, prefix="gpu_ms")
     meta["totals"] = sums
-    write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
+    common.write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
     return rows
 
 

@@ -14,8 +14,8 @@ Reports the median step ms, tokens/s, peak memory and ours / each (ms): a Markdo
 / Markdown with --json / --md (device, commit via $GIT_COMMIT or git, date). On fp32 weights and a
 CPU (no autocast) ours and lean give the same loss: tests/benchmarks/test_lean_llama.py.
 
-    python benchmarks/lean_llama.py --preset 1b --json lean_1b.json --md lean_1b.md
-    python benchmarks/lean_llama.py --preset tiny --seq-len 64 --micro-batch 2 --steps 3 --no-compile
+    python -m benchmarks.lean_llama --preset 1b --json lean_1b.json --md lean_1b.md
+    python -m benchmarks.lean_llama --preset tiny --seq-len 64 --micro-batch 2 --steps 3 --no-compile
 """
 
 from __future__ import annotations
@@ -30,14 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import free_memory, median_ms, model_preset, write_report
-from benchmarks.model_step import load_weights, model_step_args, time_impl, trainer_batches
+from benchmarks import common
+from benchmarks.model_step import model_step_args, time_impl, trainer_batches
 from sparse_llm.config import ModelConfig
-from sparse_llm.data import load_tokenizer
-from sparse_llm.model import build_model
-from sparse_llm.training.run_info import collect_run_info
 
 VARIANTS = {
     "ours": "ours (dense), fp32 master + bf16 autocast",
@@ -186,7 +181,7 @@ def lean_model(cfg: ModelConfig, ours: dict[str, torch.Tensor], device: str, bf1
 
 # ---- the benchmark --------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml (e.g. 1b, tiny)")
     for option, field in SIZE_OPTIONS.items():
         p.add_argument(f"--{option}", type=int, default=None, help=f"{field}, over the preset's")
@@ -199,8 +194,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--l1", type=float, default=2e-5, help="ours: the L1 term's coefficient in the step")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
@@ -211,14 +204,23 @@ def weights(args: argparse.Namespace) -> tuple[ModelConfig, dict[str, torch.Tens
     """(config, fp32 CPU weights, tokenizer or None): of --model, else the preset with the size
     options over it, freshly initialised as our trainer does (seeded)."""
     if args.model is not None:
-        return load_weights(args.model)
-    fields = model_preset(args.preset)
+        return common.load_weights(args.model)
+    fields = common.model_preset(args.preset)
     fields.update({f: getattr(args, o) for o, f in SIZE_OPTIONS.items() if getattr(args, o) is not None})
-    tokenizer = load_tokenizer("embedded")  # the trainer's default data, which our step reads
-    fields["vocab_size"] = fields.get("vocab_size") or len(tokenizer)
-    cfg = ModelConfig(**fields)
-    torch.manual_seed(args.seed)
-    return cfg, build_model(cfg).state_dict(), tokenizer
+    return common.fresh_weights(fields, args.seed)
+
+
+def step_args(args: argparse.Namespace, micro_batch: int) -> argparse.Namespace:
+    """What model_step.time_impl (ours) and trainer_batches (the batches of both) read: this
+    script's step settings."""
+    return model_step_args(
+        steps=args.steps,
+        warmup=args.warmup,
+        compile=args.compile,
+        l1=args.l1,
+        micro_batch=micro_batch,
+        seed=args.seed,
+    )
 
 
 def time_lean(
@@ -232,16 +234,10 @@ def time_lean(
     forward = torch.compile(model) if args.compile else model
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" and not bf16)
     # The batches our step reads from the trainer's stream, in the same order.
-    step_args = model_step_args(
-        steps=args.steps,
-        warmup=args.warmup,
-        compile=args.compile,
-        l1=args.l1,
-        micro_batch=ids.shape[0],
-        seed=args.seed,
-    )
     batches = iter(
-        trainer_batches(cfg, tuple(ids.shape), step_args, device, args.warmup + 1 + args.steps + 1)
+        trainer_batches(
+            cfg, tuple(ids.shape), step_args(args, ids.shape[0]), device, args.warmup + 1 + args.steps + 1
+        )
     )
     losses: list[torch.Tensor] = []
 
@@ -261,7 +257,7 @@ def time_lean(
         step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ms = median_ms(step, torch.device("cpu"), warmup=0, reps=args.steps)  # wall clock: step() syncs
+    ms = common.median_ms(step, torch.device("cpu"), warmup=0, reps=args.steps)  # wall clock: step() syncs
     timed = [loss.item() for loss in losses[args.warmup + 1 :]]
     return {
         "ms_step": ms,
@@ -277,15 +273,7 @@ def time_variant(
 ) -> dict[str, Any]:
     """One variant's row: ours through model_step.time_impl, the lean model through time_lean."""
     if variant == "ours":
-        step_args = model_step_args(
-            steps=args.steps,
-            warmup=args.warmup,
-            compile=args.compile,
-            l1=args.l1,
-            micro_batch=ids.shape[0],
-            seed=args.seed,
-        )
-        record = time_impl("dense", "off", cfg, state, ids, step_args, device)
+        record = time_impl("dense", "off", cfg, state, ids, step_args(args, ids.shape[0]), device)
     else:
         record = time_lean(variant == "lean_bf16", cfg, state, ids, args, device)
     keep = ("ms_step", "tokens_per_s", "peak_mem_gib", "loss_first", "loss_last")
@@ -326,7 +314,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = common.bench_device().type
     cfg, state, _ = weights(args)
     # The shape of a step's batch; both steps read the trainer's stream (model_step.trainer_batches).
     ids = torch.empty(args.micro_batch, args.seq_len + 1, dtype=torch.long)
@@ -335,10 +323,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for variant in args.variants:
         rows.append(time_variant(variant, cfg, state, ids, args, device))
         print(f"{variant}: {rows[-1]['ms_step']:.1f} ms/step", file=sys.stderr, flush=True)
-        free_memory()
+        common.free_memory()
     add_ratios(rows)
     meta = {
-        **collect_run_info(torch.device(device), world_size=1),
+        **common.run_meta(device),
         "shape": f"{cfg.num_hidden_layers} layers, D {cfg.hidden_size}, H {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads, vocabulary {cfg.vocab_size}",
         "preset": args.preset,
@@ -347,7 +335,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "autocast": device == "cuda",
         **{k: getattr(args, k) for k in ("micro_batch", "seq_len", "steps", "warmup", "compile", "l1")},
     }
-    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
+    common.write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 
 

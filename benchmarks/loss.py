@@ -4,29 +4,24 @@ PyTorch (impl='reference', which Inductor fuses across chunks), against F.cross_
 whole logits. Medians of CUDA-event timings, the peak memory above the inputs, and the error of
 the loss and both gradients against the unfused path. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/loss.py --json out.json --md out.md   # 1b preset sizes
-    python benchmarks/loss.py --tiny                         # CPU, seconds: the script end to end
+    python -m benchmarks.loss --json out.json --md out.md   # 1b preset sizes
+    python -m benchmarks.loss --tiny                         # CPU, seconds: the script end to end
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import median_ms, write_report
+from benchmarks import common
 from sparse_llm.model.loss import IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy
-from sparse_llm.training.run_info import collect_run_info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (8 x 2048 on the 1b preset)")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=49152)
@@ -35,8 +30,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="small sizes on CPU, the unfused and reference paths")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiny:
         args.tokens, args.dim, args.vocab, args.chunk, args.reps, args.warmup = 96, 32, 211, 32, 3, 1
@@ -80,7 +73,7 @@ def run_case(
         loss.backward()
         last["loss"] = loss.detach()
 
-    ms = median_ms(step, device, args.warmup, args.reps)
+    ms = common.median_ms(step, device, args.warmup, args.reps)
     peak_gib = float("nan")
     if device.type == "cuda":
         hidden.grad = weight.grad = None
@@ -123,16 +116,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    device = common.bench_device(cpu=args.tiny)
     args.chunk = args.chunk or default_chunk_tokens(args.vocab)
-    meta = collect_run_info(device, world_size=1)
-    meta.update({k: getattr(args, k) for k in ("tokens", "dim", "vocab", "chunk", "warmup", "reps")})
+    meta = common.run_meta(
+        device, **{k: getattr(args, k) for k in ("tokens", "dim", "vocab", "chunk", "warmup", "reps")}
+    )
     rows, ref = [], None
     for impl in args.impls:
         row, outputs = run_case(impl, args, device, ref)
         ref = ref or outputs
         rows.append(row)
-    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
+    common.write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import memory_peak_table
+from benchmarks import common
 from sparse_llm.training.callbacks import Callback
 
 
@@ -56,4 +56,4 @@ class MemoryPeak(Callback):
             f"layers falling back to dense now {sum(trainer.model.ffn_dense_fallback())}.\n\n"
         )
         path = self.out / f"memory_peak_steps_{self.first}_{self.last}.txt"
-        path.write_text(header + memory_peak_table(trace, rows=30))
+        path.write_text(header + common.memory_peak_table(trace, rows=30))

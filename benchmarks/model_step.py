@@ -9,8 +9,8 @@ tokens/s, peak memory, the measured L0/sparsity and the loss. `cuda` runs the ke
 reference where they cannot run (sparse_llm.ops.ffn.select says why; the table shows which ran). The
 whole run, from initialisation, is benchmarks/whole_run.py. Prints Markdown, writes JSON and Markdown.
 
-    python benchmarks/model_step.py --preset 1b --sparsify-steps 300 --json out.json --md out.md
-    python benchmarks/model_step.py --tiny      # CPU, seconds: the script end to end
+    python -m benchmarks.model_step --preset 1b --sparsify-steps 300 --json out.json --md out.md
+    python -m benchmarks.model_step --tiny      # CPU, seconds: the script end to end
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,28 +27,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import (
-    free_memory,
-    kernel_table,
-    layers_over_dense_above,
-    memory_peak_table,
-    model_preset,
-    sparse_path,
-    sparsify,
-    write_report,
-)
+from benchmarks import common
 from sparse_llm.config import ModelConfig, RunConfig, load_config
-from sparse_llm.model import build_model
 from sparse_llm.model.state import load_model_state
-from sparse_llm.training.run_info import collect_run_info
-
-TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__)
     p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
     p.add_argument(
         "--model", type=Path, default=None, help="export, checkpoint or run directory to time instead"
@@ -114,8 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "for pytorch.org/memory_viz) and the blocks alive at its peak (memory_peak_*.txt) here",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiny:
         args.micro_batch, args.seq_len = [2], 32
@@ -123,27 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_dict(args: argparse.Namespace) -> dict:
-    return dict(TINY_MODEL) if args.tiny else model_preset(args.preset)
-
-
-def load_weights(path: Path) -> tuple[ModelConfig, dict, object]:
-    """The model config, fp32 weights (CPU) and tokenizer of an export, checkpoint or run directory."""
-    from sparse_llm.inference.loading import load_model
-
-    loaded = load_model(path, "cpu", torch.float32)
-    return loaded.model.config, loaded.model.state_dict(), loaded.tokenizer
+    return dict(common.TINY_MODEL) if args.tiny else common.model_preset(args.preset)
 
 
 def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, object]:
     """(model config, weights, tokenizer or None): of --model, of a sparsify run
     (--sparsify-steps), or freshly initialised."""
     if args.model is not None:
-        return load_weights(args.model)
+        return common.load_weights(args.model)
     model = model_dict(args)
     if args.sparsify_steps > 0:
 
         def sparse_weights(run_dir: Path) -> tuple[ModelConfig, dict, object]:
-            sparsify(
+            common.sparsify(
                 run_dir,
                 model,
                 data={"max_documents": 300} if args.tiny else None,
@@ -154,18 +128,13 @@ def weights(args: argparse.Namespace, device: str) -> tuple[ModelConfig, dict, o
                 seq_len=args.seq_len,
                 batch=args.micro_batch[0],
             )
-            return load_weights(run_dir)
+            return common.load_weights(run_dir)
 
         if args.sparsify_dir is not None:
             return sparse_weights(args.sparsify_dir)
         with tempfile.TemporaryDirectory() as tmp:
             return sparse_weights(Path(tmp) / "sparsify")
-    from sparse_llm.data import load_tokenizer
-
-    tokenizer = load_tokenizer("embedded")  # the trainer's default data: its vocabulary
-    mcfg = ModelConfig(**{**model, "vocab_size": model.get("vocab_size") or len(tokenizer)})
-    torch.manual_seed(args.seed)
-    return mcfg, build_model(mcfg).state_dict(), tokenizer
+    return common.fresh_weights(model, args.seed)
 
 
 def step_config(
@@ -236,7 +205,9 @@ def time_impl(
     from sparse_llm.training.trainer import Trainer
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the autocast dtype of the step
-    ffn, why_not_kernels = sparse_path("train", mcfg, device, dtype) if impl == "cuda" else (impl, None)
+    ffn, why_not_kernels = (
+        common.sparse_path("train", mcfg, device, dtype) if impl == "cuda" else (impl, None)
+    )
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
             step_config(ffn, recompute_norms, mcfg, tuple(ids.shape), args, device), Path(run_dir)
@@ -283,7 +254,7 @@ def time_trainer_step(
         if args.profile is not None and first_variant:
             args.profile.mkdir(parents=True, exist_ok=True)
             trace = args.profile / f"trace_step_{impl}.json.gz"
-            table = kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
+            table = common.kernel_table(step, torch.device(device), row_limit=40, trace_path=trace)
             (args.profile / f"profile_step_{impl}.txt").write_text(table)
         if args.memory_snapshot is not None and device == "cuda" and ids.shape[0] == args.micro_batch[0]:
             write_memory_snapshot(step, args.memory_snapshot, f"{impl}_norms_{recompute_norms}")
@@ -322,7 +293,7 @@ def time_trainer_step(
     record["l0_mean"] = sum(record["l0_per_layer"]) / len(record["l0_per_layer"])
     record["sparsity"] = 1.0 - record["l0_mean"] / model.config.intermediate_size
     record["dense_above_units"] = model.config.ffn_dense_above * model.config.intermediate_size
-    record["layers_over_dense_above"] = layers_over_dense_above(
+    record["layers_over_dense_above"] = common.layers_over_dense_above(
         record["l0_per_layer"], model.config.intermediate_size, model.config.ffn_dense_above
     )
     # What the sparse path keeps of the residual stream for the FFN's backward (ops.ffn.block):
@@ -381,7 +352,7 @@ def write_memory_snapshot(step: Callable[[], object], out_dir: Path, impl: str) 
     with open(out_dir / f"memory_step_{impl}.pickle", "wb") as f:
         pickle.dump(snapshot, f)
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    (out_dir / f"memory_peak_{impl}.txt").write_text(memory_peak_table(trace))
+    (out_dir / f"memory_peak_{impl}.txt").write_text(common.memory_peak_table(trace))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -491,13 +462,13 @@ def model_step_args(
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    device = common.bench_device(cpu=args.tiny).type
     mcfg, state, _ = weights(args, device)
     # The shape of each variant's step; the step reads its batches from the trainer's data stream.
     batches = {b: torch.empty(b, args.seq_len + 1, dtype=torch.long) for b in args.micro_batch}
     tokens = "the trainer's data stream (its training split)"
     meta = {
-        **collect_run_info(torch.device(device), world_size=1),
+        **common.run_meta(device),
         "preset": "tiny" if args.tiny else args.preset,
         "model": str(args.model) if args.model else None,
         "tokens": tokens,
@@ -512,8 +483,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for recompute in args.recompute_norms:
             for impl in args.impls:
                 rows.append(time_impl(impl, recompute, mcfg, state, ids, args, device))
-                free_memory()  # each variant compiles its own graphs (dynamo's cache has a limit)
-    write_report(markdown(meta, rows), meta, rows, args.json, args.md)
+                common.free_memory()  # each variant compiles its own graphs (dynamo's cache has a limit)
+    common.write_report(markdown(meta, rows), meta, rows, args.json, args.md)
     return rows
 
 

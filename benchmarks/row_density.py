@@ -1,8 +1,8 @@
 """How active units spread over the tokens of a training step, layer by layer: what sizes the sparse
 training op's records and its heavy rows' GEMMs (kernels/train_bindings.cpp).
 
-    python benchmarks/row_density.py --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
-    python benchmarks/row_density.py --tiny      # CPU, seconds: the script end to end
+    python -m benchmarks.row_density --model runs/sparse_1b [--rows 8 --seq-len 2048] [--json F] [--md F]
+    python -m benchmarks.row_density --tiny      # CPU, seconds: the script end to end
 
 For each layer, over one step's tokens (rows x seq-len of held-out text, the M of one op call):
 L0, the tokens with an active unit (what the FFN block keeps), the largest and the 99th-percentile
@@ -15,38 +15,30 @@ that capacity and send the rest to an overflow path, so `past early` counts what
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import active_units_per_token, token_batch, write_report
+from benchmarks import common
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 from sparse_llm.ops import DEFAULT_HEAVY_THRESHOLD
-from sparse_llm.training.run_info import collect_run_info
 
 EARLY_ROWS_PER = 64  # kEarlyHeavyRowsPer in kernels/train_bindings.cpp
 HEAVY_ROWS_GRANULE = 64  # kHeavyRowsGranule in kernels/torch_glue.h
-TINY_MODEL = dict(
-    hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=97
-)
+RANDOM_TINY = {**common.TINY_MODEL, "vocab_size": 97}  # --tiny: random weights, no tokenizer
 
 
 def model_parser(description: str | None) -> argparse.ArgumentParser:
     """The options of a per-layer benchmark on a model's held-out tokens (`model_and_tokens`):
     --model or --tiny, --rows, --seq-len, --heavy-threshold, --json, --md."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(description)
     p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
     p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--heavy-threshold", type=int, default=DEFAULT_HEAVY_THRESHOLD)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     return p
 
 
@@ -111,7 +103,7 @@ def model_and_tokens(args: argparse.Namespace, device: torch.device) -> tuple[An
     name) for `--model` or `--tiny` (a random tiny model, 2 x 64 tokens)."""
     if args.tiny:
         torch.manual_seed(0)
-        model, tokenizer, name = build_model(ModelConfig(**TINY_MODEL)), None, "tiny (random)"
+        model, tokenizer, name = build_model(ModelConfig(**RANDOM_TINY)), None, "tiny (random)"
         rows, seq_len = 2, 64
     else:
         from sparse_llm.inference import load_model
@@ -120,24 +112,20 @@ def model_and_tokens(args: argparse.Namespace, device: torch.device) -> tuple[An
         model, tokenizer, name = loaded.model, loaded.tokenizer, str(args.model)
         rows, seq_len = args.rows, args.seq_len
     model.eval()
-    ids, text = token_batch(tokenizer, model.config.vocab_size, rows, seq_len)
+    ids, text = common.token_batch(tokenizer, model.config.vocab_size, rows, seq_len)
     return model, ids.to(device), text, name
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = common.bench_device(cpu=args.tiny)
     model, ids, text, name = model_and_tokens(args, device)
-    nnz = active_units_per_token(model, ids).cpu()
+    nnz = common.active_units_per_token(model, ids).cpu()
     results = layer_rows(nnz, args.heavy_threshold)
-    meta = {
-        **collect_run_info(device, world_size=1),
-        "model": name,
-        "tokens": nnz.shape[1],
-        "text": text,
-        "heavy_threshold": args.heavy_threshold,
-    }
-    write_report(markdown(meta, results), meta, results, args.json, args.md)
+    meta = common.run_meta(
+        device, model=name, tokens=nnz.shape[1], text=text, heavy_threshold=args.heavy_threshold
+    )
+    common.write_report(markdown(meta, results), meta, results, args.json, args.md)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the
 inference forward (TwELL, or the decode FFN up to 64 rows), its in-place add into a residual, and the
-training forward + backward."""
+training forward + backward. No options.
 
-import sys
-from pathlib import Path
+    compute-sanitizer --tool memcheck --error-exitcode 9 python -m benchmarks.sanitize_ffn
+"""
+
+from __future__ import annotations
+
+import argparse
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the checkout's packages
-
-from benchmarks.common import make_workload
+from benchmarks import common
 from sparse_llm import ops
 
 # M, D, H, nnz, threshold; up to 64 rows the inference ops take the decode FFN (one row: its one-launch
@@ -29,9 +31,14 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return common.script_parser(__doc__, report=False).parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parse_args(argv)
     for m, d, h, nnz, threshold in CASES:
-        w = make_workload(m, d, h, nnz, seed=m, device="cuda", calib_tokens=m)
+        w = common.make_workload(m, d, h, nnz, seed=m, device="cuda", calib_tokens=m)
         y = ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="cuda", heavy_threshold=threshold)
         ref = ops.ffn_forward(w.x, w.wg, w.wu, w.wd, impl="reference")
         torch.cuda.synchronize()

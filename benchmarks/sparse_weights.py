@@ -1,7 +1,7 @@
 """Repeatable sparse weights for the benchmarks: train a preset to a target L0 and save it.
 
-    python benchmarks/sparse_weights.py --preset 1b --target-l0 30 --out runs/sparse_1b_l0_30
-    python benchmarks/sparse_weights.py --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
+    python -m benchmarks.sparse_weights --preset 1b --target-l0 30 --out runs/sparse_1b_l0_30
+    python -m benchmarks.sparse_weights --tiny --target-l0 8 --out /tmp/sparse_tiny   # CPU, seconds
 
 On the 1b preset (H100): 800 steps of 8 x 2048 tokens, L1 ramped to 1e-3 over 100 steps (where
 L0 is near 30-50), then the controller's defaults; about 4.5 minutes. Trains through the trainer
@@ -25,24 +25,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (
-    active_units_per_token,
-    layers_over_dense_above,
-    model_preset,
-    sparsify,
-    token_batch,
-    write_report,
-)
+from benchmarks import common
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import load_model
-from sparse_llm.training.run_info import collect_run_info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__, report=False)
     p.add_argument("--preset", default="1b", help="configs/model/<preset>.yaml")
     p.add_argument("--tiny", action="store_true", help="a tiny model on CPU (a smoke test)")
     p.add_argument("--target-l0", type=float, required=True, help="mean active FFN units per token")
@@ -72,8 +62,10 @@ def heldout_layer_l0(run_dir: Path, rows: int, seq_len: int) -> list[float]:
     """Active FFN units per token of each layer, on held-out text, with the saved weights."""
     loaded = load_model(run_dir)
     model = loaded.model
-    ids, _ = token_batch(loaded.tokenizer, model.config.vocab_size, rows, seq_len)
-    return active_units_per_token(model, ids.to(model.lm_head.weight.device)).float().mean(dim=1).tolist()
+    ids, _ = common.token_batch(loaded.tokenizer, model.config.vocab_size, rows, seq_len)
+    return (
+        common.active_units_per_token(model, ids.to(model.lm_head.weight.device)).float().mean(dim=1).tolist()
+    )
 
 
 def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
@@ -84,22 +76,18 @@ def heldout_l0(run_dir: Path, rows: int, seq_len: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.tiny
+    device = common.bench_device(cpu=args.tiny)
+    on_gpu = device.type == "cuda"
     if args.tiny:
-        model = {
-            "hidden_size": 64,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        }
+        model = dict(common.TINY_MODEL)
         steps, seq_len, batch = args.steps or 150, args.seq_len or 64, args.batch or 8
         warmup = 30 if args.l1_warmup_end is None else args.l1_warmup_end
     else:
-        model = model_preset(args.preset)
+        model = common.model_preset(args.preset)
         steps, seq_len, batch = args.steps or 800, args.seq_len or 2048, args.batch or 8
         warmup = 100 if args.l1_warmup_end is None else args.l1_warmup_end
     start = time.perf_counter()
-    sparsify(
+    common.sparsify(
         args.out,
         model,
         steps=steps,
@@ -109,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=batch,
         l1_warmup_end=warmup,
         data={"max_documents": 300} if args.tiny else None,
-        train={"device": "cuda" if on_gpu else "cpu", "compile": on_gpu, "log_every": max(1, steps // 60)},
+        train={"device": device.type, "compile": on_gpu, "log_every": max(1, steps // 60)},
         overrides=[
             f"sparsity.target_l0={args.target_l0}",
             f"sparsity.controller.per_layer={str(args.per_layer).lower()}",
@@ -131,13 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         "per_layer_controller": args.per_layer,
         "heldout_layer_l0": layer_l0,
         "dense_above_units": dense_above,
-        "layers_dense_above": layers_over_dense_above(layer_l0, model["intermediate_size"], max_density),
+        "layers_dense_above": common.layers_over_dense_above(
+            layer_l0, model["intermediate_size"], max_density
+        ),
         "steps": steps,
         "tokens_per_step": batch * seq_len,
         "seconds": seconds,
         "run_dir": str(args.out),
     }
-    meta = collect_run_info(torch.device("cuda" if on_gpu else "cpu"), world_size=1)
+    meta = common.run_meta(device)
     text = (
         f"# Sparse weights: {row['preset']} trained to a target L0 of {args.target_l0:g}\n\n"
         f"{meta.get('device')}, commit `{meta.get('commit')}`, {meta.get('date')}\n\n"
@@ -153,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|" + "---|" * len(layer_l0) + "\n"
         "| L0 | " + " | ".join(f"{v:.1f}" for v in layer_l0) + " |\n"
     )
-    write_report(text, meta, [row], args.out / "sparse_weights.json", args.out / "sparse_weights.md")
+    common.write_report(text, meta, [row], args.out / "sparse_weights.json", args.out / "sparse_weights.md")
     return 0
 
 

@@ -39,13 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from benchmarks.common import write_report
+from benchmarks import common
 from benchmarks.sparse_weights import heldout_layer_l0
 from sparse_llm.analysis.runs import read_metrics
 from sparse_llm.run_files import EXPORT_DIR
-from sparse_llm.training.run_info import collect_run_info
 
 # (steps, micro-batch = global batch, seq_len, model preset, log_every)
 FULL = dict(steps=800, batch=8, seq_len=2048, preset="1b", log_every=20)
@@ -54,7 +51,7 @@ ACCELERATE_FSDP2 = Path(__file__).resolve().parents[1] / "configs" / "accelerate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.script_parser(__doc__, report=False)
     p.add_argument("--impl", choices=["dense", "auto", "cuda", "reference"], help="model.ffn_impl of the run")
     p.add_argument("--out-dir", type=Path, help="where the run's JSON summary (whole_run_<impl>.json) goes")
     p.add_argument(
@@ -197,9 +194,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             for r in records
         ],
     )
-    meta = collect_run_info(
-        torch.device("cuda" if torch.cuda.is_available() else "cpu"), world_size=args.gpus
-    )
+    meta = common.run_meta(common.bench_device(), world_size=args.gpus)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{run_name(args)}.json"
     path.write_text(json.dumps({"meta": meta, "results": [summary]}, indent=1) + "\n")
@@ -314,7 +309,7 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
             + ", ".join(f"{k} {result[k]:.4g}" for k in RATIO_KEYS)
             + (f"; recompiles at most {result['recompiles']:g}.\n")
         )
-    write_report(text, {"pairs": metas}, [result], args.json, args.md)
+    common.write_report(text, {"pairs": metas}, [result], args.json, args.md)
     return result
 
 

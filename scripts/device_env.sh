@@ -1,8 +1,7 @@
-# Sourced by the scripts run on a GPU machine (gpu_train_check.sh, gpu_train_1b.sh, gpu_sparse_1b.sh,
-# gpu_multi_check.sh), from the repository root: installs the packages a GPU machine's Python
-# lacks (hydra-core, omegaconf, datasets,
-# ...) from the wheels in $WHEELS (default .whl) into /tmp/site, and puts them and the repository
-# on PYTHONPATH. Returns non-zero if the install fails.
+# Sourced on a GPU machine (by scripts/gpu_check.sh and `make bench-headline`), from the repository
+# root: installs the packages a GPU machine's Python lacks (hydra-core, omegaconf, datasets, ...)
+# from the wheels in $WHEELS (default .whl) into /tmp/site, and puts them and the repository on
+# PYTHONPATH. Returns non-zero if the install fails.
 export PYTHONUNBUFFERED=1
 WHEELS=${WHEELS:-.whl}
 if [ -d "$WHEELS" ]; then

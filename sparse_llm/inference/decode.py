@@ -272,6 +272,32 @@ class DecodeSlot:
             self.steps[key] = step
         return self.steps[key]
 
+    @torch.no_grad()
+    def decode(
+        self,
+        first: torch.Tensor,
+        lengths: torch.Tensor,
+        width: int,
+        params: SamplingParams,
+        eos: torch.Tensor,
+    ) -> torch.Tensor:
+        """New tokens [B, n] (n <= max_new_tokens; 0 after a row's EOS), `first` ([B], sampled from
+        the prefill's last logits) and then one step a token, after a prefill into this slot's cache
+        of prompts left-padded to `width` columns (`lengths`: [B] real tokens each); `eos`: the
+        EOS ids (empty: none), read on the host every EOS_CHECK_EVERY steps. The step must have
+        been asked for (`step_for`) before the prefill: its capture writes the cache."""
+        steps = params.max_new_tokens
+        step = self.step_for(params) if steps > 1 else None
+        self.state.load(first, lengths, width, eos)
+        tokens = torch.empty(steps, first.shape[0], device=first.device, dtype=torch.long)
+        tokens[0] = first
+        for i in range(1, steps):
+            if eos.numel() and i % EOS_CHECK_EVERY == 0 and bool(self.state.finished.all()):
+                return tokens[:i].T
+            step()
+            tokens[i].copy_(self.state.tokens)
+        return tokens.T
+
     def generator_for(self, params: SamplingParams) -> torch.Generator | None:
         """The generator of a call's draws, the first token's included: this slot's, reseeded,
         for seeded sampling; None (torch's default generator) otherwise."""
@@ -364,18 +390,10 @@ class StaticDecoder:
         """New tokens [B, n] (n <= max_new_tokens; 0 after a row's EOS) for B prompts left-padded
         to `width` columns (`lengths`: [B] real tokens each). `prefill(cache)` fills `cache` with
         the prompts and returns their last logits [B, V]; `eos`: the EOS ids (empty: none)."""
-        b, steps = lengths.shape[0], params.max_new_tokens
-        slot = self.slot(b, width + steps, eos.numel())
+        steps = params.max_new_tokens
+        slot = self.slot(lengths.shape[0], width + steps, eos.numel())
         if steps > 1:  # before the prefill: a capture's warm-up writes the cache
-            step = slot.step_for(params)
+            slot.step_for(params)
         generator = slot.generator_for(params)
         first = sample_next(prefill(slot.state.prefill_cache()), params, generator)
-        slot.state.load(first, lengths, width, eos)
-        tokens = torch.empty(steps, b, device=first.device, dtype=torch.long)
-        tokens[0] = first
-        for i in range(1, steps):
-            if eos.numel() and i % EOS_CHECK_EVERY == 0 and bool(slot.state.finished.all()):
-                return tokens[:i].T
-            step()
-            tokens[i].copy_(slot.state.tokens)
-        return tokens.T
+        return slot.decode(first, lengths, width, params, eos)

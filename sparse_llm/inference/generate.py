@@ -125,25 +125,41 @@ def eager_decode(
     params: SamplingParams,
     eos: torch.Tensor,
 ) -> torch.Tensor:
-    """New tokens [B, n] (0 after a row's EOS): one forward per step over the filled columns of a
-    cache sized for the call, the padding mask grown by a column per step, and a host sync per
-    step for the EOS check. The reference the static decode is checked against."""
+    """New tokens [B, n] (0 after a row's EOS): the prefill into a cache sized for the call, then
+    `eager_decode_from`. The reference the static decode is checked against."""
     batch, width = padded.ids.shape
     device = padded.ids.device
     cache = KVCache(model.config, batch, width + params.max_new_tokens, device, model.lm_head.weight.dtype)
+    return eager_decode_from(model, prefill(cache), cache, params, padded.lengths, padded.mask, eos)
+
+
+@torch.no_grad()
+def eager_decode_from(
+    model: SparseLlamaForCausalLM,
+    logits: torch.Tensor,
+    cache: KVCache,
+    params: SamplingParams,
+    lengths: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    eos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """New tokens [B, n] (n <= max_new_tokens; 0 after a row's EOS) after a prefill into `cache`
+    whose last logits are `logits` [B, V]: one forward per step over the filled columns (a new
+    shape each step), the padding `mask` ([B, W] or None: no row padded) grown by a column per
+    step, and a host sync per step for the EOS check (none without `eos` ids). `lengths`: [B] real
+    prompt tokens a row, the RoPE position of its first new token."""
+    batch, device = logits.shape[0], logits.device
     generator = None
     if params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(params.seed)
-    logits = prefill(cache)
-    mask = padded.mask
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    next_pos = padded.lengths.clone()
+    next_pos = lengths.clone()
     steps = []
     for step in range(params.max_new_tokens):
         token = sample_next(logits, params, generator)
         token = torch.where(finished, torch.zeros_like(token), token)
         steps.append(token)
-        if eos.numel():
+        if eos is not None and eos.numel():
             finished |= torch.isin(token, eos)
             if bool(finished.all()):
                 break

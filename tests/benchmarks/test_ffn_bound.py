@@ -13,7 +13,8 @@ import torch
 from benchmarks import ffn_bound as fb
 from benchmarks.common import make_workload
 
-SCRIPT = Path(fb.__file__)
+REPO = Path(__file__).resolve().parents[2]
+MODULE = [sys.executable, "-m", "benchmarks.ffn_bound"]  # run from the repository root
 
 
 def test_bound_picks_the_cheapest_threshold_and_only_the_units_heavy_rows_use():
@@ -79,8 +80,7 @@ def test_ffn_bound_tiny_runs_end_to_end_with_measured_results(tmp_path):
     measured.write_text(json.dumps({"results": [case]}))
     out, md = tmp_path / "bound.json", tmp_path / "bound.md"
     cmd = [
-        sys.executable,
-        str(SCRIPT),
+        *MODULE,
         "--tiny",
         "--measured",
         str(measured),
@@ -89,7 +89,7 @@ def test_ffn_bound_tiny_runs_end_to_end_with_measured_results(tmp_path):
         "--md",
         str(md),
     ]
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     rows = json.loads(out.read_text())["results"]
     assert [(r["nnz"], r["pass"]) for r in rows] == [
         (4, "forward"),
@@ -104,6 +104,6 @@ def test_ffn_bound_tiny_runs_end_to_end_with_measured_results(tmp_path):
 
 
 def test_ffn_bound_rejects_a_missing_results_file(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--measured", str(tmp_path / "none.json")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [*MODULE, "--tiny", "--measured", str(tmp_path / "none.json")]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "no such results file" in result.stderr

@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from benchmarks.layer_ffn import ffn_inputs, main, totals
-from benchmarks.row_density import TINY_MODEL
+from benchmarks.row_density import RANDOM_TINY
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
 
 
 def test_ffn_inputs_are_what_each_layer_feeds_its_ffn():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**TINY_MODEL)).eval()
-    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, 12))
+    model = build_model(ModelConfig(**RANDOM_TINY)).eval()
+    ids = torch.randint(0, RANDOM_TINY["vocab_size"], (2, 12))
     inputs = ffn_inputs(model, ids)
     stats = model(ids, with_stats=True).ffn_stats.nnz_per_token  # [layers, tokens]
-    assert len(inputs) == TINY_MODEL["num_hidden_layers"]
+    assert len(inputs) == RANDOM_TINY["num_hidden_layers"]
     for x, mlp, nnz in zip(inputs, (layer.mlp for layer in model.model.layers), stats, strict=True):
-        assert x.shape == (24, TINY_MODEL["hidden_size"])
+        assert x.shape == (24, RANDOM_TINY["hidden_size"])
         assert torch.equal((x @ mlp.gate_proj.weight.T > 0).sum(-1), nnz)
 
 
@@ -32,16 +32,16 @@ def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
         {"l0": 80.0, "ms_dense": 4.0, "ms_dense_recomputed": 5.0, "ms_ours": 3.5},
         {"l0": 120.0, "ms_dense": 4.0, "ms_dense_recomputed": 5.0, "ms_ours": 6.0},
     ]
-    sums = totals(rows, dense_above_units=56.0)  # layers 1 and 2 run dense, recomputed
+    sums = totals(rows, hidden=1000, max_density=0.056)  # layers 1 and 2 run dense, recomputed
     assert sums == {"ms_dense": 12.0, "ms_ours": 11.5, "ms_trainer_rule": 12.0, "ms_best_per_layer": 10.5}
     gpu_rows = [{k.replace("ms_", "gpu_ms_"): v for k, v in r.items()} for r in rows]
-    assert totals(gpu_rows, 56.0, prefix="gpu_ms")["gpu_ms_trainer_rule"] == 12.0
+    assert totals(gpu_rows, 1000, 0.056, prefix="gpu_ms")["gpu_ms_trainer_rule"] == 12.0
 
 
 @pytest.mark.slow
 def test_tiny_end_to_end(tmp_path):
     rows = main(["--tiny", "--warmup", "1", "--reps", "1", "--sets", "2", "--json", str(tmp_path / "r.json")])
-    assert [r["layer"] for r in rows] == list(range(TINY_MODEL["num_hidden_layers"]))
+    assert [r["layer"] for r in rows] == list(range(RANDOM_TINY["num_hidden_layers"]))
     assert all(
         r["ms_dense"] > 0 and r["ms_dense_recomputed"] > 0 and r["ms_ours"] > 0 and r["l0"] > 0 for r in rows
     )

@@ -360,7 +360,8 @@ def test_benchmark_script_tiny(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            "benchmarks/inference.py",
+            "-m",
+            "benchmarks.inference",
             "--tiny",
             "--sparsify-steps",
             "3",

@@ -10,7 +10,7 @@ from ffn_patterns import needs_hopper
 from sparse_llm.config import ModelConfig
 from sparse_llm.inference import SamplingParams, StaticDecoder, decode, generate_ids, resolve_decode_mode
 from sparse_llm.inference.decode import EOS_CHECK_EVERY, decode_step, why_not_graph
-from sparse_llm.inference.generate import left_pad
+from sparse_llm.inference.generate import eager_decode_from, left_pad
 from sparse_llm.inference.sampling import filter_logits, sample_next
 from sparse_llm.model import FFNPlan, KVCache, build_model
 from sparse_llm.model.kv_cache import ColumnWriteCache
@@ -159,6 +159,32 @@ def test_every_row_stopping_early_ends_the_static_loop():
     table = decoder.generate(prefill, padded.lengths, padded.width, params, torch.tensor(eos))
     assert table.shape == (3, EOS_CHECK_EVERY)
     assert generate_ids(model, PROMPTS, params, eos, decoder=decoder).tokens == eager.tokens
+
+
+def test_decode_from_a_prefilled_cache_repeats_the_generation():
+    """Both decode loops from a cache the caller prefilled (what the inference benchmark times):
+    `eager_decode_from` and `DecodeSlot.decode` give generate_ids' tokens, and again when run a
+    second time from the same prefill (the cache rewound to the prompt's columns)."""
+    model = tiny_model()
+    params = greedy(6)
+    padded = left_pad(PROMPTS, torch.device("cpu"))
+    want = torch.tensor(generate_ids(model, PROMPTS, params).tokens)
+
+    def prefill(cache: KVCache) -> torch.Tensor:
+        out = model(padded.ids, cache=cache, position_ids=padded.positions, attention_mask=padded.mask)
+        return out.logits[:, -1]
+
+    cache = KVCache(model.config, len(PROMPTS), padded.width + 6, "cpu", torch.float32)
+    logits = prefill(cache)
+    for _ in range(2):
+        cache.length = padded.width
+        assert torch.equal(eager_decode_from(model, logits, cache, params, padded.lengths, padded.mask), want)
+    slot = StaticDecoder(model, capture=False).slot(len(PROMPTS), padded.width + 6, 0)
+    slot.step_for(params)
+    first = prefill(slot.state.prefill_cache()).argmax(-1)
+    no_eos = torch.empty(0, dtype=torch.long)
+    for _ in range(2):
+        assert torch.equal(slot.decode(first, padded.lengths, padded.width, params, no_eos), want)
 
 
 def test_a_capture_warms_up_from_a_reset_state(monkeypatch):

@@ -337,13 +337,11 @@ def test_cuda_compiled_loss_runs_its_chunks_one_after_the_other() -> None:
 
 def test_benchmark_loss_tiny_runs_end_to_end(tmp_path) -> None:
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "loss.py"
+    from benchmarks.loss import main
+
     out, md = tmp_path / "loss.json", tmp_path / "loss.md"
-    subprocess.run([sys.executable, str(script), "--tiny", "--json", str(out), "--md", str(md)], check=True)
+    main(["--tiny", "--json", str(out), "--md", str(md)])
     result = json.loads(out.read_text())
     unfused, chunked = result["results"]
     assert (unfused["impl"], chunked["impl"]) == ("unfused", "reference") and result["meta"]["commit"]

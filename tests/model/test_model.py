@@ -225,15 +225,13 @@ def test_dense_fallback_recomputes_its_ffn_in_the_backward():
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "model_step.py"
+    from benchmarks.model_step import main
+
     out = tmp_path / "bench.json"
     args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
     args += ["--recompute-norms", "off", "on"]
-    subprocess.run([sys.executable, str(script), *args, "--md", str(tmp_path / "bench.md")], check=True)
+    main([*args, "--md", str(tmp_path / "bench.md")])
     result = json.loads(out.read_text())
     dense, sparse, dense_recomputing, sparse_recomputing = result["results"]
     assert [r["impl"] for r in result["results"]] == ["dense", "cuda"] * 2 and result["meta"]["commit"]

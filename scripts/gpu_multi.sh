@@ -1,74 +1,27 @@
-#!/usr/bin/env bash
-# Multi-GPU checks for one run on a 2-GPU machine (issue 6); results under $OUT, kept to a few files:
-# everything lands in one tarball, rebuilt after every part, plus the log.
-#   ddp_match    100M model, same global batch (16 x 1024): 1 GPU (2 micro-batches of 8) against
-#                2-GPU DDP (one of 8 per GPU), and the 1-GPU run with 4 micro-batches of 4 as the
-#                noise floor of a changed summation order; per-step losses compared
-#                (scripts/compare_losses.py). MATCH_FP32=1 adds the same pair in fp32.
-#   fsdp_resume  FSDP2, the 1b preset: train with a checkpoint every FSDP_CKPT steps, SIGKILL the
-#                whole job once step FSDP_KILL_AFTER is logged, resume with train.resume=auto, and
-#                compare the resumed losses with the ones logged before the kill (and, with
-#                FSDP_REFERENCE=1, with an uninterrupted run); checks the Hugging Face export.
-#                FSDP_KERNELS=1: the CUDA training kernels on every layer and the L1 controller
-#                (per layer, target L0 30), and the killed run also resumed in ONE process without
-#                FSDP2 (DCP loads the shards whole), compared with the uninterrupted 2-process run.
-#   scaling      the 1b preset compiled in bf16, 8 x 2048 tokens per GPU per step (bench_1b):
-#                1 GPU, 2-GPU DDP and 2-GPU FSDP2 (SCALING_FSDP=0 skips it); tokens/s medians.
-#                SCALE_EXTRA: overrides of every scaling run (e.g. data.prefetch=2);
-#                SCALE_BASELINE_EXTRA: also a 1-GPU run with these overrides instead, on the
-#                second GPU at the same time as the first 1-GPU run (an A/B in one run).
-#   cuda_ffn     the ddp_match runs with model.ffn_impl=cuda (CUDA training kernels every step:
-#                model.ffn_dense_above=1: every layer sparse after the first step) under DDP and
-#                FSDP2, each compared with the same run on the dense FFN. The kernels are built
-#                ahead, in the background, while the other parts run.
-# Usage: bash scripts/gpu_multi_check.sh fsdp_resume ddp_match cuda_ffn scaling
-# Env: DEADLINE (seconds for the whole script; a run that would not fit is skipped), MATCH_STEPS,
-#      SCALE_STEPS, SCALE_SKIP (warm-up windows dropped), FSDP_STEPS, FSDP_CKPT, FSDP_KILL_AFTER,
-#      FSDP_REFERENCE=1, FSDP_KERNELS=1, MATCH_FP32=1, WHEELS (wheel directory, default .whl), GIT_COMMIT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-START=$(date +%s)
-DEADLINE=${DEADLINE:-100000}
-OUT=${OUT:-/tmp/gpu_multi_out}
+# The two-GPU parts of scripts/gpu_check.sh (ddp_match, fsdp_resume, scaling, cuda_ffn: what they
+# run and their knobs are in its header), sourced by it after its helpers (PY, OUT, step, fits,
+# left, wait_build). The runs go under $WORK; pack_multi gathers their metrics, configs and logs
+# into $OUT/multi_results.tar.gz after each part.
 WORK=${WORK:-/tmp/multi}
-mkdir -p "$OUT" "$WORK/runs" "$WORK/logs" "$WORK/results"
-# NVLink multicast stays off: it can take the host's shared GPUs down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-source scripts/device_env.sh || exit 1
-python3 -c "import torch, accelerate, hydra; print('torch', torch.__version__, 'accelerate', accelerate.__version__, \
-'gpus', torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.get_device_name())" 2>&1 \
-  | tee "$WORK/logs/device.log" || exit 1
-nvidia-smi topo -m >>"$WORK/logs/device.log" 2>&1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >>"$WORK/logs/device.log" 2>&1
-echo "commit ${GIT_COMMIT:-unknown}" >>"$WORK/logs/device.log"
-
+mkdir -p "$WORK/runs" "$WORK/logs" "$WORK/results"
 RUNS=$WORK/runs
 COMMON="logger=none train.progress=false"
 # $EXTRA (overrides appended to every run; the last value of a key wins) shrinks the runs for a
 # smoke test on CPU, e.g. EXTRA="model=tiny train.seq_len=64 train.compile=false".
 one() {  # overrides: a 1-process run
-  echo python3 -m sparse_llm.train $COMMON "$@" ${EXTRA:-}
+  echo $PY -m sparse_llm.train $COMMON "$@" ${EXTRA:-}
 }
 launch() {  # accelerate config name, then overrides: a 2-process accelerate launch on a fresh port
   local config=$1 port; shift
   port=$(($(cat "$WORK/port" 2>/dev/null || echo 29500) + 1))
   echo $port >"$WORK/port"  # (called in a subshell: the counter lives in a file)
-  echo python3 -m accelerate.commands.launch --config_file "configs/accelerate/$config.yaml" --num_processes 2 \
+  echo $PY -m accelerate.commands.launch --config_file "configs/accelerate/$config.yaml" --num_processes 2 \
     --main_process_port $port -m sparse_llm.train $COMMON "$@" ${EXTRA:-}
-}
-
-left() { echo $((DEADLINE - ($(date +%s) - START))); }
-fits() {  # seconds a run needs: false (and a note) when the deadline leaves less
-  if [ "$(left)" -lt "$1" ]; then
-    echo "SKIP: $2 needs ~$1 s, $(left) s left" | tee -a "$WORK/logs/skipped.log"
-    return 1
-  fi
 }
 
 kill_tree() {  # pid: SIGKILL it and every process below it. Not a process-group kill: torch's
   # launcher starts each worker in a session of its own, so the workers would outlive their group.
-  python3 - "$1" <<'EOF'
+  $PY - "$1" <<'EOF'
 import sys
 import psutil
 try:
@@ -103,7 +56,7 @@ run_limited() {  # seconds, name, command...: the whole process tree is killed a
   return $rc
 }
 
-pack() {  # everything small that a part produced, as one tarball under $OUT
+pack_multi() {  # everything small the two-GPU parts produced, as one tarball under $OUT
   (cd "$WORK" && find runs -maxdepth 2 \( -name metrics.jsonl -o -name config.yaml -o -name run_info.json \) -print0 | tar -czf "$OUT/multi_results.tar.gz" --null -T - logs results)
 }
 
@@ -116,7 +69,7 @@ train.warmup_steps=5 train.log_every=1 train.eval_every=10 train.eval_batches=4 
 train.export=false train.compile=false sparsity=paper sparsity.l1_coeff=3e-4 sparsity.l1_warmup_end=10"
 REINIT="sparsity.reinit.enabled=true sparsity.reinit.every=10"
 
-ddp_match() {
+match_pair() {  # precision, tag: the ddp_match runs in that precision
   local prec=$1 tag=$2
   fits 150 "ddp_match $prec" || return 0
   # The two 1-GPU runs side by side, one per GPU.
@@ -128,7 +81,7 @@ ddp_match() {
   wait $first; wait $!
   run_limited 240 ${tag}_ddp $(launch ddp $MATCH $REINIT train.precision=$prec train.micro_batch_size=8 \
     run_dir=$RUNS/${tag}_ddp)
-  python3 scripts/compare_losses.py $RUNS/${tag}_1gpu $RUNS/${tag}_ddp $RUNS/${tag}_1gpu_mb4 \
+  $PY scripts/compare_losses.py $RUNS/${tag}_1gpu $RUNS/${tag}_ddp $RUNS/${tag}_1gpu_mb4 \
     --labels 1gpu,ddp2,1gpu_mb4 --json "$WORK/results/${tag}.json" 2>&1 | tail -n 6
 }
 
@@ -147,16 +100,14 @@ RESUME_KEYS="loss,ce,l1,grad_norm,l1_coeff,l1_coeff/layer_00,l1_coeff/layer_17"
 
 fsdp_resume() {
   fits 200 fsdp_resume || return 0
-  if [ "${FSDP_KERNELS:-0}" = 1 ] && [ -n "${BUILD_PID:-}" ]; then
-    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"; BUILD_PID=
-  fi
+  if [ "${FSDP_KERNELS:-0}" = 1 ]; then wait_build || return 1; fi
   local dir=$RUNS/fsdp_killed
   local log=$WORK/logs/fsdp_killed.log
   echo "== fsdp_killed ($(date -u +%H:%M:%S)): kill -9 after step $FSDP_KILL_AFTER" | tee -a "$WORK/logs/commands.log"
   # shellcheck disable=SC2046
   $(launch fsdp2 $FSDP run_dir=$dir) >"$log" 2>&1 &
   local pid=$! waited=0
-  until python3 - "$dir" "$FSDP_KILL_AFTER" <<'EOF' 2>/dev/null
+  until $PY - "$dir" "$FSDP_KILL_AFTER" <<'EOF' 2>/dev/null
 import sys
 from sparse_llm.analysis.runs import read_metrics
 records = read_metrics(sys.argv[1])  # fails (not yet) while the first record is being written
@@ -185,7 +136,7 @@ EOF
   resumed_at=$(grep -ho "at step [0-9]*" "$WORK/logs/fsdp_resumed.log" | head -n 1 | awk '{print $3}')
   echo "   resumed at step ${resumed_at:-?}"
   # Steps after the checkpoint: logged before the kill, and again by the resumed run.
-  python3 scripts/compare_losses.py "$RUNS/fsdp_prekill" "$dir" --labels before_kill,resumed \
+  $PY scripts/compare_losses.py "$RUNS/fsdp_prekill" "$dir" --labels before_kill,resumed \
     --keys $keys --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
     | tail -n 8
   if [ "${FSDP_KERNELS:-0}" = 1 ]; then
@@ -193,15 +144,15 @@ EOF
   fi
   if [ "${FSDP_REFERENCE:-0}" = 1 ] && fits 150 fsdp_straight; then
     run_limited 300 fsdp_straight $(launch fsdp2 $FSDP run_dir=$RUNS/fsdp_straight) \
-      && python3 scripts/compare_losses.py $RUNS/fsdp_straight "$dir" --labels straight,killed_resumed \
+      && $PY scripts/compare_losses.py $RUNS/fsdp_straight "$dir" --labels straight,killed_resumed \
         --keys $keys,val_loss --json "$WORK/results/fsdp_resume_vs_straight.json" 2>&1 | tail -n 4
     # Across process counts: the one-process resume against the uninterrupted two-process run.
-    [ -d "${dir}_1proc" ] && python3 scripts/compare_losses.py $RUNS/fsdp_straight "${dir}_1proc" \
+    [ -d "${dir}_1proc" ] && $PY scripts/compare_losses.py $RUNS/fsdp_straight "${dir}_1proc" \
       --labels straight_2proc,resumed_1proc --keys $keys,val_loss --min-step $((${resumed_at:-0} + 1)) \
       --json "$WORK/results/fsdp_resume_1proc_vs_straight.json" 2>&1 | tail -n 4
   fi
   # The export gathered from the shards: every weight of a transformers Llama, with its shape.
-  python3 - "$dir/export" "$WORK/results/fsdp_export.json" <<'EOF' 2>&1 | tail -n 3
+  $PY - "$dir/export" "$WORK/results/fsdp_export.json" <<'EOF' 2>&1 | tail -n 3
 import json, sys
 import torch
 from safetensors import safe_open
@@ -226,7 +177,7 @@ SCALE_STEPS=${SCALE_STEPS:-40}
 SCALE_BASE="experiment=bench_1b train.max_steps=$SCALE_STEPS train.log_every=5"
 SCALE="$SCALE_BASE ${SCALE_EXTRA:-}"
 summarize() {  # run name: its tokens/s summary into $WORK/results
-  python3 scripts/summarize_run.py "$RUNS/$1" --name "$1" --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
+  $PY scripts/summarize_run.py "$RUNS/$1" --name "$1" --out "$WORK/results" --skip ${SCALE_SKIP:-2} >/dev/null
 }
 scaling() {
   if [ -n "${SCALE_BASELINE_EXTRA:-}" ]; then
@@ -244,7 +195,7 @@ scaling() {
     run_limited 400 scale_fsdp $(launch fsdp2 $SCALE train.global_batch_size=16 run_dir=$RUNS/scale_fsdp) \
       && summarize scale_fsdp
   fi
-  python3 - "$WORK/results" <<'EOF'
+  $PY - "$WORK/results" <<'EOF'
 import json, pathlib, sys
 results = pathlib.Path(sys.argv[1])
 runs = {n: json.loads((results / f"scale_{n}.json").read_text()) for n in ("1gpu", "1gpu_base", "ddp", "fsdp")
@@ -258,9 +209,7 @@ EOF
 }
 
 cuda_ffn() {
-  if [ -n "${BUILD_PID:-}" ]; then
-    wait "$BUILD_PID"; echo "   kernel build: rc $?, $(tail -n 1 "$WORK/logs/ops_build.log")"; BUILD_PID=
-  fi
+  wait_build || return 1
   local cuda="model.ffn_impl=cuda model.ffn_dense_above=1.0"
   # The dense twin of cuda_ddp is ddp_match's DDP run.
   [ -f $RUNS/bf16_ddp/metrics.jsonl ] || { fits 100 dense_ddp && run_limited 240 bf16_ddp $(launch ddp $MATCH $REINIT \
@@ -273,33 +222,13 @@ cuda_ffn() {
   fits 100 dense_fsdp && run_limited 240 dense_fsdp $(launch fsdp2 $MATCH train.precision=bf16 \
     train.micro_batch_size=8 run_dir=$RUNS/dense_fsdp)
   grep -h -i "warn.*\(fall\|refer\)" "$WORK"/logs/cuda_*.log | sort | uniq -c | head -n 5
-  [ -f $RUNS/cuda_ddp/metrics.jsonl ] && python3 scripts/compare_losses.py $RUNS/bf16_ddp $RUNS/cuda_ddp --labels dense_ddp,cuda_ddp \
+  [ -f $RUNS/cuda_ddp/metrics.jsonl ] && $PY scripts/compare_losses.py $RUNS/bf16_ddp $RUNS/cuda_ddp --labels dense_ddp,cuda_ddp \
     --json "$WORK/results/cuda_ffn_ddp.json" 2>&1 | tail -n 4
-  [ -f $RUNS/cuda_fsdp/metrics.jsonl ] && python3 scripts/compare_losses.py $RUNS/dense_fsdp $RUNS/cuda_fsdp \
+  [ -f $RUNS/cuda_fsdp/metrics.jsonl ] && $PY scripts/compare_losses.py $RUNS/dense_fsdp $RUNS/cuda_fsdp \
     --labels dense_fsdp,cuda_fsdp --json "$WORK/results/cuda_ffn_fsdp.json" 2>&1 | tail -n 4
 }
 
-# ---- main ---------------------------------------------------------------------------------------
-for part in "$@"; do
-  case "$part" in ddp_match | fsdp_resume | scaling | cuda_ffn) ;; *) echo "unknown part $part"; exit 2 ;; esac
-done
-if [[ " $* " == *" cuda_ffn "* ]] || [ "${FSDP_KERNELS:-0}" = 1 ]; then  # CPU work: overlaps the GPU runs of the other parts
-  python3 -m sparse_llm.ops.build >"$WORK/logs/ops_build.log" 2>&1 &
-  BUILD_PID=$!
-fi
-for part in "$@"; do
-  echo "==== $part ($(date -u +%H:%M:%S), $(left) s left)"
-  case "$part" in
-    ddp_match)
-      ddp_match bf16 bf16
-      [ "${MATCH_FP32:-0}" = 1 ] && ddp_match fp32 fp32
-      ;;
-    fsdp_resume) fsdp_resume ;;
-    scaling) scaling ;;
-    cuda_ffn) cuda_ffn ;;
-  esac
-  pack
-done
-pack
-echo "==== done in $(($(date +%s) - START)) s"
-ls -la "$OUT"
+ddp_match() {
+  match_pair bf16 bf16 || return 1
+  if [ "${MATCH_FP32:-0}" = 1 ]; then match_pair fp32 fp32; fi
+}
