@@ -45,7 +45,7 @@ def bench_device(cpu: bool = False) -> torch.device:
 def require_cuda(what: str, kernels: bool = False) -> torch.device:
     """The GPU `what` measures on; exits with the reason where there is none or, with `kernels`,
     where the CUDA kernels cannot run."""
-    from sparse_llm.ops.select import kernels_unavailable
+    from sparse_llm.ops import kernels_unavailable
 
     reason = kernels_unavailable("cuda") if kernels else None if torch.cuda.is_available() else "no CUDA GPU"
     if reason is not None:
