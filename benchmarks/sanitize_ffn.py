@@ -1,6 +1,7 @@
 """Small FFN cases for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): the
 inference forward (TwELL, or the decode FFN up to 64 rows), its in-place add into a residual, and the
-training forward + backward. No options.
+training forward + backward; then the training op twice on the same inputs with a few hot units
+(every row light, thousands of entries a unit), saying whether the two give the same bits. No options.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python -m benchmarks.sanitize_ffn
 """
@@ -63,6 +64,24 @@ def main(argv: list[str] | None = None) -> None:
             f"{rel_diff(a, b):.1e}" for a, b in zip(grads["cuda"], grads["reference"], strict=True)
         )
         print(f"training M={m} D={d} H={h}: rel diff vs reference (y, dx, dWg, dWu, dWd) {diffs}")
+    hot_units_repeat()
+
+
+def hot_units_repeat(m: int = 4096, d: int = 256, h: int = 704, live: int = 8) -> None:
+    """The training op twice on one input where `live` units take every token (the others dead):
+    the light rows' kernels and the long-units kernel, whose outputs must repeat bit for bit."""
+    w = common.make_workload(m, d, h, 30, seed=1, device="cuda", calib_tokens=m)
+    with torch.no_grad():
+        w.wg[live:] = 0
+    runs = []
+    for _ in range(2):
+        inputs = [t.detach().clone().requires_grad_(True) for t in (w.x, w.wg, w.wu, w.wd)]
+        out = ops.ffn_forward_train(*inputs, impl="cuda")
+        (out.y.float().sum() + 0.5 * out.l1).backward()
+        runs.append([out.y, *(t.grad for t in inputs)])
+    torch.cuda.synchronize()
+    same = ", ".join(str(torch.equal(a, b)) for a, b in zip(*runs, strict=True))
+    print(f"training repeat with {live} hot units M={m} D={d} H={h}: bitwise (y, dx, dWg, dWu, dWd) {same}")
 
 
 if __name__ == "__main__":

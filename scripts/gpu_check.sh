@@ -8,6 +8,7 @@
 #   tests         pytest -m gpu on $TESTS (default the kernel tests; e.g. tests/model/test_model_gpu.py
 #                 for the model-level ones), at most $TEST_TIMEOUT s (default: no limit)
 #   memcheck      compute-sanitizer memcheck of small FFN cases (python -m benchmarks.sanitize_ffn)
+#   racecheck     the same cases under compute-sanitizer racecheck (shared-memory hazards; slow)
 #   ffn           python -m benchmarks.ffn (the inference forward), with $BENCH_ARGS
 #   ffn_train     python -m benchmarks.ffn --train (forward+backward with L1), with $TRAIN_BENCH_ARGS
 # The whole run, the figure of record (python -m benchmarks.whole_run: the trainer from
@@ -89,13 +90,15 @@ tests() {
   grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 15
   return $rc
 }
-memcheck() {
+sanitize() {  # tool: compute-sanitizer over benchmarks.sanitize_ffn's cases
   wait_build || return 1
-  compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m benchmarks.sanitize_ffn >"$OUT/sanitizer.log" 2>&1
+  compute-sanitizer --tool "$1" --error-exitcode 9 $PY -m benchmarks.sanitize_ffn >"$OUT/sanitizer_$1.log" 2>&1
   local rc=$?
-  tail -n 2 "$OUT/sanitizer.log"
+  grep -E "repeat|SUMMARY" "$OUT/sanitizer_$1.log" | tail -n 4
   return $rc
 }
+memcheck() { sanitize memcheck; }
+racecheck() { sanitize racecheck; }
 ffn() {
   wait_build || return 1
   # shellcheck disable=SC2086
@@ -197,7 +200,7 @@ source scripts/gpu_multi.sh  # ddp_match, fsdp_resume, scaling, cuda_ffn
 # ---- main ---------------------------------------------------------------------------------------
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(tests memcheck ffn ffn_train)
-KERNEL_PARTS=" tests memcheck ffn ffn_train whole_run cuda_ffn "
+KERNEL_PARTS=" tests memcheck racecheck ffn ffn_train whole_run cuda_ffn "
 MULTI_PARTS=" ddp_match fsdp_resume scaling cuda_ffn "
 build=0
 for part in "${PARTS[@]}"; do
