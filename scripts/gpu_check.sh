@@ -9,6 +9,11 @@
 #                 for the model-level ones), at most $TEST_TIMEOUT s (default: no limit)
 #   memcheck      compute-sanitizer memcheck of small FFN cases (python -m benchmarks.sanitize_ffn)
 #   racecheck     the same cases under compute-sanitizer racecheck (shared-memory hazards; slow)
+#   ab            this tree against BEFORE (a directory holding another commit's sparse_llm, kernels,
+#                 benchmarks, configs, scripts, tests and pyproject.toml, e.g. from `git archive REV ... |
+#                 tar -x -C .before`, carried to the machine), alternating in one call: the FFN training op
+#                 (benchmarks.ffn --train at 15, 30, 60 non-zeros, M 16384) twice each, then a whole run
+#                 of AB_STEPS steps (default 200, auto) each; ab_<side>_* files
 #   ffn           python -m benchmarks.ffn (the inference forward), with $BENCH_ARGS
 #   ffn_train     python -m benchmarks.ffn --train (forward+backward with L1), with $TRAIN_BENCH_ARGS
 # The whole run, the figure of record (python -m benchmarks.whole_run: the trainer from
@@ -112,6 +117,32 @@ ffn_train() {
     2>&1 | tee "$OUT/ffn_train.log" | quiet | tail -n 20
 }
 
+ab() {
+  [ -d "${BEFORE:-}" ] || { echo "ab: BEFORE must name a directory with the other commit's tree"; return 2; }
+  local before rc=0 side dir i
+  before=$(cd "$BEFORE" && pwd)
+  (cd "$before" && SPARSE_LLM_CACHE=$before/build/extensions $PY -m sparse_llm.ops.build >"$OUT/ab_build_before.log" 2>&1) \
+    || { tail -n 20 "$OUT/ab_build_before.log"; return 1; }
+  wait_build || return 1
+  for i in 1 2; do
+    for side in before after; do
+      dir=$PWD; [ $side = before ] && dir=$before
+      step "ab: ffn --train, $side ($i)"
+      (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions $PY -m benchmarks.ffn --train --nnz 15 30 60 --M 16384 \
+        --json "$OUT/ab_${side}_ffn_train_$i.json" 2>&1 | grep -E "^\| *16384") || rc=1
+    done
+  done
+  for side in before after; do
+    dir=$PWD; [ $side = before ] && dir=$before
+    step "ab: whole run, auto, ${AB_STEPS:-200} steps, $side"
+    (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions $PY -m benchmarks.whole_run --impl auto \
+      --steps "${AB_STEPS:-200}" --steady-steps 100 --out-dir "$OUT/ab_${side}_whole_run" --run-dir "/tmp/ab_$side" \
+      >"$OUT/ab_${side}_whole_run.log" 2>&1) || rc=1
+    tail -n 1 "$OUT/ab_${side}_whole_run.log" | cut -c1-400
+  done
+  return $rc
+}
+
 # ---- the whole run ------------------------------------------------------------------------------
 whole_run() {
   local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run
@@ -200,7 +231,7 @@ source scripts/gpu_multi.sh  # ddp_match, fsdp_resume, scaling, cuda_ffn
 # ---- main ---------------------------------------------------------------------------------------
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(tests memcheck ffn ffn_train)
-KERNEL_PARTS=" tests memcheck racecheck ffn ffn_train whole_run cuda_ffn "
+KERNEL_PARTS=" tests memcheck racecheck ffn ffn_train whole_run cuda_ffn ab "
 MULTI_PARTS=" ddp_match fsdp_resume scaling cuda_ffn "
 build=0
 for part in "${PARTS[@]}"; do
