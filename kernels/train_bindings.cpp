@@ -3,6 +3,7 @@
 // records passed between them are the CSR records of csr.cuh (one for the light rows, one for the
 // heavy rows); the extension keeps no state between calls.
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -277,7 +278,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
 
-  const RowSplit split = split_rows(nnz, /*threshold=*/0, heavy_rows, stream);
+  // With no heavy rows the list's data_ptr may be null (a fresh empty tensor), which the split reads
+  // as "by threshold": a threshold no row exceeds keeps every row light then, as the forward had it.
+  const RowSplit split =
+      split_rows(nnz, n_heavy > 0 ? 0 : std::numeric_limits<int64_t>::max(), heavy_rows, stream);
   const int64_t* row_ptr = split.light_ptr.data_ptr<int64_t>();
   const at::Tensor wg_c = wg.to(at::kBFloat16), wu_c = wu.to(at::kBFloat16);  // no copy when bf16
   const at::Tensor wd_t = sparse_llm_glue::transpose_as(wd, at::kBFloat16);

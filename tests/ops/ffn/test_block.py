@@ -327,3 +327,43 @@ def test_cuda_block_compiled_and_checkpointed_match_eager():
         else:
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3, msg=f"compiled {name}")
             assert torch.equal(a, c), f"checkpointed {name}"
+
+
+def _poison_cached_memory(value: float) -> None:
+    """Fill free blocks of the caching allocator (both pools) with `value`, so that a kernel that
+    reads memory it never wrote sees different bits on the next call. Back-to-back calls of one op
+    otherwise get the same blocks holding the same leftovers, and repeat even with such a read."""
+    torch.cuda.synchronize()
+    junk = [torch.full((1 << 28,), value, device="cuda")]  # 1 GiB: the large pool
+    junk += [torch.full((1 << 17,), value, device="cuda") for _ in range(256)]  # 512 KiB: small pool
+    junk += [torch.full((1 << 12,), value, device="cuda") for _ in range(512)]
+    del junk
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_block_op_repeats_bitwise_with_hot_units_after_poisoned_memory():
+    """The model's sparse FFN path as the determinism test runs it (fp32 master weights under bf16
+    autocast, D = 1024, H = 2816, 8192 tokens, 24 live units: every row light, every live unit on
+    the long-units kernel), twice, with the allocator's free memory filled with 0 before the first
+    call and NaN before the second: forward and backward must give the same bits. Names the first
+    output that differs (a forward one means the forward op; a gradient only, the backward)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, d, h, live = 8192, 1024, 2816, 24
+    x = torch.randn(m, d, generator=gen, device="cuda")
+    norm_weight = torch.ones(d, device="cuda")
+    wg, wu, wd = (0.02 * torch.randn(*s, generator=gen, device="cuda") for s in ((h, d), (h, d), (d, h)))
+    wg[live:] = 0
+    r = torch.randn(m, d, generator=gen, device="cuda")
+    runs = []
+    for poison in (0.0, float("nan")):
+        _poison_cached_memory(poison)
+        inputs = [t.detach().clone().requires_grad_(True) for t in (x, norm_weight, wg, wu, wd)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = ffn_block_train(inputs[0], inputs[1], EPS, *inputs[2:], impl="cuda")
+            ((out.y * r).sum() + 1e-3 * out.l1).backward()
+        runs.append((out.y.detach(), out.l1.detach(), out.nnz_per_token, *(t.grad for t in inputs)))
+    names = ("out", "l1", "nnz_per_token", "dx", "d_norm_weight", "dWg", "dWu", "dWd")
+    differing = [n for n, a, b in zip(names, *runs, strict=True) if not torch.equal(a, b)]
+    assert not differing, differing
