@@ -179,6 +179,10 @@ class TrainConfig:
     # block never saves its norm's output) for 0.6-0.8% of the step time
     # (H100, benchmarks/results/train_1b_recompute_h100.md).
     recompute_norms: bool = False
+    # FSDP2 only: each decoder layer all-gathers the weights of the next this-many layers when its
+    # forward starts (the previous ones in the backward), set once when the model is prepared;
+    # 0 keeps FSDP2's own order (a layer's all-gather issued when the host reaches that layer).
+    fsdp_prefetch: int = checked(0, ge=0)
     seed: int = checked(0, ge=0)
     device: str = checked("auto", choices=DEVICES)
     log_every: int = checked(10, gt=0)

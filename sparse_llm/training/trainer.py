@@ -23,6 +23,7 @@ from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_b
 from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
 from sparse_llm.model.compiling import compile_model, compiled_graphs
+from sparse_llm.model.llama import DecoderLayer
 from sparse_llm.model.state import load_model_state
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
@@ -59,6 +60,17 @@ def fsdp2_mixed_precision():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def set_fsdp2_prefetch(model: torch.nn.Module, ahead: int) -> None:
+    """Explicit FSDP2 prefetch: each decoder layer all-gathers the next `ahead` layers' weights
+    when its forward starts, and the previous `ahead` layers' when its backward starts. By default
+    FSDP2 issues a layer's all-gather when the host reaches that layer, which a host read inside
+    the previous layer's forward (the sparse training op's record sizes) delays."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + ahead])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - ahead) : i][::-1])
 
 
 class Trainer:
@@ -123,6 +135,8 @@ class Trainer:
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
+        if self.accelerator.is_fsdp2 and t.fsdp_prefetch > 0:
+            set_fsdp2_prefetch(self.prepared_model, t.fsdp_prefetch)
         if t.compile:  # each decoder layer and the head, in place (model/compiling.py)
             compile_model(self.prepared_model)
         # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.

@@ -313,6 +313,10 @@ def _trainer_fsdp2_worker(out: Path) -> None:
     rank = int(os.environ["RANK"])
     results = {"straight": record_run(fsdp2_run_config(out / "straight"))}
     results["resumed"] = record_killed_and_resumed(out / "resumed", fsdp2_run_config)
+    # Explicit prefetch moves only when the all-gathers run: the same steps, bitwise.
+    results["prefetch"] = record_run(
+        fsdp2_run_config(out / "prefetch", fsdp_prefetch=2, max_steps=3, export=False)
+    )
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()  # a new mixed precision needs a fresh accelerate state
@@ -451,6 +455,9 @@ def test_resume_under_two_processes_reproduces_the_uninterrupted_run(two_procs):
         # The resumed trainer recorded steps KILL_AT + 1 .. MAX_STEPS.
         assert [r["step"] for r in resumed["steps"]] == list(range(KILL_AT + 1, MAX_STEPS + 1))
         assert resumed["steps"] == straight["steps"][KILL_AT:]
+        # (its last step also holds the run's final evaluation, which the longer run makes later)
+        prefetched = [{k: v for k, v in r.items() if k != "val_loss"} for r in rank["prefetch"]["steps"]]
+        assert prefetched == [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
         assert resumed["batches"] == [] or all(
             torch.equal(x, y)
             for x, y in zip(resumed["batches"], straight["batches"][-len(resumed["batches"]) :], strict=True)
@@ -569,6 +576,9 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
             for name, tensor in straight[part].items():
                 assert torch.equal(resumed[part][name], tensor), (part, name)
         assert resumed["steps"] == straight["steps"][KILL_AT:]
+        # (its last step also holds the run's final evaluation, which the longer run makes later)
+        prefetched = [{k: v for k, v in r.items() if k != "val_loss"} for r in rank["prefetch"]["steps"]]
+        assert prefetched == [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
         assert resumed["data_state"] == straight["data_state"] == single["data_state"]
         # bf16 compute, but the loss stays fp32: accelerate's default policy casts the model's
         # outputs to bf16, whose spacing at a loss in [4, 16) is 2^-5 or more (2^-7 after the mean
