@@ -455,9 +455,6 @@ def test_resume_under_two_processes_reproduces_the_uninterrupted_run(two_procs):
         # The resumed trainer recorded steps KILL_AT + 1 .. MAX_STEPS.
         assert [r["step"] for r in resumed["steps"]] == list(range(KILL_AT + 1, MAX_STEPS + 1))
         assert resumed["steps"] == straight["steps"][KILL_AT:]
-        # (its last step also holds the run's final evaluation, which the longer run makes later)
-        prefetched = [{k: v for k, v in r.items() if k != "val_loss"} for r in rank["prefetch"]["steps"]]
-        assert prefetched == [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
         assert resumed["batches"] == [] or all(
             torch.equal(x, y)
             for x, y in zip(resumed["batches"], straight["batches"][-len(resumed["batches"]) :], strict=True)
