@@ -117,27 +117,29 @@ ffn_train() {
     2>&1 | tee "$OUT/ffn_train.log" | quiet | tail -n 20
 }
 
+in_tree() {  # side (before | after), command...: the command run in that side's tree, with its build
+  local dir=$PWD; [ "$1" = before ] && dir=$AB_BEFORE
+  shift
+  (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions "$@")
+}
 ab() {
   [ -d "${BEFORE:-}" ] || { echo "ab: BEFORE must name a directory with the other commit's tree"; return 2; }
-  local before rc=0 side dir i
-  before=$(cd "$BEFORE" && pwd)
-  (cd "$before" && SPARSE_LLM_CACHE=$before/build/extensions $PY -m sparse_llm.ops.build >"$OUT/ab_build_before.log" 2>&1) \
+  local rc=0 side i
+  AB_BEFORE=$(cd "$BEFORE" && pwd)
+  in_tree before $PY -m sparse_llm.ops.build >"$OUT/ab_build_before.log" 2>&1 \
     || { tail -n 20 "$OUT/ab_build_before.log"; return 1; }
   wait_build || return 1
   for i in 1 2; do
     for side in before after; do
-      dir=$PWD; [ $side = before ] && dir=$before
       step "ab: ffn --train, $side ($i)"
-      (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions $PY -m benchmarks.ffn --train --nnz 15 30 60 --M 16384 \
-        --json "$OUT/ab_${side}_ffn_train_$i.json" 2>&1 | grep -E "^\| *16384") || rc=1
+      in_tree $side $PY -m benchmarks.ffn --train --nnz 15 30 60 --M 16384 --json "$OUT/ab_${side}_ffn_train_$i.json" \
+        2>&1 | grep -E "^\| *16384" || rc=1
     done
   done
   for side in before after; do
-    dir=$PWD; [ $side = before ] && dir=$before
     step "ab: whole run, auto, ${AB_STEPS:-200} steps, $side"
-    (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions $PY -m benchmarks.whole_run --impl auto \
-      --steps "${AB_STEPS:-200}" --steady-steps 100 --out-dir "$OUT/ab_${side}_whole_run" --run-dir "/tmp/ab_$side" \
-      >"$OUT/ab_${side}_whole_run.log" 2>&1) || rc=1
+    in_tree $side $PY -m benchmarks.whole_run --impl auto --steps "${AB_STEPS:-200}" --steady-steps 100 \
+      --out-dir "$OUT/ab_${side}_whole_run" --run-dir "/tmp/ab_$side" >"$OUT/ab_${side}_whole_run.log" 2>&1 || rc=1
     tail -n 1 "$OUT/ab_${side}_whole_run.log" | cut -c1-400
   done
   return $rc
