@@ -6,6 +6,9 @@ WORK=${WORK:-/tmp/multi}
 mkdir -p "$WORK/runs" "$WORK/logs" "$WORK/results"
 RUNS=$WORK/runs
 COMMON="logger=none train.progress=false"
+# The two GPUs of the parts: the first two of CUDA_VISIBLE_DEVICES, so that another job can hold
+# the others of a larger machine (CUDA_VISIBLE_DEVICES=2,3 bash scripts/gpu_check.sh ...).
+IFS=, read -r GPU_A GPU_B _ <<<"${CUDA_VISIBLE_DEVICES:-0,1}"
 # $EXTRA (overrides appended to every run; the last value of a key wins) shrinks the runs for a
 # smoke test on CPU, e.g. EXTRA="model=tiny train.seq_len=64 train.compile=false".
 one() {  # overrides: a 1-process run
@@ -73,10 +76,10 @@ match_pair() {  # precision, tag: the ddp_match runs in that precision
   local prec=$1 tag=$2
   fits 150 "ddp_match $prec" || return 0
   # The two 1-GPU runs side by side, one per GPU.
-  CUDA_VISIBLE_DEVICES=0 run_limited 240 ${tag}_1gpu $(one $MATCH $REINIT train.precision=$prec \
+  CUDA_VISIBLE_DEVICES=$GPU_A run_limited 240 ${tag}_1gpu $(one $MATCH $REINIT train.precision=$prec \
     train.micro_batch_size=8 run_dir=$RUNS/${tag}_1gpu) &
   local first=$!
-  CUDA_VISIBLE_DEVICES=1 run_limited 240 ${tag}_1gpu_mb4 $(one $MATCH $REINIT train.precision=$prec \
+  CUDA_VISIBLE_DEVICES=$GPU_B run_limited 240 ${tag}_1gpu_mb4 $(one $MATCH $REINIT train.precision=$prec \
     train.micro_batch_size=4 run_dir=$RUNS/${tag}_1gpu_mb4) &
   wait $first; wait $!
   run_limited 240 ${tag}_ddp $(launch ddp $MATCH $REINIT train.precision=$prec train.micro_batch_size=8 \
@@ -140,7 +143,7 @@ EOF
     --keys $keys --min-step $((${resumed_at:-0} + 1)) --json "$WORK/results/fsdp_resume.json" 2>&1 \
     | tail -n 8
   if [ "${FSDP_KERNELS:-0}" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=0 run_limited 300 fsdp_resumed_1proc $(one $FSDP run_dir=${dir}_1proc train.resume=auto) || return 1
+    CUDA_VISIBLE_DEVICES=$GPU_A run_limited 300 fsdp_resumed_1proc $(one $FSDP run_dir=${dir}_1proc train.resume=auto) || return 1
   fi
   if [ "${FSDP_REFERENCE:-0}" = 1 ] && fits 150 fsdp_straight; then
     run_limited 300 fsdp_straight $(launch fsdp2 $FSDP run_dir=$RUNS/fsdp_straight) \
@@ -182,11 +185,11 @@ summarize() {  # run name: its tokens/s summary into $WORK/results
 scaling() {
   if [ -n "${SCALE_BASELINE_EXTRA:-}" ]; then
     # A/B on one GPU, side by side: the baseline overrides run on GPU 1 while the main run uses GPU 0.
-    fits 150 scaling_1gpu_base && (CUDA_VISIBLE_DEVICES=1 run_limited 400 scale_1gpu_base $(one $SCALE_BASE \
+    fits 150 scaling_1gpu_base && (CUDA_VISIBLE_DEVICES=$GPU_B run_limited 400 scale_1gpu_base $(one $SCALE_BASE \
       $SCALE_BASELINE_EXTRA run_dir=$RUNS/scale_1gpu_base) \
       && summarize scale_1gpu_base) &
   fi
-  fits 150 scaling_1gpu && CUDA_VISIBLE_DEVICES=0 run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
+  fits 150 scaling_1gpu && CUDA_VISIBLE_DEVICES=$GPU_A run_limited 400 scale_1gpu $(one $SCALE run_dir=$RUNS/scale_1gpu) \
     && summarize scale_1gpu
   wait
   fits 150 scaling_ddp && run_limited 400 scale_ddp $(launch ddp $SCALE train.global_batch_size=16 \

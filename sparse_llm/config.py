@@ -183,6 +183,9 @@ class TrainConfig:
     # forward starts (the previous ones in the backward), set once when the model is prepared;
     # 0 keeps FSDP2's own order (a layer's all-gather issued when the host reaches that layer).
     fsdp_prefetch: int = checked(0, ge=0)
+    # Every step the same bits on the same weights and batch (PyTorch's deterministic algorithms:
+    # flash attention's backward in a fixed order), so that a resume is bitwise; slower.
+    deterministic: bool = False
     seed: int = checked(0, ge=0)
     device: str = checked("auto", choices=DEVICES)
     log_every: int = checked(10, gt=0)

@@ -30,6 +30,7 @@ from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
 from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
+from sparse_llm.training.determinism import set_determinism
 from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
@@ -116,6 +117,7 @@ class Trainer:
         self._val_forwards = math.ceil(len(all_val) / self.world_size)
         self._val_pad = all_val[0] if all_val else None
 
+        set_determinism(t.deterministic)
         torch.manual_seed(t.seed)
         try:
             model = build_model(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,18 @@ def test_prefetch_defaults_to_the_loop_on_cpu(tmp_path: Path):
     explicit = Trainer(tiny_run_config(tmp_path / "explicit", max_steps=1, prefetch=2), tmp_path / "explicit")
     assert isinstance(explicit.train_stream, BatchPrefetcher)
     explicit.train_stream.close()
+
+
+def test_deterministic_is_set_by_the_config_when_the_trainer_is_built(tmp_path: Path, monkeypatch):
+    """train.deterministic turns PyTorch's deterministic algorithms on (with the fixed cuBLAS
+    workspace they need) and a later trainer without it turns them off: the config decides, not
+    what an earlier run in the process left."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        train(tiny_run_config(tmp_path / "on", max_steps=1, deterministic=True))  # no op refuses
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        Trainer(tiny_run_config(tmp_path / "off", max_steps=1), tmp_path / "off")
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
