@@ -1,11 +1,14 @@
 """Bitwise-reproducible steps, when a run asks for them (`train.deterministic`).
 
-The same step on the same weights and batch is not always the same bits on a GPU: PyTorch's flash
-attention backward adds the query gradient's partial sums atomically, in whatever order the blocks
-finish (measured: one or two gradient bits apart between two backwards, dense FFN or kernels,
-`tests/model/test_determinism_gpu.py`). PyTorch's deterministic mode switches it, and the few other
-ops that have one, to an ordered algorithm; our kernels need no switch. A resume is then bitwise
-the uninterrupted run, at some cost in speed (docs/multi_gpu.md)."""
+The same step on the same weights and batch is not always the same bits on a GPU: the attention
+backward of PyTorch's default SDPA backend (cuDNN's fused attention on Hopper) adds the query
+gradient's partial sums in whatever order its blocks finish (measured on an H100: now and then two
+backwards differ from a q_proj gradient on, dense FFN or kernels alike,
+benchmarks/results/determinism_h100.md). Under PyTorch's deterministic mode SDPA skips cuDNN for
+flash attention with its ordered backward, and the few other ops that have one switch to it too;
+our kernels need no switch. A resume is then bitwise the uninterrupted run, at the price of the
+slower attention (flash's forward and backward ran at 0.63x cuDNN's, H200,
+benchmarks/results/attention_h200.md)."""
 
 from __future__ import annotations
 

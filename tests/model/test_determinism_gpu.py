@@ -1,8 +1,8 @@
 """GPU: under `train.deterministic` a training step's gradients are the same bits every time it
 runs on the same weights and batch, dense or on the kernels, at a fresh model's density and at a
 sparse one. A bitwise resume (kill -9, resume from the checkpoint) needs nothing less. Without it,
-flash attention's backward is free to differ by a bit (measured on H100: layer 1's q_proj first,
-dense and kernels alike), which no test can assert either way."""
+the default attention backward (cuDNN's) is free to differ by a bit (measured on H100: layer 1's
+q_proj first, dense and kernels alike), which no test can assert either way."""
 
 import pytest
 import torch

@@ -313,7 +313,11 @@ def _trainer_fsdp2_worker(out: Path) -> None:
     rank = int(os.environ["RANK"])
     results = {"straight": record_run(fsdp2_run_config(out / "straight"))}
     results["resumed"] = record_killed_and_resumed(out / "resumed", fsdp2_run_config)
-    # Explicit prefetch moves only when the all-gathers run: the same steps, bitwise.
+    # Prefetch (1 layer ahead by default) moves only when the all-gathers run: the same steps as
+    # FSDP2's own order (0) and as 2 layers ahead, bitwise.
+    results["own_order"] = record_run(
+        fsdp2_run_config(out / "own_order", fsdp_prefetch=0, max_steps=3, export=False)
+    )
     results["prefetch"] = record_run(
         fsdp2_run_config(out / "prefetch", fsdp_prefetch=2, max_steps=3, export=False)
     )
@@ -574,8 +578,10 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
                 assert torch.equal(resumed[part][name], tensor), (part, name)
         assert resumed["steps"] == straight["steps"][KILL_AT:]
         # (its last step also holds the run's final evaluation, which the longer run makes later)
-        prefetched = [{k: v for k, v in r.items() if k != "val_loss"} for r in rank["prefetch"]["steps"]]
-        assert prefetched == [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
+        first_steps = [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
+        for order in ("own_order", "prefetch"):
+            steps = [{k: v for k, v in r.items() if k != "val_loss"} for r in rank[order]["steps"]]
+            assert steps == first_steps, order
         assert resumed["data_state"] == straight["data_state"] == single["data_state"]
         # bf16 compute, but the loss stays fp32: accelerate's default policy casts the model's
         # outputs to bf16, whose spacing at a loss in [4, 16) is 2^-5 or more (2^-7 after the mean
