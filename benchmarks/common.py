@@ -174,6 +174,27 @@ def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
     return busy_us(_device_spans(prof.events())) / 1000 / calls
 
 
+def step_time_split(events: Any, steps: int = 1) -> dict[str, float]:
+    """Milliseconds per step from the first to the last device event, split into the time some
+    compute kernel runs, the time only communication (NCCL) runs, and the time nothing runs. Under
+    FSDP2 the all-gathers and reduce-scatters overlap compute when issued early enough; what they
+    do not overlap, and the idle, is what a second GPU costs each step."""
+    spans = _device_spans(events)
+    if not spans:
+        return {}
+    compute = [s for s in spans if "nccl" not in s[2].lower()]
+    comm = [s for s in spans if "nccl" in s[2].lower()]
+    span = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    busy, compute_busy = busy_us(spans), busy_us(compute)
+    return {
+        "span_ms": span / 1000 / steps,
+        "compute_ms": compute_busy / 1000 / steps,
+        "communication_ms": busy_us(comm) / 1000 / steps,
+        "communication_exposed_ms": (busy - compute_busy) / 1000 / steps,
+        "idle_ms": (span - busy) / 1000 / steps,
+    }
+
+
 def gpu_idle_table(events: Any, min_gap_us: float = 2.0, rows: int = 15) -> str:
     """Where the GPU idles between the first and the last device event: the gaps (all streams
     merged) grouped by the kernels on either side, largest total first. A gap that follows a

@@ -23,6 +23,9 @@
 #                 FSDP2, default 1); SIDE_BY_SIDE=1 runs the one-GPU IMPLs at the same time, one per GPU.
 #                 MEMORY_RANGES (e.g. "2:3 30:33"): first a 40-step run of MEMORY_IMPL (default auto)
 #                 writing the blocks alive at the peak of each step range (benchmarks.memory_peak).
+#                 PROFILE_STEPS (e.g. 700:702): every run profiles those steps on every rank
+#                 (benchmarks.step_profile: compute, exposed communication, idle) into
+#                 $OUT/profile_<run>; it slows them, so such runs' tokens/s are not figures of record.
 #                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
@@ -166,6 +169,8 @@ whole_run() {
     name=$name$([ "$seed" = 0 ] || echo "_seed$seed")
     run=($PY -m benchmarks.whole_run --impl "$impl" --seed "$seed" --preset "$preset" --gpus "$gpus"
       --out-dir "$OUT" --run-dir "/tmp/$name")
+    [ -z "${PROFILE_STEPS:-}" ] || run+=(--override "callbacks=[{_target_:benchmarks.step_profile.StepProfile,\
+first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
     if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
       CUDA_VISIBLE_DEVICES=$gpu "${run[@]}" >"$OUT/$name.log" 2>&1 &
       gpu=$((gpu + 1))

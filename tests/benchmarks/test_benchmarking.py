@@ -16,6 +16,7 @@ from benchmarks.common import (
     kernel_table,
     median_ms,
     memory_peak_table,
+    step_time_split,
 )
 
 
@@ -41,6 +42,25 @@ def test_busy_us_counts_overlapping_spans_once():
     spans = [(0, 100, "gemm"), (10, 50, "side"), (130, 140, "pack"), (135, 160, "copy"), (200, 200, "empty")]
     assert busy_us(spans) == 100 + 30
     assert busy_us([]) == 0
+
+
+def test_step_time_split_separates_compute_exposed_communication_and_idle():
+    events = [
+        _event("gemm", 0, 100),
+        _event("ncclDevKernel_AllGather", 50, 130),  # 50-100 hidden by the gemm, 100-130 exposed
+        _event("pack", 150, 200),  # 20 us idle before it
+        _event("ncclDevKernel_ReduceScatter", 210, 240),  # 10 us idle, then 30 exposed
+        _event("host_op", 0, 500, DeviceType.CPU),  # not GPU time
+    ]
+    split = step_time_split(events, steps=2)
+    assert split == {
+        "span_ms": 0.24 / 2,
+        "compute_ms": 0.15 / 2,
+        "communication_ms": 0.11 / 2,
+        "communication_exposed_ms": 0.06 / 2,
+        "idle_ms": 0.03 / 2,
+    }
+    assert step_time_split([_event("host_op", 0, 10, DeviceType.CPU)]) == {}
 
 
 def test_gpu_idle_table_without_device_events_is_empty():

@@ -1,0 +1,84 @@
+"""Where a training step's time goes, on every rank: a trainer callback that profiles a range of
+steps with torch.profiler and writes, per rank, the step's time split (compute, communication not
+hidden by compute, GPU idle), the idle gaps by their neighbouring kernels, the kernels by GPU time,
+and the Chrome trace.
+
+Added to any run from the command line (steps are 1-based, inclusive), e.g. a whole run's steady
+phase on 2 GPUs:
+
+    python -m benchmarks.whole_run --impl auto --gpus 2 --out-dir out \\
+      --override 'callbacks=[{_target_:benchmarks.step_profile.StepProfile,first:700,last:702,out:/tmp/prof}]'
+
+writes `<out>/step_profile_rank<r>_steps_<first>_<last>.txt` and `.json` (the split) and
+`trace_rank<r>_steps_<first>_<last>.json.gz`. Profiling slows the steps it covers; time runs
+without it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import common
+from sparse_llm.training.callbacks import Callback
+
+
+class StepProfile(Callback):
+    def __init__(self, first: int, last: int, out: str, trace: bool = True) -> None:
+        if not 1 <= first <= last:
+            raise ValueError(f"need 1 <= first <= last, got {first}, {last}")
+        self.first, self.last, self.out, self.trace = first, last, Path(out), trace
+        self._profiler: profile | None = None
+        self._started_at = 0.0
+
+    def _start(self) -> None:
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._started_at = time.perf_counter()
+
+    def on_train_start(self, trainer: Any) -> None:
+        if self.first == trainer.step + 1:
+            self._start()
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if step == self.first - 1:
+            self._start()
+        if step != self.last or self._profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - self._started_at)
+        self._profiler.__exit__(None, None, None)
+        events = self._profiler.events()
+        steps = self.last - self.first + 1
+        name = f"rank{trainer.rank}_steps_{self.first}_{self.last}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        split = {
+            "rank": trainer.rank,
+            "world_size": trainer.world_size,
+            "steps": [self.first, self.last],
+            "wall_ms": wall_ms / steps,
+            "dense_layers": sum(trainer.model.ffn_dense_fallback()),
+            **common.step_time_split(events, steps),
+        }
+        (self.out / f"step_profile_{name}.json").write_text(json.dumps(split, indent=1))
+        rows = "\n".join(f"| {key} | {value:.2f} |" for key, value in split.items() if key.endswith("_ms"))
+        text = (
+            f"Rank {trainer.rank} of {trainer.world_size}, steps {self.first}-{self.last}, "
+            f"layers falling back to dense: {split['dense_layers']}. Per step (host wall clock, then "
+            "the GPU's time from its first to its last event, split):\n\n| | ms |\n|---|---|\n"
+            f"{rows}\n{common.gpu_idle_table(events)}{common.device_kernel_table(events, calls=steps)}"
+        )
+        (self.out / f"step_profile_{name}.txt").write_text(text)
+        if self.trace:
+            self._profiler.export_chrome_trace(str(self.out / f"trace_{name}.json.gz"))
+        self._profiler = None

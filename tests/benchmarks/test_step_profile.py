@@ -1,0 +1,38 @@
+"""benchmarks/step_profile.py: the profiling callback on a tiny CPU run writes its files for the
+range asked, and refuses an empty range."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny import tiny_run_config
+
+from benchmarks.step_profile import StepProfile
+from sparse_llm.training.trainer import Trainer
+
+
+def test_step_profile_writes_the_range_it_profiled(tmp_path: Path):
+    out = tmp_path / "profile"
+    cfg = tiny_run_config(tmp_path / "run", max_steps=4)
+    Trainer(cfg, tmp_path / "run", [StepProfile(first=2, last=3, out=str(out))]).fit()
+    split = json.loads((out / "step_profile_rank0_steps_2_3.json").read_text())
+    assert split["steps"] == [2, 3] and split["rank"] == 0 and split["world_size"] == 1
+    assert split["wall_ms"] > 0 and split["dense_layers"] == 0
+    text = (out / "step_profile_rank0_steps_2_3.txt").read_text()
+    assert text.startswith("Rank 0 of 1, steps 2-3") and "| wall_ms |" in text
+    assert (out / "trace_rank0_steps_2_3.json.gz").stat().st_size > 0
+
+
+def test_step_profile_from_the_first_step(tmp_path: Path):
+    out = tmp_path / "profile"
+    cfg = tiny_run_config(tmp_path / "run", max_steps=2)
+    Trainer(cfg, tmp_path / "run", [StepProfile(first=1, last=1, out=str(out), trace=False)]).fit()
+    assert (out / "step_profile_rank0_steps_1_1.json").is_file()
+    assert not (out / "trace_rank0_steps_1_1.json.gz").exists()
+
+
+def test_step_profile_refuses_an_empty_range():
+    with pytest.raises(ValueError, match="first <= last"):
+        StepProfile(first=3, last=2, out="unused")
