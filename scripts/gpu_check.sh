@@ -150,7 +150,8 @@ ab() {
 
 # ---- the whole run ------------------------------------------------------------------------------
 whole_run() {
-  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run
+  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run visible
+  IFS=, read -ra visible <<<"${CUDA_VISIBLE_DEVICES:-0,1,2,3,4,5,6,7}"  # SIDE_BY_SIDE: one each, in order
   if [ "${IMPL:-auto}" != dense ] || [ -n "${MEMORY_RANGES:-}" ]; then wait_build || return 1; fi
   if [ -n "${MEMORY_RANGES:-}" ]; then
     step "memory peaks: ${MEMORY_IMPL:-auto}, steps $MEMORY_RANGES"
@@ -172,7 +173,7 @@ whole_run() {
     [ -z "${PROFILE_STEPS:-}" ] || run+=(--override "callbacks=[{_target_:benchmarks.step_profile.StepProfile,\
 first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
     if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
-      CUDA_VISIBLE_DEVICES=$gpu "${run[@]}" >"$OUT/$name.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=${visible[$gpu]} "${run[@]}" >"$OUT/$name.log" 2>&1 &
       gpu=$((gpu + 1))
     else
       "${run[@]}" >"$OUT/$name.log" 2>&1 || rc=1
