@@ -13,36 +13,27 @@ high-water mark so far). Recording slows the steps it covers; time runs without 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import common
-from sparse_llm.training.callbacks import Callback
+from benchmarks.step_range import StepRangeCallback
 
 
-class MemoryPeak(Callback):
+class MemoryPeak(StepRangeCallback):
     def __init__(self, first: int, last: int, out: str) -> None:
-        if not 1 <= first <= last:
-            raise ValueError(f"need 1 <= first <= last, got {first}, {last}")
-        self.first, self.last, self.out = first, last, Path(out)
+        super().__init__(first, last, out)
         self._start_bytes = 0
 
-    def _start(self) -> None:
+    def start(self, trainer: Any) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             self._start_bytes = torch.cuda.memory_allocated()
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
-    def on_train_start(self, trainer: Any) -> None:
-        if self.first == trainer.step + 1:
-            self._start()
-
-    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        if step == self.first - 1:
-            self._start()
-        if step != self.last or not torch.cuda.is_available():
+    def finish(self, trainer: Any) -> None:
+        if not torch.cuda.is_available():
             return
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()

@@ -18,46 +18,38 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common
-from sparse_llm.training.callbacks import Callback
+from benchmarks.step_range import StepRangeCallback
 
 
-class StepProfile(Callback):
+class StepProfile(StepRangeCallback):
     def __init__(self, first: int, last: int, out: str, trace: bool = True) -> None:
-        if not 1 <= first <= last:
-            raise ValueError(f"need 1 <= first <= last, got {first}, {last}")
-        self.first, self.last, self.out, self.trace = first, last, Path(out), trace
+        super().__init__(first, last, out)
+        self.trace = trace
         self._profiler: profile | None = None
         self._started_at = 0.0
 
-    def _start(self) -> None:
+    def start(self, trainer: Any) -> None:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize()
         self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
+        self._profiler.start()
         self._started_at = time.perf_counter()
 
-    def on_train_start(self, trainer: Any) -> None:
-        if self.first == trainer.step + 1:
-            self._start()
-
-    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        if step == self.first - 1:
-            self._start()
-        if step != self.last or self._profiler is None:
+    def finish(self, trainer: Any) -> None:
+        if self._profiler is None:  # resumed past `first`: nothing was recorded
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall_ms = 1000 * (time.perf_counter() - self._started_at)
-        self._profiler.__exit__(None, None, None)
+        self._profiler.stop()
         events = self._profiler.events()
         steps = self.last - self.first + 1
         name = f"rank{trainer.rank}_steps_{self.first}_{self.last}"
