@@ -54,8 +54,10 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
                                   int64_t rows, const int64_t* row_ptr, int32_t* cols, __nv_bfloat16* a_vals,
                                   cudaStream_t stream);
+// The heavy rows' entries past `capacity` (the record's length) are not written.
 cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream);
+                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream,
+                                  int64_t capacity = INT64_MAX);
 
 // Heavy rows (heavy[r] != 0: more active units than the sparse path's threshold) take a dense
 // path of GEMMs on the gathered rows; the row kernels below skip them (their outputs untouched).
@@ -72,10 +74,12 @@ cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, c
 int64_t csr_updown_blocks(int64_t rows);
 cudaError_t launch_csr_l1_finish(const float* l1_partial, int64_t n, float scale, float* l1, cudaStream_t stream);
 
-// vals[e] = dense[i, cols[e]] for the entries e of row list[i], i < n (dense: [n, H] bf16).
+// vals[e] = dense[i, cols[e]] for the entries e < capacity of row list[i], i < n (and i < *count where
+// count, on the device, is given; dense: [n, H] bf16).
 cudaError_t launch_csr_gather_rows(const __nv_bfloat16* dense, const int64_t* list, int64_t n, int hidden,
                                    const int64_t* row_ptr, const int32_t* cols, __nv_bfloat16* vals,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, const int64_t* count = nullptr,
+                                   int64_t capacity = INT64_MAX);
 
 // a_dense[i, cols[e]] = a_vals[e], u_dense[i, cols[e]] = u_vals[e] for the entries of row list[i]
 // (a_dense, u_dense: [n, H] bf16, zeroed by the caller).
@@ -135,5 +139,19 @@ cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat1
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                       int hidden, int dim, int64_t total, bool accumulate, int32_t* long_scratch,
                                       float* dwg, float* dwu, float* dwd_t, cudaStream_t stream);
+
+// The capacity path's heavy rows (kernels/heavy_capacity.cu), the count on the device:
+// h[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < min(*count, n), zero up to n, and
+// partial[b] = CTA b's sum of |relu(g) * u| (blocks CTAs); g: [M, H], u, h: [n, H].
+cudaError_t launch_gate_mul_rows_l1(const __nv_bfloat16* g, const int64_t* list, const int64_t* count, int64_t n,
+                                    int hidden, const __nv_bfloat16* u, __nv_bfloat16* h, float* partial,
+                                    int blocks, cudaStream_t stream);
+// The rows list[first .. *count) that the GEMMs did not take: y[row] = sum over the row's active
+// units of bf16(relu(g) * bf16(x . wu[unit])) * wd_t[unit] (fp32, rounded once), straight from g;
+// partial[b] = CTA b's sum of |relu(g) * u| (blocks CTAs, each writing its slot even with no row).
+cudaError_t launch_heavy_overflow_updown(const __nv_bfloat16* x, const __nv_bfloat16* g, const __nv_bfloat16* wu,
+                                         const __nv_bfloat16* wd_t, const int64_t* list, const int64_t* count,
+                                         int64_t first, int dim, int hidden, __nv_bfloat16* y, float* partial,
+                                         int blocks, cudaStream_t stream);
 
 }  // namespace sparse_llm

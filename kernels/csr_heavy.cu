@@ -13,12 +13,12 @@ constexpr int kRowsPerCta = kThreads / 32;
 __global__ void __launch_bounds__(kThreads)
     csr_gather_rows_kernel(const __nv_bfloat16* __restrict__ dense, const int64_t* __restrict__ list, int64_t n,
                            int hidden, const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
-                           __nv_bfloat16* __restrict__ vals) {
+                           __nv_bfloat16* __restrict__ vals, const int64_t* __restrict__ count, int64_t capacity) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
-  if (i >= n) return;
+  if (i >= n || (count != nullptr && i >= *count)) return;
   const int64_t row = list[i];
-  for (int64_t e = row_ptr[row] + threadIdx.x % 32; e < row_ptr[row + 1]; e += 32)
-    vals[e] = dense[i * hidden + cols[e]];
+  const int64_t end = row_ptr[row + 1] < capacity ? row_ptr[row + 1] : capacity;
+  for (int64_t e = row_ptr[row] + threadIdx.x % 32; e < end; e += 32) vals[e] = dense[i * hidden + cols[e]];
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -67,9 +67,10 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kRowsPerCta -
 
 cudaError_t launch_csr_gather_rows(const __nv_bfloat16* dense, const int64_t* list, int64_t n, int hidden,
                                    const int64_t* row_ptr, const int32_t* cols, __nv_bfloat16* vals,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, const int64_t* count, int64_t capacity) {
   if (n == 0) return cudaSuccess;
-  csr_gather_rows_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dense, list, n, hidden, row_ptr, cols, vals);
+  csr_gather_rows_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dense, list, n, hidden, row_ptr, cols, vals, count,
+                                                                 capacity);
   return cudaGetLastError();
 }
 

@@ -82,16 +82,18 @@ __global__ void __launch_bounds__(kThreads)
 // one entry), and its row of g is not read.
 __global__ void __launch_bounds__(kThreads)
     csr_fill_heavy_kernel(const __nv_bfloat16* __restrict__ g, int64_t rows, int hidden,
-                          const int64_t* __restrict__ row_ptr, int32_t* __restrict__ cols,
+                          const int64_t* __restrict__ row_ptr, int64_t capacity, int32_t* __restrict__ cols,
                           __nv_bfloat16* __restrict__ a_vals) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
   if (row >= rows) return;
   const int64_t begin = row_ptr[row];
-  if (row_ptr[row + 1] == begin) return;
+  if (row_ptr[row + 1] == begin || begin >= capacity) return;
   scan_row(g, row, hidden, lane, [&](int64_t pos, int unit, float value) {
-    cols[begin + pos] = unit;
-    a_vals[begin + pos] = __float2bfloat16(value);
+    if (begin + pos < capacity) {
+      cols[begin + pos] = unit;
+      a_vals[begin + pos] = __float2bfloat16(value);
+    }
   });
 }
 
@@ -118,10 +120,10 @@ cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16
 }
 
 cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
-                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream) {
+                                  int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream, int64_t capacity) {
   if (rows == 0) return cudaSuccess;
   if (hidden % kChunk != 0) return cudaErrorInvalidValue;
-  csr_fill_heavy_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, cols, a_vals);
+  csr_fill_heavy_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(g, rows, hidden, row_ptr, capacity, cols, a_vals);
   return cudaGetLastError();
 }
 

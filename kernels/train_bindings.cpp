@@ -3,6 +3,10 @@
 // records passed between them are the CSR records of csr.cuh (one for the light rows, one for the
 // heavy rows); the extension keeps no state between calls.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -128,6 +132,79 @@ at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
   return gatherable ? sparse_llm_glue::gather_rows(t, list, list.size(0), list.size(0)) : t.index_select(0, list);
 }
 
+void check_forward_args(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                        const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
+  check_weights(x, wg, wu, wd);
+  SL_CHECK_ARG(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  SL_CHECK_ARG(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
+               "keep must be a 2-D tensor with x's rows, on x's device");
+}
+
+// The part of the training forward that needs no size read: the gate GEMM, the count (with the
+// fire counts), the split, and the light rows' record and output with their L1 partial sums in
+// l1_partial[0, updown_blocks) (the caller sizes it: `extra_l1_slots` more slots for its own).
+struct LightPass {
+  at::Tensor g;           // [M, H] = x Wg^T
+  at::Tensor nnz;         // [M] int64
+  at::Tensor fire_long;   // [H] int64
+  RowSplit split;         // with the forward's lists and sizes ([4] on the device)
+  at::Tensor wd_t;        // [H, D]
+  at::Tensor y;           // [M, D]: the light rows written
+  at::Tensor cols_cap;    // [M * width]: the light record at its capacity (width entries a row)
+  at::Tensor a_cap;
+  at::Tensor u_cap;
+  at::Tensor l1_partial;  // [updown_blocks + extra_l1_slots] float
+  int64_t updown_blocks;
+};
+
+// after_split(split) runs right after the split is queued (the exact path queues its host read there).
+template <typename AfterSplit>
+LightPass light_pass(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                     int64_t heavy_threshold, int64_t extra_l1_slots, cudaStream_t stream, AfterSplit after_split) {
+  const int64_t rows = x.size(0);
+  const int dim = static_cast<int>(x.size(1));
+  const int hidden = static_cast<int>(wg.size(0));
+  LightPass pass;
+  pass.g = at::mm(x, wg.t());
+  pass.nnz = at::empty({rows}, x.options().dtype(at::kLong));
+  // Light rows hold at most `width` entries: the count stages that many of every row, so the light
+  // record needs no second read of g, and its capacity is known before any host read.
+  const int width = static_cast<int>(std::min<int64_t>(heavy_threshold, hidden));
+  at::Tensor stage_cols = at::empty({rows * width}, x.options().dtype(at::kInt));
+  at::Tensor stage_a = at::empty({rows * width}, x.options());
+  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
+  check_cuda(sparse_llm::launch_csr_count(bf16_ptr(pass.g), rows, hidden, width, pass.nnz.data_ptr<int64_t>(),
+                                          stage_cols.data_ptr<int32_t>(), bf16_mut_ptr(stage_a),
+                                          fire.data_ptr<int32_t>(), stream),
+             "csr_count");
+  pass.split = split_rows(pass.nnz, heavy_threshold, at::Tensor(), stream);
+  after_split(pass.split);
+  pass.wd_t = sparse_llm_glue::transpose_bf16(wd);
+  pass.y = at::empty_like(x);
+
+  // Light rows, with their L1 share.
+  const int64_t capacity = rows * width;
+  pass.cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
+  pass.a_cap = at::empty({capacity}, x.options());
+  pass.u_cap = at::empty({capacity}, x.options());
+  const int64_t* light_ptr = pass.split.light_ptr.data_ptr<int64_t>();
+  check_cuda(sparse_llm::launch_csr_fill_light(stage_cols.data_ptr<int32_t>(), bf16_ptr(stage_a), width, rows,
+                                               light_ptr, pass.cols_cap.data_ptr<int32_t>(), bf16_mut_ptr(pass.a_cap),
+                                               stream),
+             "csr_fill_light");
+  pass.updown_blocks = sparse_llm::csr_updown_blocks(rows);
+  pass.l1_partial = at::empty({pass.updown_blocks + extra_l1_slots}, x.options().dtype(at::kFloat));
+  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(pass.wd_t), light_ptr,
+                                           pass.cols_cap.data_ptr<int32_t>(), bf16_ptr(pass.a_cap),
+                                           mask_ptr(pass.split.heavy), rows, dim, bf16_mut_ptr(pass.u_cap),
+                                           bf16_mut_ptr(pass.y), pass.l1_partial.data_ptr<float>(), stream),
+             "csr_updown");
+  pass.fire_long = fire.to(at::kLong);
+  return pass;
+}
+
+float inverse_rows(int64_t rows) { return static_cast<float>(1.0 / static_cast<double>(std::max<int64_t>(rows, 1))); }
+
 // (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows,
 // heavy_cols, heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an
 // active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows' record
@@ -143,58 +220,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                   const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
-  check_weights(x, wg, wu, wd);
-  SL_CHECK_ARG(heavy_threshold >= 0, "heavy_threshold must be >= 0");
-  SL_CHECK_ARG(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
-               "keep must be a 2-D tensor with x's rows, on x's device");
+  check_forward_args(x, wg, wu, wd, keep, heavy_threshold);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
-  const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
-
-  const at::Tensor g = at::mm(x, wg.t());
-  at::Tensor nnz = at::empty({rows}, x.options().dtype(at::kLong));
-  // Light rows hold at most `width` entries: the count stages that many of every row, so the light
-  // record needs no second read of g, and its capacity is known before the host read.
-  const int width = static_cast<int>(std::min<int64_t>(heavy_threshold, hidden));
-  at::Tensor stage_cols = at::empty({rows * width}, x.options().dtype(at::kInt));
-  at::Tensor stage_a = at::empty({rows * width}, x.options());
-  at::Tensor fire = at::zeros({hidden}, x.options().dtype(at::kInt));
-  check_cuda(sparse_llm::launch_csr_count(bf16_ptr(g), rows, hidden, width, nnz.data_ptr<int64_t>(),
-                                          stage_cols.data_ptr<int32_t>(), bf16_mut_ptr(stage_a),
-                                          fire.data_ptr<int32_t>(), stream),
-             "csr_count");
-  const RowSplit split = split_rows(nnz, heavy_threshold, at::Tensor(), stream);
   // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
-  // the GEMM, the count and the split: everything below is queued before it and runs while the
-  // host reads.
-  sparse_llm_glue::EarlyHostRead sizes(split.sizes, stream);
-  const at::Tensor wd_t = sparse_llm_glue::transpose_bf16(wd);
-  at::Tensor y = at::empty_like(x);
-
-  // Light rows, with their L1 share.
-  const int64_t capacity = rows * width;
-  at::Tensor cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
-  at::Tensor a_cap = at::empty({capacity}, x.options());
-  at::Tensor u_cap = at::empty({capacity}, x.options());
-  const int64_t* light_ptr = split.light_ptr.data_ptr<int64_t>();
-  check_cuda(sparse_llm::launch_csr_fill_light(stage_cols.data_ptr<int32_t>(), bf16_ptr(stage_a), width, rows,
-                                               light_ptr, cols_cap.data_ptr<int32_t>(), bf16_mut_ptr(a_cap), stream),
-             "csr_fill_light");
-  const int64_t updown_blocks = sparse_llm::csr_updown_blocks(rows);
-  at::Tensor l1_partial = at::empty({updown_blocks}, x.options().dtype(at::kFloat));
-  check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(wd_t), light_ptr,
-                                           cols_cap.data_ptr<int32_t>(), bf16_ptr(a_cap), mask_ptr(split.heavy), rows,
-                                           dim, bf16_mut_ptr(u_cap), bf16_mut_ptr(y), l1_partial.data_ptr<float>(),
-                                           stream),
-             "csr_updown");
-  const double inv_rows = 1.0 / static_cast<double>(std::max<int64_t>(rows, 1));
+  // the GEMM, the count and the split: everything after them is queued before it and runs while
+  // the host reads.
+  std::optional<sparse_llm_glue::EarlyHostRead> sizes;
+  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, 0, stream,
+                              [&](const RowSplit& split) { sizes.emplace(split.sizes, stream); });
+  const RowSplit& split = pass.split;
+  const at::Tensor& g = pass.g;
+  const at::Tensor& wd_t = pass.wd_t;
+  at::Tensor& y = pass.y;
+  const at::Tensor &cols_cap = pass.cols_cap, &a_cap = pass.a_cap, &u_cap = pass.u_cap;
+  const at::Tensor& nnz = pass.nnz;
+  const at::Tensor& fire_long = pass.fire_long;
+  const double inv_rows = inverse_rows(rows);
   at::Tensor l1 = at::empty({}, x.options().dtype(at::kFloat));  // mean over rows of sum |h|
-  check_cuda(sparse_llm::launch_csr_l1_finish(l1_partial.data_ptr<float>(), updown_blocks,
+  check_cuda(sparse_llm::launch_csr_l1_finish(pass.l1_partial.data_ptr<float>(), pass.updown_blocks,
                                               static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
              "csr_l1_finish");
-  const at::Tensor fire_long = fire.to(at::kLong);
 
   // The first heavy rows' dense path, queued before the read too: its kernels read the number of
   // heavy rows on the device, and its GEMMs take `early` rows whatever it is (zero rows past it).
@@ -208,7 +256,7 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
       early > 0 ? heavy_rows_up_down(x, g, wu, wd_t, split.heavy_rows, heavy_count, early, early, y, stream)
                 : at::Tensor();
 
-  const int64_t* host_sizes = sizes.values().data_ptr<int64_t>();
+  const int64_t* host_sizes = sizes->values().data_ptr<int64_t>();
   const int64_t light_total = host_sizes[0], n_heavy = host_sizes[1], heavy_total = host_sizes[2];
   const at::Tensor active_rows = split.active_rows.narrow(0, 0, host_sizes[3]);
   // Exact-size copies: the backward's sort walks the whole record, and autograd would otherwise
@@ -243,9 +291,139 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
                                                       static_cast<float>(inv_rows), l1.data_ptr<float>(), stream),
                "add_abs_product_sum");
   }
-  const at::Tensor kept_rows = keep.has_value() ? rows_of(*keep, active_rows) : at::empty({0, dim}, x.options());
+  const at::Tensor kept_rows =
+      keep.has_value() ? rows_of(*keep, active_rows) : at::empty({0, x.size(1)}, x.options());
   return {y, l1, nnz, fire_long, active_rows, kept_rows, cols,
           a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
+}
+
+// CTAs of the capacity path's heavy-row kernels (each writes one L1 partial sum).
+constexpr int kGateL1Blocks = 264;
+constexpr int kOverflowBlocks = 132;
+// The fields of the capacity path's host sizes (pinned int64): the forward's four sizes, then a
+// flag the GPU sets to 1 once they are there (the host sets -1 before queuing the copies).
+constexpr int64_t kHostSizeFields = 5;
+
+// The training forward with no host read (the capacity path): the reference op's outputs, every
+// record at a capacity the caller gives on the host, `capacities` = (light entries, heavy rows,
+// heavy entries) as a CPU int64 tensor, plus `host_sizes`: a pinned CPU int64 [5] into which the GPU
+// copies the forward's true sizes (light entries, heavy rows, heavy entries, active rows) and then a
+// 1 in the last field. y and l1 are exact whatever the capacities (heavy rows past the heavy-row
+// capacity are computed from g by launch_heavy_overflow_updown); a record is complete where its
+// size fits its capacity, which the backward checks on host_sizes (read there, long after the GPU
+// wrote it in steady state) before it reads the record (ops/ffn/training.py rebuilds an overflowed
+// one). active_rows are all rows (their number is not read), kept_rows a copy of keep.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
+                           const std::optional<at::Tensor>& keep, int64_t heavy_threshold,
+                           const at::Tensor& capacities) {
+  check_forward_args(x, wg, wu, wd, keep, heavy_threshold);
+  SL_CHECK_ARG(capacities.device().is_cpu() && capacities.scalar_type() == at::kLong && capacities.numel() == 3 &&
+                   capacities.is_contiguous(),
+               "capacities must be a contiguous CPU int64 tensor of 3 elements");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream();
+  const int64_t rows = x.size(0);
+  const int dim = static_cast<int>(x.size(1));
+  const int hidden = static_cast<int>(wg.size(0));
+  const int64_t* cap = capacities.data_ptr<int64_t>();
+  const int64_t width = std::min<int64_t>(heavy_threshold, hidden);
+  // Capacities past what the data can hold buy nothing: the light record has width entries a row at
+  // most, the heavy rows are at most M, their entries at most H a row.
+  const int64_t light_cap = std::clamp<int64_t>(cap[0], 0, rows * width);
+  const int64_t heavy_cap = std::clamp<int64_t>(cap[1], 0, rows);
+  const int64_t heavy_entries_cap = std::clamp<int64_t>(cap[2], 0, heavy_cap * hidden);
+
+  const int64_t gate_slot = 0, overflow_slot = kGateL1Blocks;
+  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, kGateL1Blocks + kOverflowBlocks, stream,
+                              [](const RowSplit&) {});
+  const RowSplit& split = pass.split;
+  float* l1_partial = pass.l1_partial.data_ptr<float>();
+  const int64_t* heavy_count = split.sizes.data_ptr<int64_t>() + 1;
+  const int64_t* heavy_list = split.heavy_rows.data_ptr<int64_t>();
+
+  // The first min(heavy rows, heavy_cap) heavy rows: GEMMs of a fixed row count (zero rows past the
+  // count), the gate fused with their L1 share.
+  const int64_t padded = sparse_llm_glue::heavy_gemm_rows(heavy_cap);
+  at::Tensor heavy_u_dense;
+  if (padded > 0) {
+    heavy_u_dense = at::mm(sparse_llm_glue::gather_rows(x, split.heavy_rows, heavy_cap, padded, heavy_count), wu.t());
+    at::Tensor h = at::empty_like(heavy_u_dense);
+    check_cuda(sparse_llm::launch_gate_mul_rows_l1(bf16_ptr(pass.g), heavy_list, heavy_count, padded, hidden,
+                                                   bf16_ptr(heavy_u_dense), bf16_mut_ptr(h),
+                                                   l1_partial + pass.updown_blocks + gate_slot,
+                                                   kGateL1Blocks, stream),
+               "gate_mul_rows_l1");
+    const at::Tensor y_rows = at::mm(h, pass.wd_t);
+    check_cuda(sparse_llm::launch_scatter_rows(y_rows.data_ptr(), heavy_list, heavy_count, heavy_cap,
+                                               pass.y.size(1) * pass.y.element_size(), pass.y.data_ptr(), stream),
+               "scatter_rows");
+  } else {
+    pass.l1_partial.narrow(0, pass.updown_blocks + gate_slot, kGateL1Blocks).zero_();
+  }
+  // Heavy rows past the capacity (none in steady state: the kernel reads the count and returns).
+  check_cuda(sparse_llm::launch_heavy_overflow_updown(bf16_ptr(x), bf16_ptr(pass.g), bf16_ptr(wu), bf16_ptr(pass.wd_t),
+                                                      heavy_list, heavy_count, heavy_cap, dim, hidden,
+                                                      bf16_mut_ptr(pass.y), l1_partial + pass.updown_blocks +
+                                                      overflow_slot, kOverflowBlocks, stream),
+             "heavy_overflow_updown");
+  at::Tensor l1 = at::empty({}, x.options().dtype(at::kFloat));
+  check_cuda(sparse_llm::launch_csr_l1_finish(l1_partial, pass.l1_partial.size(0), inverse_rows(rows),
+                                              l1.data_ptr<float>(), stream),
+             "csr_l1_finish");
+
+  // The records at their capacities: entries past a capacity are not written (the backward then
+  // finds the size over the capacity on host_sizes and rebuilds that record).
+  const at::Tensor cols = pass.cols_cap.narrow(0, 0, light_cap).clone();
+  const at::Tensor a_vals = pass.a_cap.narrow(0, 0, light_cap).clone();
+  const at::Tensor u_vals = pass.u_cap.narrow(0, 0, light_cap).clone();
+  const at::Tensor heavy_rows = split.heavy_rows.narrow(0, 0, heavy_cap).clone();
+  at::Tensor heavy_cols = at::empty({heavy_entries_cap}, cols.options());
+  at::Tensor heavy_a = at::empty({heavy_entries_cap}, x.options());
+  at::Tensor heavy_u = at::empty({heavy_entries_cap}, x.options());
+  if (heavy_entries_cap > 0) {
+    const int64_t* heavy_ptr = split.heavy_ptr.data_ptr<int64_t>();
+    check_cuda(sparse_llm::launch_csr_fill_heavy(bf16_ptr(pass.g), rows, hidden, heavy_ptr,
+                                                 heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_a), stream,
+                                                 heavy_entries_cap),
+               "csr_fill_heavy");
+    check_cuda(sparse_llm::launch_csr_gather_rows(bf16_ptr(heavy_u_dense), heavy_list, heavy_cap, hidden, heavy_ptr,
+                                                  heavy_cols.data_ptr<int32_t>(), bf16_mut_ptr(heavy_u), stream,
+                                                  heavy_count, heavy_entries_cap),
+               "csr_gather_rows");
+  }
+  const at::Tensor active_rows = at::arange(rows, pass.nnz.options());
+  const at::Tensor kept_rows = keep.has_value() ? keep->clone() : at::empty({0, dim}, x.options());
+
+  // The sizes to the host, then the flag: stream order puts the flag after the sizes.
+  at::Tensor host_sizes =
+      at::empty({kHostSizeFields}, pass.nnz.options().device(at::kCPU).pinned_memory(true));
+  host_sizes.fill_(-1);
+  host_sizes.narrow(0, 0, 4).copy_(split.sizes, /*non_blocking=*/true);
+  host_sizes.narrow(0, 4, 1).copy_(at::ones({1}, pass.nnz.options()), /*non_blocking=*/true);
+  return {pass.y,     l1, pass.nnz, pass.fire_long, active_rows, kept_rows, cols, a_vals, u_vals,
+          heavy_rows, heavy_cols, heavy_a, heavy_u, host_sizes};
+}
+
+// Waits until the GPU has written a capacity forward's host sizes (their last field set), then
+// returns the four sizes. In steady state the backward calls this long after the forward's kernels
+// ran, so it returns at once; it never drains the queue.
+std::vector<int64_t> wait_host_sizes(const at::Tensor& host_sizes) {
+  SL_CHECK_ARG(host_sizes.device().is_cpu() && host_sizes.scalar_type() == at::kLong &&
+                   host_sizes.numel() == kHostSizeFields && host_sizes.is_contiguous(),
+               "host_sizes must be a capacity forward's pinned int64 sizes");
+  const volatile int64_t* fields = host_sizes.data_ptr<int64_t>();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t spins = 0; fields[kHostSizeFields - 1] != 1; ++spins) {
+    if (spins % 1024 == 1023) {
+      std::this_thread::yield();
+      SL_CHECK_ARG(std::chrono::steady_clock::now() - start < std::chrono::seconds(600),
+                   "the training forward's sizes never reached the host (a failed kernel before them?)");
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return {fields[0], fields[1], fields[2], fields[3]};
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
@@ -366,6 +544,11 @@ void register_train_ops(pybind11::module_& m) {
         "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, "
         "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take "
         "the dense path");
+  m.def("ffn_train_forward_capacity", sparse_llm_glue::guarded<&ffn_train_forward_capacity>,
+        "the training forward with no host read: the records at the given capacities (light entries, heavy rows, "
+        "heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
+  m.def("wait_host_sizes", sparse_llm_glue::guarded<&wait_host_sizes>,
+        "the four sizes a capacity forward wrote to host_sizes, once they are there");
   m.def("ffn_train_backward", sparse_llm_glue::guarded<&ffn_train_backward>,
         "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd), the weight gradients "
         "in the weights' dtype (bf16 or float32)");

@@ -41,6 +41,7 @@ from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.inference import ffn_add_, ffn_forward
 from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
 from sparse_llm.ops.ffn.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
+from sparse_llm.ops.ffn.training import TrainCapacities
 from sparse_llm.ops.precision import autocast_dtype
 
 
@@ -67,6 +68,11 @@ class FFNPlan:
     eval: FFNSelection
     prefill: FFNSelection
     decode: FFNSelection
+    # Whether training on the kernels takes the capacity path (ops.ffn_block_train's `capacities`:
+    # no host read in the forward, so the host runs ahead of the GPU). Off where a run asks for
+    # bitwise-reproducible steps: the capacity path's heavy-row GEMMs take a row count that follows
+    # the run's recent steps, which a resumed run does not share.
+    train_sync_free: bool = True
 
     @classmethod
     def dense(cls) -> FFNPlan:
@@ -223,6 +229,11 @@ class FFNBlock:
         self.dense_fallback = False
         # Fixed at build: whether a layer falling back recomputes its dense FFN in the backward.
         self.recompute_fallback = recompute_fallback
+        # The layer's record capacities on the capacity path (host state the sparse training op
+        # reads and sets; see ops.ffn.training.TrainCapacities), None off it.
+        self.train_capacities = (
+            TrainCapacities.new() if plan.train_sync_free and plan.impl("train") == "cuda" else None
+        )
 
     def impl(self, phase: str) -> str:
         """What this layer runs in `phase` now: the plan's choice, or dense while it falls back."""
@@ -249,7 +260,9 @@ class FFNBlock:
         rows of the tokens with an active unit (bf16 under autocast) plus a compact record of the
         active units (no dense M x H tensor, no norm output), and gives the layer's statistics from
         the same call."""
-        out = ffn_block_train(x, self.norm.weight, self.norm.eps, *self.mlp.weights(), impl)
+        out = ffn_block_train(
+            x, self.norm.weight, self.norm.eps, *self.mlp.weights(), impl, capacities=self.train_capacities
+        )
         if not with_stats:
             return out.y, None
         return out.y, FFNStats(out.l1.float(), out.nnz_per_token, out.fire_counts)

@@ -14,6 +14,7 @@ graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -310,10 +311,12 @@ def build_model(
     ffn: str | dict[str, str] | None = None,
     activation_checkpointing: bool = False,
     recompute_norms: bool = False,
+    ffn_sync_free: bool = True,
 ) -> SparseLlamaForCausalLM:
     """The model with its modes fixed: the FFN plan is resolved by `ops.ffn.select` from `ffn` (one
     value for every phase or one per phase; default `cfg.ffn_impl`) for the device and compute
-    dtype the model will run in. The parameters are created on the current default device (CPU
+    dtype the model will run in; `ffn_sync_free`: training on the kernels takes the capacity path
+    (FFNPlan.train_sync_free). The parameters are created on the current default device (CPU
     unless a `torch.device` context says otherwise); moving them is the caller's business."""
     if cfg.attn_impl == "flash":
         try:
@@ -324,6 +327,7 @@ def build_model(
                 "use model.attn_impl=sdpa otherwise"
             ) from None
     plan = FFNPlan.resolve(cfg.ffn_impl if ffn is None else ffn, cfg, device, compute_dtype)
+    plan = dataclasses.replace(plan, train_sync_free=ffn_sync_free)
     return SparseLlamaForCausalLM(
         cfg, plan, activation_checkpointing=activation_checkpointing, recompute_norms=recompute_norms
     )

@@ -126,6 +126,8 @@ class Trainer:
                 compute_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
                 activation_checkpointing=t.activation_checkpointing,
                 recompute_norms=t.recompute_norms,
+                # Bitwise-reproducible steps keep the FFN op's host read (model/ffn.py, FFNPlan).
+                ffn_sync_free=not t.deterministic,
             )
         except KernelsUnavailable as err:
             raise ConfigError(f"config key 'model.ffn_impl': {err}") from None

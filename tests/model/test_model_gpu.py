@@ -169,3 +169,62 @@ def test_compile_model_runs_the_cuda_training_step_in_one_graph_per_region():
     assert (got[1] - eager[1]).abs().max().item() <= 8  # near-zero gates may flip under bf16
     for g, e in zip(got[2], eager[2], strict=True):
         assert (g - e).norm() <= 5e-2 * e.norm() + 1e-6
+
+
+def _compiled_cuda_steps(cfg: ModelConfig, batches: list, sync_free: bool, monkeypatch) -> torch.Tensor:
+    """Losses of compiled AdamW steps on `batches`; with `sync_free`, the steps after the first
+    three run under set_sync_debug_mode("error") and must rebuild no FFN record."""
+    from sparse_llm.model.compiling import compile_model
+    from sparse_llm.ops._extension import extension
+
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cuda", compute_dtype=torch.bfloat16, ffn_sync_free=sync_free).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    compiled = compile_model(model)
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = compiled(ids[:, :-1], labels=ids[:, 1:], with_stats=True)
+            loss = out.loss + 1e-3 * out.ffn_stats.l1.mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    losses = [step(ids) for ids in batches[:3]]
+    rebuilds = []
+    if sync_free:
+        exact = extension().ffn_train_forward
+        monkeypatch.setattr(extension(), "ffn_train_forward", lambda *a: rebuilds.append(1) or exact(*a))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses += [step(ids) for ids in batches[3:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rebuilds == []
+    if sync_free:  # every row is heavy at this initialisation (ReLU of random weights: half the units)
+        assert all(layer.ffn.train_capacities[1] > 0 for layer in model.model.layers)
+    return torch.stack(losses).float().cpu()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_compiled_cuda_training_steps_never_wait_on_the_gpu_after_warm_up(monkeypatch):
+    """After warm-up steps (compile; the FFN layers' capacities set), compiled training steps with the
+    CUDA kernels run under torch.cuda.set_sync_debug_mode("error") (any synchronising CUDA call
+    raises) and never rebuild an FFN record, the one path that reads sizes on the host; their losses
+    stay those of the host-read path (ffn_sync_free=False) up to bf16 noise."""
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_impl="cuda",
+    )
+    gen = torch.Generator("cuda").manual_seed(2)
+    batches = [torch.randint(0, cfg.vocab_size, (8, 129), device="cuda", generator=gen) for _ in range(8)]
+    with_read = _compiled_cuda_steps(cfg, batches, False, monkeypatch)
+    sync_free = _compiled_cuda_steps(cfg, batches, True, monkeypatch)
+    torch.testing.assert_close(sync_free, with_read, rtol=1e-2, atol=1e-2)

@@ -59,6 +59,7 @@ class _FFNBlock(torch.autograd.Function):
         eps: float,
         impl: str,
         heavy_threshold: int,
+        capacities: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:
         # rms_norm, with the normalised rows kept for the backward rather than x: in the compute
         # dtype where it is narrower (bf16 under autocast: half the fp32 residual's bytes; at L0
@@ -70,13 +71,23 @@ class _FFNBlock(torch.autograd.Function):
         # they are what torch.compile saves, where an index_select here would be moved into the
         # backward and the whole input kept for it.
         out = train_forward(
-            impl, normed, *(w.to(compute_dtype) for w in (wg, wu, wd)), heavy_threshold, keep=kept
+            impl,
+            normed,
+            *(w.to(compute_dtype) for w in (wg, wu, wd)),
+            heavy_threshold,
+            keep=kept,
+            capacities=capacities,
         )
         record = out.record.tensors()  # flat: what save_for_backward and an output take
+        # The capacity path keeps every row (it reads no count of the active ones): no indexing.
+        ctx.all_rows = out.record.host_sizes is not None
+        ctx.heavy_threshold = heavy_threshold
+        ctx.has_capacities = capacities is not None
+        extra = (capacities,) if capacities is not None else ()
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
-        ctx.save_for_backward(out.kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *record)
+        ctx.save_for_backward(out.kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *extra, *record)
         ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = impl, x.shape[0], compute_dtype, x.dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
@@ -85,7 +96,10 @@ class _FFNBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
-        xhat_active, r, active_rows, norm_weight, wg, wu, wd, *record = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        xhat_active, r, active_rows, norm_weight, wg, wu, wd = saved[:7]
+        capacities = saved[7] if ctx.has_capacities else None
+        record = saved[8:] if ctx.has_capacities else saved[7:]
         dtype = ctx.compute_dtype
         xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
@@ -95,25 +109,43 @@ class _FFNBlock(torch.autograd.Function):
         # The norm's output where the FFN reads it (rows with an active unit). The CUDA kernels
         # never read the other rows, so they are left unwritten there (a [M, D] fill a layer less);
         # the reference's dense matmuls read them, so they are zero there.
-        shape = (ctx.rows, xhat_active.shape[1])
-        make = xhat_active.new_empty if ctx.impl == "cuda" else xhat_active.new_zeros
-        normed = make(shape, dtype=dtype)
-        normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
+        if ctx.all_rows:
+            normed = (norm_weight * xhat_active).to(dtype)
+        else:
+            shape = (ctx.rows, xhat_active.shape[1])
+            make = xhat_active.new_empty if ctx.impl == "cuda" else xhat_active.new_zeros
+            normed = make(shape, dtype=dtype)
+            normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
         grad_normed, grad_wg, grad_wu, grad_wd = train_backward(
-            ctx.impl, grad_y, grad_l1, normed, wg, wu, wd, TrainRecord(*record)
+            ctx.impl,
+            grad_y,
+            grad_l1,
+            normed,
+            wg,
+            wu,
+            wd,
+            TrainRecord(*record),
+            capacities,
+            ctx.heavy_threshold,
         )
-        # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
-        grad_x_active, grad_norm_weight = rms_norm_backward_from(
-            grad_normed.index_select(0, active_rows),
-            xhat_active,
-            r.index_select(0, active_rows),
-            norm_weight,
-            ctx.x_dtype,
-        )
-        grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
-        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None
+        if ctx.all_rows:
+            grad_x_rows, grad_norm_weight = rms_norm_backward_from(
+                grad_normed, xhat_active, r, norm_weight, ctx.x_dtype
+            )
+            grad_x = grad_out + grad_x_rows.to(grad_out.dtype)
+        else:
+            # Rows without an active unit get no gradient through the FFN: grad_normed is zero there.
+            grad_x_active, grad_norm_weight = rms_norm_backward_from(
+                grad_normed.index_select(0, active_rows),
+                xhat_active,
+                r.index_select(0, active_rows),
+                norm_weight,
+                ctx.x_dtype,
+            )
+            grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
+        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None, None
 
 
 def ffn_block_train(
@@ -126,9 +158,17 @@ def ffn_block_train(
     impl: str,
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
+    capacities: torch.Tensor | None = None,
 ) -> FFNTrainOutput:
     """x + FFN(rms_norm(x)) with the FFN's statistics, differentiable in x, the norm weight and
     the three FFN weights; `out.y` is that sum.
+
+    `capacities` (ops.ffn.training.TrainCapacities, the layer's; 'cuda' only) selects the capacity
+    path: the forward reads no size on the host (so the host never waits for the GPU there, and runs
+    ahead to queue the next layer's work and a data-parallel wrapper's communication), keeps the
+    normalised rows of every token rather than of the active ones, and its backward reads the
+    sizes the GPU wrote (long done in steady state) and rebuilds a record that overflowed its
+    capacity. Same function, same exactness.
 
     x: [..., D] (the residual stream); norm_weight: [D]; Wg, Wu: [H, D]; Wd: [D, H]. The FFN
     runs in the autocast dtype (weights cast as autocast casts a matmul's), or in the weights'
@@ -145,7 +185,7 @@ def ffn_block_train(
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
         out, l1, fire_counts, _kept, _active, *record = _FFNBlock.apply(
-            x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold
+            x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold, capacities
         )
     nnz_per_token = TrainRecord(*record).nnz_per_token
     l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()

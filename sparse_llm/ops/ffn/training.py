@@ -66,7 +66,10 @@ _T = torch.Tensor
 # (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
 # adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
+# The capacity path's host sizes: light entries, heavy rows, heavy entries, active rows, ready flag.
+HOST_SIZE_FIELDS = 5
 CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
+CudaCapacityForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
 
 
@@ -84,6 +87,9 @@ class TrainRecord(NamedTuple):
     heavy_cols: torch.Tensor | None = None
     heavy_a: torch.Tensor | None = None
     heavy_u: torch.Tensor | None = None
+    # The capacity path's (train_forward with `capacities`): the records sit at their capacities and
+    # the GPU writes their true sizes here (pinned CPU int64 [5]); the backward reads them.
+    host_sizes: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The fields that are set, in order: what a backward op and save_for_backward take."""
@@ -273,6 +279,128 @@ def _(grad_y, grad_l1, x, wg, wu, wd, nnz_per_token, cols, a_vals, u_vals, *heav
     return _fake_backward(x, wg, wu, wd)
 
 
+# --- CUDA pair, capacity path (no host read in the forward) -----------------------------------------
+
+
+@torch.library.custom_op("sparse_llm::ffn_train_fwd_cuda_cap", mutates_args=())
+def ffn_train_fwd_cuda_cap(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    keep: torch.Tensor | None,
+    heavy_threshold: int,
+    capacities: torch.Tensor,
+) -> CudaCapacityForwardOutput:
+    """The CUDA pair's forward with no host read (kernels/train_bindings.cpp,
+    ffn_train_forward_capacity): its outputs with every record at the capacities on the host
+    (`capacities`, a TrainCapacities tensor), then the pinned host_sizes the GPU writes the true
+    sizes to. y and l1 are exact whatever the capacities; active_rows are all rows."""
+    return extension().ffn_train_forward_capacity(x, wg, wu, wd, keep, heavy_threshold, capacities)
+
+
+@ffn_train_fwd_cuda_cap.register_fake
+def _(x, wg, wu, wd, keep, heavy_threshold, capacities):
+    # As the CUDA pair's, except that active_rows and kept_rows cover every row (M, not a count).
+    m, d = x.shape
+    return (
+        x.new_empty(m, d),
+        x.new_empty((), dtype=acc_dtype(x.dtype)),
+        x.new_empty(m, dtype=torch.int64),
+        x.new_empty(wg.shape[0], dtype=torch.int64),
+        x.new_empty(m, dtype=torch.int64),
+        x.new_empty(0, d) if keep is None else keep.new_empty(m, keep.shape[1]),
+        *_fake_record(x, torch.int32),
+        x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64),
+        *_fake_record(x, torch.int32),
+        torch.empty(HOST_SIZE_FIELDS, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("sparse_llm::ffn_train_bwd_cuda_cap", mutates_args=())
+def ffn_train_bwd_cuda_cap(
+    grad_y: torch.Tensor,
+    grad_l1: torch.Tensor,
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    nnz_per_token: torch.Tensor,
+    cols: torch.Tensor,
+    a_vals: torch.Tensor,
+    u_vals: torch.Tensor,
+    heavy_rows: torch.Tensor,
+    heavy_cols: torch.Tensor,
+    heavy_a: torch.Tensor,
+    heavy_u: torch.Tensor,
+    host_sizes: torch.Tensor,
+    capacities: torch.Tensor,
+    heavy_threshold: int,
+) -> TrainBackwardOutput:
+    """The CUDA backward of a capacity forward: waits for the forward's sizes on the host (written
+    long before in steady state), cuts each record to its size, or rebuilds the records exactly where
+    a size was over its capacity (a host read then; rare), sets the layer's capacities for the next
+    step from these sizes, then runs the CUDA backward.
+
+    `capacities` is updated in place though not declared mutated: it is host state that only the
+    forward op reads, at run time, so no graph ever reads a stale copy of it."""
+    sizes = extension().wait_host_sizes(host_sizes)
+    light, n_heavy, heavy_entries = sizes[:3]
+    fits = light <= cols.numel() and n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()
+    if fits:
+        record = (
+            nnz_per_token,
+            cols[:light],
+            a_vals[:light],
+            u_vals[:light],
+            heavy_rows[:n_heavy],
+            heavy_cols[:heavy_entries],
+            heavy_a[:heavy_entries],
+            heavy_u[:heavy_entries],
+        )
+    else:  # the exact path's records, from x and Wg again
+        exact = extension().ffn_train_forward(x, *_in_dtype_of(x, wg, wu, wd), None, heavy_threshold)
+        record = (exact[2], *exact[6:])
+    TrainCapacities.update(capacities, sizes)
+    dx, *weight_grads = extension().ffn_train_backward(
+        grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record
+    )
+    return dx, *_as_weights(weight_grads, wg, wu, wd)
+
+
+@ffn_train_bwd_cuda_cap.register_fake
+def _(grad_y, grad_l1, x, wg, wu, wd, *record_and_options):
+    return _fake_backward(x, wg, wu, wd)
+
+
+class TrainCapacities:
+    """A layer's record capacities for the capacity path: a CPU int64 tensor (light entries, heavy
+    rows, heavy entries), read by the forward op and set by its backward from the sizes it read,
+    with headroom: raised at once to fit, lowered slowly (a few percent a step) when far too large.
+    A fresh tensor is zero: the first step overflows (its backward reads the sizes once, exactly)."""
+
+    HEADROOM = 1.25
+    DECAY = 0.97
+    GRANULES = (4096, 64, 4096)  # rounding of each capacity (64: the heavy GEMMs' row granule)
+
+    @staticmethod
+    def new() -> torch.Tensor:
+        return torch.zeros(3, dtype=torch.int64)
+
+    @classmethod
+    def update(cls, capacities: torch.Tensor, sizes: Sequence[int]) -> None:
+        # Written through numpy: autograd saved this tensor for other layers' steps, and a torch
+        # in-place write would bump the version its saved copies are checked against.
+        values = capacities.numpy()
+        for i, (size, granule) in enumerate(zip(sizes[:3], cls.GRANULES, strict=True)):
+            need = -(-int(size * cls.HEADROOM) // granule) * granule
+            current = int(values[i])
+            if need > current:
+                values[i] = need
+            elif need < current // 2:
+                values[i] = max(need, int(current * cls.DECAY) // granule * granule)
+
+
 # --- autograd ------------------------------------------------------------------------------------
 
 
@@ -315,8 +443,12 @@ def train_forward(
     wd: torch.Tensor,
     heavy_threshold: int,
     keep: torch.Tensor | None = None,
+    capacities: torch.Tensor | None = None,
 ) -> TrainForward:
-    """The forward op of `impl` ('cuda' or 'reference'), its outputs by name."""
+    """The forward op of `impl` ('cuda' or 'reference'), its outputs by name. With `capacities`
+    (TrainCapacities; 'cuda' only) the capacity path: no host read, records at the capacities."""
+    if impl == "cuda" and capacities is not None:
+        return _named(ffn_train_fwd_cuda_cap(x, wg, wu, wd, keep, heavy_threshold, capacities))
     if impl == "cuda":
         return _named(ffn_train_fwd_cuda(x, wg, wu, wd, keep, heavy_threshold))
     return _named(ffn_train_fwd_ref(x, wg, wu, wd, keep))
@@ -331,9 +463,18 @@ def train_backward(
     wu: torch.Tensor,
     wd: torch.Tensor,
     record: TrainRecord,
+    capacities: torch.Tensor | None = None,
+    heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
 ) -> TrainBackwardOutput:
     """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x, the weights (in x's
-    dtype or wider: their gradients come back in their dtypes) and the forward's record."""
+    dtype or wider: their gradients come back in their dtypes) and the forward's record; a capacity
+    path's record with the capacities and the heavy threshold its forward had."""
+    if record.host_sizes is not None:
+        if capacities is None:
+            raise ValueError("a capacity path's record needs the capacities its forward read")
+        return ffn_train_bwd_cuda_cap(
+            grad_y, grad_l1, x, wg, wu, wd, *record.tensors(), capacities, heavy_threshold
+        )
     op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
     return op(grad_y, grad_l1, x, wg, wu, wd, *record.tensors())
 

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.ffn.block import ffn_block_train
-from sparse_llm.ops.ffn.training import ffn_forward_train
+from sparse_llm.ops.ffn.training import TrainCapacities, ffn_forward_train
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
 
@@ -230,6 +230,25 @@ def test_compile_fullgraph_and_checkpointing_match_eager():
         assert torch.equal(a, b), f"checkpointed {name}"
 
 
+def test_capacities_pass_through_compile_and_checkpointing():
+    """The capacity path's plumbing in the block (the layer's capacities saved for the backward): on
+    the reference, which ignores them, compiled in one graph and checkpointed it is the block without."""
+    inputs = cpu_inputs(40, 16, 48, "random", seed=6, dtype=torch.float32)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    capacities = TrainCapacities.new()
+
+    def with_capacities(x, norm_weight, wg, wu, wd):
+        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="reference", capacities=capacities)
+        return out.y, out.l1, out.nnz_per_token, out.fire_counts
+
+    eager = outputs_and_grads(block("reference"), inputs, r)
+    compiled = outputs_and_grads(torch.compile(with_capacities, fullgraph=True), inputs, r)
+    recomputed = outputs_and_grads(lambda *a: checkpoint(with_capacities, *a, use_reentrant=False), inputs, r)
+    assert_close_all(compiled, eager, tol=1e-6)
+    for name, a, b in zip(NAMES, eager, recomputed, strict=True):
+        assert torch.equal(a, b), f"checkpointed {name}"
+
+
 def test_bad_inputs_are_clear_errors():
     x, norm_weight, wg, wu, wd = cpu_inputs(4, 8, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="norm_weight must be"):
@@ -367,3 +386,114 @@ def test_block_op_repeats_bitwise_with_hot_units_after_poisoned_memory():
     names = ("out", "l1", "nnz_per_token", "dx", "d_norm_weight", "dWg", "dWu", "dWd")
     differing = [n for n, a, b in zip(names, *runs, strict=True) if not torch.equal(a, b)]
     assert not differing, differing
+
+
+# --- the capacity path (no host read in the forward; ops.ffn.training.TrainCapacities) ------------
+
+
+def capacity_block(capacities: torch.Tensor):
+    def run(x, norm_weight, wg, wu, wd):
+        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="cuda", capacities=capacities)
+        return out.y, out.l1, out.nnz_per_token, out.fire_counts
+
+    return run
+
+
+def check_capacity_contract(inputs, capacities: torch.Tensor) -> None:
+    """The capacity path's outputs and gradients within the contract against float64 (2x the dense
+    bf16 block's error plus the floors), its counts those of the dense bf16 block."""
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    got = outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cuda")
+    want = outputs_and_grads(dense, [t.double() for t in inputs], r)
+    active_units, active_rows = dense_bf16[2].sum(), (dense_bf16[2] > 0).sum()
+    for name, g, d, w in zip(NAMES, got, dense_bf16, want, strict=True):
+        if w.dtype == torch.int64:
+            assert torch.equal(g, d), name
+            continue
+        assert torch.isfinite(g).all(), name
+        if w.norm() == 0:
+            assert g.abs().max().item() == 0, name
+            continue
+        support = active_rows if name == "d_norm_weight" else active_units
+        floor = ABS_FLOOR if support >= SMALL_SUPPORT else SMALL_SUPPORT_GRAD_FLOOR
+        assert rel_err(g, w) <= 2 * rel_err(d, w) + floor, (name, rel_err(g, w), rel_err(d, w))
+
+
+def counting_rebuilds(monkeypatch) -> list[int]:
+    """Counts the capacity backward's rebuilds of an overflowed record (the exact forward's calls)."""
+    from sparse_llm.ops._extension import extension
+
+    ext, calls = extension(), []
+    exact = ext.ffn_train_forward
+
+    def counted(*args):
+        calls.append(1)
+        return exact(*args)
+
+    monkeypatch.setattr(ext, "ffn_train_forward", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (2051, 2048, 5632)])
+@pytest.mark.parametrize("start", ["zero", "small", "roomy"])
+def test_capacity_block_matches_fp64_at_any_capacity(pattern, m, d, h, start):
+    """Exact by the contract whatever the capacities: none (the first step: every heavy row past
+    the GEMMs, every record rebuilt), too small (some heavy rows on the GEMMs, the rest past
+    them), or those the previous step set."""
+    inputs = gpu_block_inputs(pattern, m, d, h, seed=m + d + h)
+    capacities = TrainCapacities.new()
+    if start == "small":
+        capacities[:] = torch.tensor([16, 1, 16])
+    elif start == "roomy":
+        r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+        outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    check_capacity_contract(inputs, capacities)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_capacity_path_sets_capacities_then_rebuilds_only_when_the_pattern_grows(monkeypatch):
+    """The first step rebuilds (no capacities yet) and sets capacities that fit; a step like it
+    rebuilds nothing; a step whose rows turn dense overflows, rebuilds, is still exact, and raises
+    the capacities to fit."""
+    rebuilds = counting_rebuilds(monkeypatch)
+    sparse = gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=3)
+    capacities = TrainCapacities.new()
+    r = torch.randn(sparse[0].shape, device="cuda", dtype=torch.float64)
+    outputs_and_grads(capacity_block(capacities), sparse, r, autocast_device="cuda")
+    assert len(rebuilds) == 1 and (capacities > 0).all()
+    fitted = capacities.clone()
+    outputs_and_grads(capacity_block(capacities), sparse, r, autocast_device="cuda")
+    assert len(rebuilds) == 1 and torch.equal(capacities, fitted)
+    dense_rows = gpu_block_inputs("all_active", 1003, 256, 1000, seed=4)
+    check_capacity_contract(dense_rows, capacities)
+    # Every row heavy now: the heavy capacities raised to fit (the light one, far too large, lowered).
+    assert len(rebuilds) == 2 and capacities[1] >= 1003 and capacities[2] > fitted[2]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_capacity_path_compiled_and_checkpointed_match_eager():
+    inputs = gpu_block_inputs("mixed_rows", 515, 256, 768, seed=9)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    capacities = TrainCapacities.new()
+    # Capacities set by a first step, so that every run below takes the heavy rows' GEMMs (the
+    # first step's rows past them are exact too, but rounded otherwise).
+    outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    eager = outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    compiled = outputs_and_grads(torch.compile(capacity_block(capacities), fullgraph=True), inputs, r, "cuda")
+
+    def checkpointed(*args):
+        return checkpoint(capacity_block(capacities), *args, use_reentrant=False)
+
+    recomputed = outputs_and_grads(checkpointed, inputs, r, autocast_device="cuda")
+    for name, a, b, c in zip(NAMES, eager, compiled, recomputed, strict=True):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b) and torch.equal(a, c), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3, msg=f"compiled {name}")
+            torch.testing.assert_close(c, a, rtol=1e-2, atol=1e-3, msg=f"checkpointed {name}")

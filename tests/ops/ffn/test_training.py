@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm import ops
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.ffn.select import CUDA_TRAIN_MAX_HIDDEN, select_ffn
-from sparse_llm.ops.ffn.training import ffn_forward_train
+from sparse_llm.ops.ffn.training import TrainCapacities, ffn_forward_train
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 
@@ -335,3 +335,48 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
     assert seen["dtypes"] == (passed_dtype,) * 3
     assert dx.dtype == x.dtype
     assert [g.dtype for g in grads] == [weight_dtype] * 3
+
+
+def test_capacity_ops_trace_under_fake_tensors():
+    """The capacity path's schemas and fakes (what torch.compile sees), checked without a GPU: every
+    row kept (M rows, not a count), the records of dynamic length, the host sizes a CPU tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from sparse_llm.ops.ffn.training import HOST_SIZE_FIELDS
+
+    capacities = TrainCapacities.new()
+    with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True):
+        x, wg, wu, wd = (
+            torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
+        )
+        keep = torch.empty(6, 16)
+        outputs = torch.ops.sparse_llm.ffn_train_fwd_cuda_cap(x, wg, wu, wd, keep, 64, capacities)
+        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes = outputs
+        assert y.shape == x.shape and nnz.shape == (6,) and fire.shape == (24,)
+        assert active.shape == (6,) and kept_rows.shape == (6, 16)
+        assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
+        assert heavy.dtype == torch.int64 and heavy.dim() == 1
+        assert host_sizes.device.type == "cpu" and host_sizes.shape == (HOST_SIZE_FIELDS,)
+        grads = torch.ops.sparse_llm.ffn_train_bwd_cuda_cap(
+            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes, capacities, 64
+        )
+        assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
+
+
+def test_train_capacities_grow_at_once_and_shrink_slowly():
+    """A layer's capacities fit the sizes just read with headroom, rounded to their granules, at
+    once; far larger ones come down a few percent a step, never below what the sizes need."""
+    capacities = TrainCapacities.new()
+    TrainCapacities.update(capacities, [10_000, 100, 20_000, 500])
+    assert capacities.tolist() == [16384, 128, 28672]
+    TrainCapacities.update(capacities, [12_000, 90, 19_000, 500])  # within the headroom: kept
+    assert capacities.tolist() == [16384, 128, 28672]
+    TrainCapacities.update(capacities, [13_200, 110, 30_000, 500])  # over: raised at once
+    assert capacities.tolist() == [20480, 192, 40960]
+    TrainCapacities.update(capacities, [100, 1, 100, 500])  # far too large: lowered a step
+    assert capacities.tolist() == [16384, 128, 36864]
+    for _ in range(200):
+        TrainCapacities.update(capacities, [100, 1, 100, 500])
+    # Down to within twice what the sizes need (one granule each), no further.
+    assert capacities.tolist() == [8192, 128, 8192]
