@@ -209,6 +209,7 @@ first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
 # ---- the trainer on one GPU ---------------------------------------------------------------------
 TRAIN="$PY -m sparse_llm.train logger=none train.progress=false"
 bench1b() {
+  rm -rf /tmp/runs/bench_1b  # scratch: a rerun starts anew (the trainer refuses a run_dir in use)
   $TRAIN experiment=bench_1b run_dir=/tmp/runs/bench_1b train.max_steps=40 2>&1 | tail -n 5
   $PY scripts/summarize_run.py /tmp/runs/bench_1b --name train_1b_dense --out "$OUT" --skip 2
 }
@@ -216,6 +217,7 @@ recipe_run() {  # run name, overrides...: a 100M run of the recipe table on the 
   local name=$1 runs=/tmp/runs lr=${SPARSITY_LR:-6e-4}  # 1.5e-3 kills a dense ReLU model's units
   shift
   name=${name}_lr$lr
+  rm -rf "${runs:?}/$name"  # scratch: a rerun starts anew (the trainer refuses a run_dir in use)
   [ -f /tmp/corpus.jsonl ] || $PY scripts/make_python_corpus.py --out /tmp/corpus.jsonl --max-mb 600
   $TRAIN model=100m data=files "data.paths=[/tmp/corpus.jsonl]" data.val_fraction=0.01 train=gpu_bench \
     train.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=64 train.lr="$lr" \

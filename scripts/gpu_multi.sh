@@ -3,6 +3,9 @@
 # left, wait_build). The runs go under $WORK; pack_multi gathers their metrics, configs and logs
 # into $OUT/multi_results.tar.gz after each part.
 WORK=${WORK:-/tmp/multi}
+# The parts' runs are scratch: a rerun on the same machine starts them anew (the trainer refuses a
+# run_dir that holds a run).
+rm -rf "$WORK/runs"
 mkdir -p "$WORK/runs" "$WORK/logs" "$WORK/results"
 RUNS=$WORK/runs
 COMMON="logger=none train.progress=false"

@@ -195,6 +195,9 @@ class TrainConfig:
     checkpoint_every: int = checked(0, ge=0)  # 0: only the final checkpoint
     keep_last: int = checked(2, ge=1)
     resume: str = "none"  # none, auto, or a checkpoint directory
+    # A run directory that holds another run (checkpoints, metrics.jsonl, export/) is refused unless
+    # this is set; then that run's files are moved to <run_dir>.replaced-<date>_<time>, not deleted.
+    overwrite: bool = False
     export: bool = True
     progress: bool = True
 
@@ -436,6 +439,19 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     _validate_downstream(cfg.eval.downstream, t, world_size)
     if t.resume not in ("none", "auto") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(f"config key 'train.resume': no checkpoint directory at {t.resume!r}")
+    if t.overwrite and cfg.run_dir is not None and resumes_within(cfg):
+        raise ConfigError(
+            f"config key 'train.overwrite': it moves the run in {cfg.run_dir} aside, and train.resume="
+            f"{t.resume} names one of its checkpoints; set one of them"
+        )
+
+
+def resumes_within(cfg: RunConfig) -> bool:
+    """Whether train.resume names a checkpoint inside the run directory (not auto, not none)."""
+    if cfg.train.resume in ("none", "auto") or cfg.run_dir is None:
+        return False
+    resume = Path(cfg.train.resume).expanduser().resolve()
+    return resume.is_relative_to(Path(cfg.run_dir).expanduser().resolve())
 
 
 def _validate_sparsity_target(s: SparsityConfig, num_units: int) -> None:
@@ -494,3 +510,66 @@ def _looks_like_path(name: str) -> bool:
 
 def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_plain(cfg: RunConfig) -> dict[str, Any]:
+    """The config as plain JSON-serialisable values (what a checkpoint records)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+# The model settings a checkpoint's weights are made for: a resume with another value of any of
+# them is refused. The other settings may change on resume (each change is logged).
+ARCHITECTURE_KEYS = tuple(
+    f"model.{name}"
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "hidden_act",
+    )
+)
+# Keys that name this run's own start, not a setting to compare with the checkpoint's.
+NOT_COMPARED_ON_RESUME = ("run_dir", "train.resume", "train.overwrite")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as {dotted key: leaf value} (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    key: str
+    recorded: Any  # the checkpoint's value
+    configured: Any  # this run's
+
+    def describe(self) -> str:
+        return f"{self.key} {self.recorded!r} -> {self.configured!r}"
+
+
+def compare_with_checkpoint(
+    recorded: dict[str, Any], configured: RunConfig
+) -> tuple[list[SettingChange], list[SettingChange]]:
+    """(architecture changes, other changes) from a checkpoint's recorded config (`to_plain` of
+    the resolved config it was written with) to the configured one. Keys that only one of them
+    has (a config from another version of the schema) are not compared."""
+    theirs, ours = flatten(recorded), flatten(to_plain(configured))
+    for side in (theirs, ours):  # 0 key-value heads: as many as attention heads
+        if side.get("model.num_key_value_heads") == 0:
+            side["model.num_key_value_heads"] = side.get("model.num_attention_heads")
+    changes = [
+        SettingChange(key, theirs[key], value)
+        for key, value in ours.items()
+        if key in theirs and key not in NOT_COMPARED_ON_RESUME and theirs[key] != value
+    ]
+    architecture = [c for c in changes if c.key in ARCHITECTURE_KEYS]
+    return architecture, [c for c in changes if c.key not in ARCHITECTURE_KEYS]

@@ -13,6 +13,10 @@ elsewhere), auto (the kernels wherever they can run), dense, reference or cuda. 
 how decode steps run: auto (one CUDA graph a step on a GPU where the decode FFN can be captured,
 else eager), graph, static (the graph's step uncaptured) or eager. The last line (stderr) gives
 the new tokens per second of the generation, prefill included, and the decode mode.
+
+Errors are one line on stderr: exit code 2 for a usage error or a path that holds no model, 4 for
+a damaged model (a weights file that is truncated or does not match its recorded SHA-256, a
+config that does not parse, weights of another shape than the config's: the line names the file).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from pathlib import Path
 
 from sparse_llm.inference import DECODE_MODES, FASTEST, Generator, SamplingParams, load_model
 from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
+from sparse_llm.inference.loading import DamagedModel
+
+EXIT_DAMAGED = 4  # the model's files are damaged or disagree (sparse_llm.inference.loading)
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,8 +91,11 @@ def main() -> int:
         generator = Generator(
             loaded, args.prefill_ffn, args.decode_ffn, compile=args.compile, decode=args.decode
         )
+    except DamagedModel as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_DAMAGED
     except (ValueError, FileNotFoundError, NotADirectoryError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     out = generator.generate_ids(generator.encode(prompts), params)

@@ -9,12 +9,20 @@ A failure the user can fix ends as one line on stderr and a stable exit code, ne
 (`--debug`, or HYDRA_FULL_ERROR=1, shows it before that line; the exit code stays):
 
     2  config       a bad key (with the closest valid names), preset, value, combination, or FFN
-                    implementation that cannot run here
+                    implementation that cannot run here; a run_dir that holds another run (its
+                    checkpoints, metrics.jsonl or export/) while train.resume is none and
+                    train.overwrite false
     3  data         data.paths that match no file, a file that is not the text it claims (binary,
                     not UTF-8, not parseable, no text field or column), no usable text, a missing
                     tokenizer
     4  checkpoint   train.resume names a checkpoint that does not verify or does not fit the run
+                    (a model setting that differs from the checkpoint's, named with both values),
+                    or resume=auto finds checkpoints of which none verifies
     5  diverged     the loss or the gradient norm became NaN or infinite (no checkpoint written)
+
+    75 preempted    SIGTERM, SIGUSR1 or SIGINT: the run stopped after the step in flight and wrote
+                    a checkpoint (one log line names it); train.resume=auto continues it. A second
+                    signal ends the process at once, by that signal (sparse_llm/training/preemption.py)
 
 Sweeps (`-m key=a,b`) and Hydra's own flags (--cfg, --help, ...) go through Hydra's launcher,
 which makes each job's directory itself.
@@ -44,15 +52,16 @@ from sparse_llm.config import (
     to_yaml,
     unknown_key,
 )
-from sparse_llm.run_files import CONFIG_FILE
+from sparse_llm.run_files import CONFIG_FILE, LOG_FILE
+from sparse_llm.training.preemption import EXIT_PREEMPTED, TrainingPreempted
 
-LOG_FILE = "train.log"
 logger = logging.getLogger("sparse_llm.train")  # not __name__: that is "__main__" under python -m
 
 
 def run(raw: DictConfig | dict, run_dir: Path, log_file: bool = False) -> Path:
     """Validate, build and train; returns the run directory. `log_file`: also log to
-    <run_dir>/train.log once the run directory exists (Hydra's launcher does it for its jobs)."""
+    <run_dir>/train.log once the run directory exists (Hydra's launcher does it for its jobs).
+    Raises TrainingPreempted when a signal stopped the run (after its checkpoint)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from sparse_llm.training.callbacks import build_callbacks
@@ -177,6 +186,9 @@ def single_run(overrides: list[str], debug: bool = False) -> int:
         raw = _compose(overrides)
         run_dir = Path(load_config(raw).run_dir)  # validated before anything is written
         run(raw, run_dir, log_file=True)
+    except TrainingPreempted:  # the trainer logged where its checkpoint is
+        print(f"run_dir: {absolute(run_dir)}", flush=True)
+        return EXIT_PREEMPTED
     except tuple(_user_errors()) as err:
         return _report(err, debug)
     print(f"run_dir: {absolute(run_dir)}", flush=True)
@@ -194,6 +206,9 @@ def _hydra_main(raw: DictConfig) -> None:
     prefer_explicit_target(raw, list(hydra_cfg.overrides.task))
     try:
         run(raw, run_dir)
+    except TrainingPreempted:
+        print(f"run_dir: {absolute(run_dir)}", flush=True)
+        sys.exit(EXIT_PREEMPTED)
     except tuple(_user_errors()) as err:
         sys.exit(_report(err, _debug()))
     print(f"run_dir: {absolute(run_dir)}", flush=True)

@@ -190,3 +190,79 @@ def test_warnings_are_log_lines(caplog):
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
         ("py.warnings", "UserWarning: something to know")
     ]
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_run_directory_is_never_overwritten_by_another_run(tmp_path, capsys):
+    """The same run_dir without train.resume: refused before anything is written, in one line that
+    gives the ways on; train.overwrite=true moves the earlier run aside, whole, and starts anew."""
+    first = ("train.max_steps=2", "train.checkpoint_every=1", "train.log_every=1")
+    assert _run(tmp_path, capsys, *first)[0] == 0
+    run_dir = tmp_path / "run"
+    before = _files(run_dir)
+    code, err, _ = _run(tmp_path, capsys, "train.max_steps=3", "train.log_every=1")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: run_dir {run_dir} already holds a run: 2 checkpoints (up to step_00000002), "
+        "metrics.jsonl (2 records), export/. Continue it with train.resume=auto, start a new run with "
+        "another run_dir, or replace it with train.overwrite=true"
+    ), err
+    assert _files(run_dir) == before
+    code, err, _ = _run(tmp_path, capsys, "train.max_steps=3", "train.log_every=1", "train.overwrite=true")
+    assert code == 0, err
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert _files(aside) == before
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]
+    assert f"the run that was in {run_dir} moved to {aside}" in (run_dir / "train.log").read_text()
+
+
+def test_resume_refuses_another_model_and_lists_the_other_changed_settings(tmp_path, capsys, caplog):
+    assert _run(tmp_path, capsys, "train.max_steps=2", "train.log_every=1")[0] == 0
+    run_dir = tmp_path / "run"
+    config = (run_dir / "config.yaml").read_text()
+    code, err, _ = _run(
+        tmp_path, capsys, "train.max_steps=4", "train.resume=auto", "model.num_hidden_layers=2"
+    )
+    assert code == 4 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err == (
+        f"error: cannot resume from {run_dir}/checkpoints/step_00000002: its model differs from the "
+        "configured one: model.num_hidden_layers 1 in the checkpoint, 2 configured. Resume with the "
+        "checkpoint's model settings, or start a new run with another run_dir\n"
+    )
+    assert (run_dir / "config.yaml").read_text() == config  # the refused run wrote nothing
+    with caplog.at_level(logging.INFO, logger="sparse_llm"):
+        code, err, _ = _run(
+            tmp_path, capsys, "train.max_steps=4", "train.log_every=1", "train.resume=auto", "train.lr=0.002"
+        )
+    assert code == 0, err
+    changed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: settings")]
+    assert changed == [
+        "resume: settings that differ from the checkpoint's (this run's apply): "
+        "train.max_steps 2 -> 4, train.lr 0.001 -> 0.002"
+    ]
+    assert changed[0] in (run_dir / "train.log").read_text()
+
+
+def test_resume_auto_starts_anew_without_a_checkpoint_but_never_over_damaged_ones(tmp_path, capsys):
+    """A run that stopped before its first checkpoint left records only: resume=auto makes them
+    again. Checkpoints of which none verifies are not replaced by a fresh start: exit 4."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n')
+    code, err, _ = _run(tmp_path, capsys, "train.max_steps=2", "train.log_every=1", "train.resume=auto")
+    assert code == 0, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and records[0]["loss"] != 9.0
+    weights = run_dir / "checkpoints" / "step_00000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    code, err, _ = _run(tmp_path, capsys, "train.max_steps=4", "train.resume=auto")
+    assert code == 4 and err.count("\n") == 1, err
+    assert "none of the 1 checkpoints" in err and "verifies" in err
+    assert len(weights.read_bytes()) == 100

@@ -217,3 +217,34 @@ def test_every_preset_lists_every_field(group):
 
 def test_swiglu_on_a_preset():
     assert load_config(composed("model=100m", "model.hidden_act=silu")).model.hidden_act == "silu"
+
+
+def test_a_resume_compares_the_model_apart_from_the_other_settings():
+    from sparse_llm.config import compare_with_checkpoint, to_plain
+
+    recorded = to_plain(load_config(composed("run_dir=a", "model.num_key_value_heads=0")))
+    same_heads = load_config(composed("run_dir=b", "train.resume=auto", "model.num_key_value_heads=4"))
+    # 0 key-value heads means as many as attention heads (4); run_dir and train.resume are this run's.
+    assert compare_with_checkpoint(recorded, same_heads) == ([], [])
+    changed = load_config(
+        composed("run_dir=a", "model.hidden_size=128", "train.lr=0.01", "model.ffn_impl=auto")
+    )
+    architecture, others = compare_with_checkpoint(recorded, changed)
+    assert [c.describe() for c in architecture] == ["model.hidden_size 256 -> 128"]
+    assert [c.describe() for c in others] == ["model.ffn_impl 'dense' -> 'auto'", "train.lr 0.001 -> 0.01"]
+    del recorded["train"]["lr"]  # a key the checkpoint's (older) schema lacks is not compared
+    assert compare_with_checkpoint(recorded, changed)[1][-1].key == "model.ffn_impl"
+
+
+def test_overwrite_cannot_move_aside_the_checkpoint_it_resumes(tmp_path):
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"train\.overwrite"):
+        load_config(
+            composed(f"run_dir={tmp_path / 'run'}", f"train.resume={checkpoint}", "train.overwrite=true")
+        )
+    # From another run's checkpoint into a new directory: a fork, not a contradiction.
+    load_config(
+        composed(f"run_dir={tmp_path / 'fork'}", f"train.resume={checkpoint}", "train.overwrite=true")
+    )
+    load_config(composed(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.overwrite=true"))

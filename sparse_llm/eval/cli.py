@@ -14,7 +14,9 @@ prefill FFN of a Generator, `fastest` by default); its results go to eval/<step>
 eval/<step>.md in its run directory (an export outside any run: <export>/eval/export.*), merged
 with earlier tasks of the same step, and the table is printed. --compare writes
 downstream_compare.md, .json and .png (tasks x runs, with each run's sparsity and L0) into --out.
-Errors are one line on stderr, exit code 2.
+Errors are one line on stderr: exit code 2, or 4 for a damaged model (a weights file that is
+truncated or does not match its recorded SHA-256, a config that does not parse, weights of another
+shape than the config's; the line names the file), found before any model is evaluated.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from sparse_llm.eval.harness import LMEvalMissing
 from sparse_llm.eval.results import EvalTarget
 from sparse_llm.inference import FASTEST
 from sparse_llm.inference.calibrate import CHOICES as FFN_CHOICES
+from sparse_llm.inference.loading import DamagedModel, inspect_model
+
+EXIT_DAMAGED = 4  # a model's files are damaged or disagree (sparse_llm.inference.loading)
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return _run(args)
+    except DamagedModel as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_DAMAGED
     except (ValueError, FileNotFoundError, NotADirectoryError, LMEvalMissing) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -82,6 +90,8 @@ def _run(args: argparse.Namespace) -> int:
     # Every path and task is checked before a model is loaded.
     targets = [results.locate(path) for path in args.models]
     if names:
+        for target in targets:  # a damaged model: one line before any evaluation
+            inspect_model(target.model)
         harness.require_lm_eval()
         tasks = harness.expand_tasks(names)
         manager = harness.task_manager(tasks)

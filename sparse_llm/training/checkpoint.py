@@ -4,7 +4,8 @@ A checkpoint is a directory `step_XXXXXXXX/` holding
   model.safetensors      model weights (a tied lm_head is stored once, as the embedding)
   optimizer.pt           optimizer state: tensors and plain Python values only
   tensors.safetensors    other tensor state: RNG states, the sparsity tracker
-  trainer_state.json     step, token count, scheduler and data-loader states, written last
+  trainer_state.json     step, token count, scheduler and data-loader states, the run's resolved
+                         config (`config`: what a resume checks its model against), written last
 It is written into a hidden temporary directory and renamed into place, so a crash mid-write
 leaves only a `.tmp-*` directory that discovery never picks. The manifest records the size and
 SHA-256 of every other file; `verify_checkpoint` checks them, so a checkpoint damaged after it was
@@ -22,7 +23,6 @@ model state dict offline, in a single process (for a Hugging Face export).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -39,12 +39,20 @@ from torch import nn
 
 from sparse_llm.model.state import load_model_state, model_state_to_save, write_safetensors
 from sparse_llm.run_files import CHECKPOINT_MANIFEST as MANIFEST
-from sparse_llm.run_files import checkpoint_dir_name, list_checkpoints
+from sparse_llm.run_files import (
+    CONFIG_FILE,
+    FILES_KEY,
+    checkpoint_dir_name,
+    file_problem,
+    list_checkpoints,
+    recorded_files,
+    sha256_file,
+)
 
 logger = logging.getLogger(__name__)
 
 SHARDED_DIR = "sharded"
-FILES_KEY = "files"  # in the manifest: {relative path: {"size": bytes, "sha256": hex}}
+CONFIG_KEY = "config"  # in the manifest: the resolved config of the run that wrote it
 
 
 class CheckpointError(RuntimeError):
@@ -144,40 +152,26 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, keep_last: int, tmp: Path | No
 
 def _file_digests(directory: Path) -> dict[str, dict[str, Any]]:
     return {
-        str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": sha256_file(path)}
         for path in sorted(directory.rglob("*"))
         if path.is_file() and path.name != MANIFEST
     }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_checkpoint(path: Path) -> str | None:
     """What is wrong with the checkpoint at `path` (one line), or None when every file it records
     has its recorded size and SHA-256. Checkpoints written before files were recorded are only
     checked for their manifest."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not (path / MANIFEST).is_file():
         return f"no {MANIFEST} (an incomplete write)"
     try:
-        recorded = json.loads(manifest.read_text()).get(FILES_KEY, {})
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return f"{MANIFEST} is unreadable ({err})"
+        recorded = recorded_files(path)
+    except ValueError as err:
+        return str(err)
     for name, expected in recorded.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != expected["size"]:
-            return f"{name} has {size} bytes, {expected['size']} were written"
-        if _sha256(file) != expected["sha256"]:
-            return f"{name} does not match its recorded SHA-256"
+        problem = file_problem(path, name, expected)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -197,6 +191,27 @@ def checkpoint_to_resume(root: Path, requested: str) -> Path | None:
             return path
         logger.warning("resume=auto: skipping %s: %s", path, problem)
     return None
+
+
+def recorded_config(path: Path) -> dict[str, Any] | None:
+    """The resolved config the checkpoint at `path` was written with: the manifest's, or for a
+    checkpoint written before the manifest held it, its run's config.yaml (two levels up) if that
+    reads; None when neither does."""
+    try:
+        config = json.loads((path / MANIFEST).read_text()).get(CONFIG_KEY)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    if config is not None:
+        return config
+    run_config = path.parent.parent / CONFIG_FILE
+    if not run_config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(run_config), resolve=True)  # type: ignore[return-value]
+    except Exception:  # an unreadable config.yaml: the weights' own check remains
+        return None
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
@@ -255,6 +270,8 @@ class TrainingState:
     sharded: bool  # FSDP2: model and optimizer go to `sharded/` (DCP), written by every rank
     # The L1Controller of a run with a sparsity target (None without): JSON state_dict().
     l1_controller: Any = None
+    # The run's resolved config as plain values (config.to_plain), recorded in every checkpoint.
+    config: dict[str, Any] | None = None
 
 
 def save_training_state(
@@ -302,6 +319,8 @@ def save_training_state(
         }
         if parts.l1_controller is not None:
             state["l1_controller"] = parts.l1_controller.state_dict()
+        if parts.config is not None:
+            state[CONFIG_KEY] = parts.config
         if parts.sharded:
             checkpoint = Checkpoint(step, {}, {}, tensors, state)
         else:
@@ -323,11 +342,17 @@ def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
             "without FSDP2"
         )
     ckpt = load_checkpoint(path)
-    if saved_sharded:  # DCP reshards: into FSDP2 shards of any count, or whole into one process
-        load_sharded_state(path / SHARDED_DIR, parts.model, parts.optimizer)
-    else:
-        load_model_state(parts.model, ckpt.model)
-        parts.optimizer.load_state_dict(ckpt.optimizer)
+    # Weights or optimizer state of another shape (a checkpoint that recorded no config to check
+    # against first) are a checkpoint error, in one line.
+    try:
+        if saved_sharded:  # DCP reshards: into FSDP2 shards of any count, or whole into one process
+            load_sharded_state(path / SHARDED_DIR, parts.model, parts.optimizer)
+        else:
+            load_model_state(parts.model, ckpt.model)
+            parts.optimizer.load_state_dict(ckpt.optimizer)
+    except (RuntimeError, ValueError, KeyError) as err:
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"cannot resume from {path}: it does not fit the model: {reason}") from err
     parts.scheduler.load_state_dict(ckpt.state["scheduler"])
     parts.data.load_state_dict(ckpt.state["data"])
     # Checkpoints from before the fallback was saved: every layer starts sparse, as they did.

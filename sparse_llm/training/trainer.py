@@ -18,7 +18,14 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from sparse_llm.config import ConfigError, RunConfig, resolve_config
+from sparse_llm.config import (
+    ConfigError,
+    RunConfig,
+    SettingChange,
+    compare_with_checkpoint,
+    resolve_config,
+    to_plain,
+)
 from sparse_llm.data import RankSlice, TokenStream, load_tokenizer, validation_batches
 from sparse_llm.data.prefetch import BatchPrefetcher
 from sparse_llm.model import FFNStats, build_model
@@ -26,7 +33,14 @@ from sparse_llm.model.compiling import compile_model, compiled_graphs
 from sparse_llm.model.llama import DecoderLayer
 from sparse_llm.model.state import load_model_state
 from sparse_llm.ops import KernelsUnavailable
-from sparse_llm.run_files import CHECKPOINTS_DIR, EXPORT_DIR, latest_checkpoint
+from sparse_llm.run_files import (
+    CHECKPOINTS_DIR,
+    EXPORT_DIR,
+    latest_checkpoint,
+    list_checkpoints,
+    move_aside,
+    previous_run,
+)
 from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l1_penalty
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
@@ -35,12 +49,29 @@ from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
+from sparse_llm.training.preemption import StopSignals, TrainingPreempted
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the run stops without writing a checkpoint."""
+
+
+class RunDirInUse(ConfigError):
+    """run_dir holds another run, and this one neither resumes it nor replaces it."""
+
+
+def _is_within(path: Path, directory: Path) -> bool:
+    return path.expanduser().resolve().is_relative_to(directory.expanduser().resolve())
+
+
+def _reopen_log_files(run_dir: Path) -> None:
+    """Close the log's file handlers that wrote into `run_dir` (Hydra's job log, train.log), whose
+    files were moved aside with the run they belong to: each reopens its path on its next record."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and _is_within(Path(handler.baseFilename), run_dir):
+            handler.close()
 
 
 def _select_device(name: str) -> str:
@@ -84,6 +115,9 @@ class Trainer:
         )
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
+        # A run directory belongs to one run: another run's files there are never overwritten
+        # unless train.overwrite says so (then they are moved aside when the directory is made).
+        self._replace_previous_run = self._check_run_dir(cfg, run_dir)
         # Data first: a bad path or tokenizer fails here, before a model is allocated. The config
         # is then resolved (the vocabulary from the tokenizer) and validated as a whole; the
         # trainer never changes it after this.
@@ -91,6 +125,9 @@ class Trainer:
         cfg = resolve_config(cfg, tokenizer_vocab=len(self.tokenizer), world_size=self.world_size)
         self.cfg = cfg
         self.run_dir = run_dir
+        # The checkpoint train.resume names, checked against this config before anything is built.
+        self._resume_changes: list[SettingChange] = []
+        self.resume_from = self._checkpoint_to_resume()
         self.device = self.accelerator.device
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.world_size)
         self.tokens_per_step = t.global_batch_size * t.seq_len
@@ -178,12 +215,23 @@ class Trainer:
             device=self.device,
             sharded=self.sharded,
             l1_controller=self.l1_controller,
+            config=to_plain(cfg),
         )
         self.step = 0
         self.tokens_seen = 0
         self._last_ce = math.nan
+        self._resumed = False
+        # SIGTERM, SIGUSR1, SIGINT while `fit` runs: stop after the step in flight, with a
+        # checkpoint (training/preemption.py). Every rank's request rides on the step's all-reduce.
+        self.stop_signals = StopSignals()
+        self._stop_agreed = False
         # Everything the run needs has been checked (config, tokenizer, data, the FFN): only now
-        # does the run directory appear.
+        # does the run directory appear, or the run it held move aside (train.overwrite).
+        self._moved_to: Path | None = None  # logged when `fit` starts, into the run's train.log
+        if self._replace_previous_run and self.accelerator.is_main_process:
+            self._moved_to = move_aside(run_dir)
+            _reopen_log_files(run_dir)
+        self.accelerator.wait_for_everyone()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(
             run_dir, cfg.logger.wandb, asdict(cfg), enabled=self.accelerator.is_main_process
@@ -197,25 +245,34 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def fit(self) -> None:
+        """Train to train.max_steps, then evaluate, export and plot. On SIGTERM, SIGUSR1 or SIGINT:
+        stop after the step in flight with a checkpoint and raise TrainingPreempted."""
         t = self.cfg.train
-        self._maybe_resume()
-        if self.accelerator.is_main_process:
-            logger.info("FFN: %s", describe_ffn(self.model.ffn_plan, self.cfg.model.ffn_impl, self.device))
-        self.callbacks.on_train_start(self)
-        main = self.accelerator.is_main_process
-        bar = tqdm(
-            total=t.max_steps,
-            initial=self.step,
-            unit="step",
-            disable=not (main and t.progress),
-            dynamic_ncols=True,
-        )
-        try:
-            self._loop(bar)
-        finally:
-            self.close()
-        bar.close()
-        self._finish()
+        with self.stop_signals:
+            self._maybe_resume()
+            if self.accelerator.is_main_process:
+                logger.info(
+                    "FFN: %s", describe_ffn(self.model.ffn_plan, self.cfg.model.ffn_impl, self.device)
+                )
+            self.callbacks.on_train_start(self)
+            main = self.accelerator.is_main_process
+            bar = tqdm(
+                total=t.max_steps,
+                initial=self.step,
+                unit="step",
+                disable=not (main and t.progress),
+                dynamic_ncols=True,
+            )
+            try:
+                self._loop(bar)
+            except TrainingPreempted:
+                bar.close()
+                self.logger.finish()
+                raise
+            finally:
+                self.close()
+            bar.close()
+            self._finish()
 
     def close(self) -> None:
         """Stop the data prefetch thread (if any); `fit` calls it, a caller that only runs
@@ -264,9 +321,31 @@ class Trainer:
                     record["compile/graphs"] = float(compiled_graphs() - graphs_at_start)
                     record["compile/recompiles"] = float(compiled_graphs() - graphs_after_first)
                 self.logger.log(self.step, record)
+            saved = None
             if (t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0) or is_last:
-                path = self.save_checkpoint()
-                self.callbacks.on_checkpoint(self, self.step, path)
+                saved = self.save_checkpoint()
+                self.callbacks.on_checkpoint(self, self.step, saved)
+            if not is_last and self._stop_requested():
+                self._stop(saved)
+
+    def _stop_requested(self) -> bool:
+        """Whether to stop after this step: in one process, a signal received by now; with several,
+        one that some rank had received by this step's all-reduce (the same answer on every rank)."""
+        return self.stop_signals.requested if self.world_size == 1 else self._stop_agreed
+
+    def _stop(self, saved: Path | None) -> None:
+        """Checkpoint this step (unless `saved` is its checkpoint already), say so, raise."""
+        if saved is None:
+            saved = self.save_checkpoint()
+            self.callbacks.on_checkpoint(self, self.step, saved)
+        signal_name = self.stop_signals.name if self.stop_signals.requested else "a signal to another rank"
+        message = (
+            f"{signal_name}: stopped after step {self.step} of {self.cfg.train.max_steps}, checkpoint "
+            f"{saved}; continue with train.resume=auto"
+        )
+        if self.accelerator.is_main_process:
+            logger.info("%s", message)
+        raise TrainingPreempted(message, self.step, saved)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `train.global_batch_size` sequences: the forward of every
@@ -305,10 +384,16 @@ class Trainer:
             self.sparsity.update(FFNStats(*(s.detach() for s in out.ffn_stats)))
             ce_sum += out.loss.detach()
             l1_sum += l1.detach()
-        # One all-reduce and one host sync per step for the scalars (penalty_sum: per-layer lambdas only).
-        ce, l1_mean, penalty_mean = self.accelerator.reduce(
-            torch.stack((ce_sum, l1_sum, penalty_sum)) / self.accum_steps, reduction="mean"
+        # A stop signal this rank has received (training/preemption.py), for every rank to see.
+        stop = torch.zeros((), device=self.device)
+        if self.stop_signals.requested:
+            stop.fill_(1.0)
+        # One all-reduce and one host sync per step for the scalars (penalty_sum: per-layer lambdas
+        # only; stop: > 0 when any rank was signalled).
+        ce, l1_mean, penalty_mean, stop_any = self.accelerator.reduce(
+            torch.stack((ce_sum, l1_sum, penalty_sum, stop)) / self.accum_steps, reduction="mean"
         ).tolist()
+        self._stop_agreed = stop_any > 0
         if not math.isfinite(ce) or not math.isfinite(l1_mean):
             raise TrainingDiverged(
                 f"loss became {ce} (L1 {l1_mean}) at step {self.step + 1}; stopping without a checkpoint. "
@@ -395,18 +480,100 @@ class Trainer:
             self.accelerator,
         )
 
+    def _check_run_dir(self, cfg: RunConfig, run_dir: Path) -> bool:
+        """Whether `run_dir` holds another run that this one replaces (train.overwrite); raises
+        RunDirInUse when it holds one that this run would neither continue nor replace."""
+        t = cfg.train
+        if t.resume == "auto" and not t.overwrite:
+            return False  # continues the run there, if any
+        if t.resume != "none" and not t.overwrite and _is_within(Path(t.resume), run_dir):
+            return False  # continues from one of its checkpoints
+        found = self._on_main(lambda: previous_run(run_dir))
+        if found is None:
+            return False
+        if t.overwrite:
+            return True
+        raise RunDirInUse(
+            f"run_dir {run_dir} already holds a run: {found}. Continue it with train.resume=auto, "
+            f"start a new run with another run_dir, or replace it with train.overwrite=true (its files "
+            f"are then moved to {run_dir.name}.replaced-<date>_<time> next to it)"
+        )
+
+    def _on_main(self, compute: Any) -> Any:
+        """`compute()` on the main process, its value given to every rank (a collective)."""
+        value = compute() if self.accelerator.is_main_process else None
+        if self.world_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            value = broadcast_object_list([value])[0]
+        return value
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint train.resume names (auto: the newest under checkpoints/ that verifies;
+        None: start from scratch), chosen on the main process for every rank. A checkpoint whose
+        model differs from the configured one is a CheckpointError naming the settings; every other
+        setting that differs from the checkpoint's is logged."""
+
+        def find() -> tuple[str | None, dict | None, str | None]:
+            t = self.cfg.train
+            if t.resume == "none" or (t.overwrite and t.resume == "auto"):
+                return None, None, None  # overwrite: the run there is moved aside
+            try:
+                path = ckpt_io.checkpoint_to_resume(self.checkpoint_root, t.resume)
+            except ckpt_io.CheckpointError as err:
+                return None, None, str(err)
+            if path is None:
+                damaged = list_checkpoints(self.checkpoint_root)
+                if damaged:
+                    return (
+                        None,
+                        None,
+                        (
+                            f"resume=auto: none of the {len(damaged)} checkpoints in {self.checkpoint_root} "
+                            "verifies (each is named above); restore one, or start a new run with another "
+                            "run_dir"
+                        ),
+                    )
+                return None, None, None
+            return str(path), ckpt_io.recorded_config(path), None
+
+        path, recorded, error = self._on_main(find)
+        if error is not None:
+            raise ckpt_io.CheckpointError(error)
+        if path is None:
+            return None
+        if recorded is not None:
+            architecture, others = compare_with_checkpoint(recorded, self.cfg)
+            if architecture:
+                changes = ", ".join(
+                    f"{c.key} {c.recorded!r} in the checkpoint, {c.configured!r} configured"
+                    for c in architecture
+                )
+                raise ckpt_io.CheckpointError(
+                    f"cannot resume from {path}: its model differs from the configured one: {changes}. "
+                    "Resume with the checkpoint's model settings, or start a new run with another run_dir"
+                )
+            self._resume_changes = others  # logged when the run resumes, into its train.log
+        return Path(path)
+
     def _maybe_resume(self) -> None:
-        resume = self.cfg.train.resume
-        if self.accelerator.is_main_process:
-            ckpt_io.remove_stale_temporaries(self.checkpoint_root)
-        if resume == "none":
+        if self._resumed:
             return
-        path = ckpt_io.checkpoint_to_resume(self.checkpoint_root, resume)
+        self._resumed = True
+        if self.accelerator.is_main_process:
+            if self._moved_to is not None:
+                logger.info(
+                    "train.overwrite: the run that was in %s moved to %s", self.run_dir, self._moved_to
+                )
+            ckpt_io.remove_stale_temporaries(self.checkpoint_root)
+        if self.cfg.train.resume == "none":
+            return
+        path = self.resume_from
         if path is None:
             if self.accelerator.is_main_process:
-                logger.info(
-                    "resume=auto: no usable checkpoint in %s, starting from scratch", self.checkpoint_root
-                )
+                logger.info("resume=auto: no checkpoint in %s, starting from scratch", self.checkpoint_root)
+            # Records of a run that stopped before its first checkpoint: this run makes them again.
+            self.logger.truncate_after(0)
             return
         ckpt = ckpt_io.restore_training_state(path, self.state)
         saved_world = ckpt.state["world_size"]
@@ -419,6 +586,11 @@ class Trainer:
         self.logger.truncate_after(self.step)
         if self.accelerator.is_main_process:
             logger.info("resumed from %s at step %d", path, self.step)
+            if self._resume_changes:
+                logger.info(
+                    "resume: settings that differ from the checkpoint's (this run's apply): %s",
+                    ", ".join(c.describe() for c in self._resume_changes),
+                )
 
     def _finish(self) -> None:
         self.callbacks.on_train_end(self)

@@ -64,6 +64,16 @@ def test_task_data_that_cannot_be_read_fails_before_any_model_loads(default_run,
     assert (sorted((default_run / "eval").glob("*")) if (default_run / "eval").exists() else []) == before
 
 
+def test_a_damaged_model_is_exit_4_before_any_model_is_evaluated(default_run, capsys, tmp_path):
+    good = shutil.copytree(default_run / "export", tmp_path / "good")
+    damaged = shutil.copytree(default_run / "export", tmp_path / "damaged")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main([str(good), str(damaged), "--tasks", "python_completion"]) == 4
+    assert err_line(capsys).startswith(f"error: {weights} has ")
+    assert not (good / "eval").exists()
+
+
 def test_compare_needs_results(default_run, capsys, tmp_path):
     export = shutil.copytree(default_run / "export", tmp_path / "export")
     assert main(["--compare", str(export), "--out", str(tmp_path)]) == 2

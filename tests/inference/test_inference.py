@@ -302,6 +302,12 @@ def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
     orphan.mkdir()
     for name in ("model.safetensors", "trainer_state.json"):
         (orphan / name).write_bytes((step_dir / name).read_bytes())
+    # A checkpoint records its run's config: it loads without the run's config.yaml ...
+    assert load_model(orphan, device="cpu").model.config == load_model(step_dir, device="cpu").model.config
+    # ... where one written before it did needs that file.
+    manifest = json.loads((orphan / "trainer_state.json").read_text())
+    del manifest["config"]
+    (orphan / "trainer_state.json").write_text(json.dumps(manifest))
     with pytest.raises(FileNotFoundError, match=r"config\.yaml"):
         load_model(orphan, device="cpu")
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -452,3 +458,49 @@ def test_kv_write_rejects_bad_shapes_before_writing():
     with pytest.raises(ValueError, match="matching the cache"):
         write_kv(cache, cache.clone(), 0, 0, k[:1], k[:1], cos, sin)
     assert not cache.any()
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def test_a_damaged_model_is_one_line_naming_the_file_and_exit_4(run_dir, tmp_path, monkeypatch, capsys):
+    """Each way a model's files go bad is a DamagedModel naming the file, before any tensor is
+    read; sparse-llm-generate says it in one line with exit code 4."""
+    from sparse_llm import generate
+    from sparse_llm.inference.loading import DamagedModel
+
+    step_dir = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    cases = {}
+    export = _copy(run_dir / "export", tmp_path / "truncated")
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    cases[export] = rf"{weights} has \d+ bytes where its header describes \d+ \(truncated\?\)"
+    export = _copy(run_dir / "export", tmp_path / "bad_json")
+    (export / "config.json").write_text('{"model_type": "llama" "hidden_size": 32}')
+    cases[export] = rf"{export / 'config.json'} is not valid JSON \(Expecting ',' delimiter"
+    export = _copy(run_dir / "export", tmp_path / "other_model")
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    cases[export] = (
+        rf"{export / 'model.safetensors'} does not hold the model its config.json describes: 9 missing: model.layers.2"
+    )
+    run_copy = _copy(run_dir, tmp_path / "run")  # a checkpoint whose weights changed after writing
+    weights = run_copy / "checkpoints" / step_dir.name / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    cases[weights.parent] = rf"{weights.parent}: model.safetensors does not match its recorded SHA-256"
+    cases[run_copy] = cases[weights.parent]  # the run directory's latest checkpoint is that one
+    for path, message in cases.items():
+        with pytest.raises(DamagedModel, match=message):
+            load_model(path, device="cpu")
+        monkeypatch.setattr(
+            sys, "argv", ["sparse-llm-generate", str(path), "--prompt", "x", "--device", "cpu"]
+        )
+        assert generate.main() == 4
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err

@@ -123,3 +123,28 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path: P
     caplog.clear()
     assert ckpt_io.checkpoint_to_resume(tmp_path, "auto") is None
     assert len(caplog.records) == 2  # both skipped, each named
+
+
+def test_previous_run_and_move_aside(tmp_path: Path):
+    run = tmp_path / "run"
+    assert run_files.previous_run(run) is None
+    run.mkdir()
+    (run / "config.yaml").write_text("a: 1\n")  # a run that stopped before its first record
+    (run / "metrics.jsonl").write_text("")
+    assert run_files.previous_run(run) is None
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text("b: 2\n")
+    assert run_files.previous_run(run) == "1 checkpoint (up to step_00000001), metrics.jsonl (1 record)"
+    aside = run_files.move_aside(run)
+    assert aside.parent == tmp_path and aside.name.startswith("run.replaced-")
+    assert sorted(p.name for p in aside.iterdir()) == [
+        ".hydra",
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+    ]
+    # Hydra's record of the job that runs now stays; everything else of the old run moved.
+    assert [p.name for p in run.iterdir()] == [".hydra"] and run_files.previous_run(run) is None
+    assert run_files.move_aside(run) != aside  # a second replacement in the same second: its own name

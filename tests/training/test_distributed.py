@@ -32,6 +32,7 @@ from sparse_llm.training.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 KILL_AT = 4
+SIGNAL_AT = 2  # rank 1 alone gets SIGTERM when step 2 ends: every rank stops after step 3
 DEAD_ROWS = 8  # gate rows zeroed at the start: dead units that reinit must revive identically
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TINY_LAYERS, TINY_UNITS = TINY_MODEL["num_hidden_layers"], TINY_MODEL["intermediate_size"]
@@ -153,6 +154,19 @@ def record_killed_and_resumed(run_dir: Path, config: Callable[..., RunConfig] = 
     with pytest.raises(SimulatedKill):
         record_run(config(run_dir), kill_at=KILL_AT)
     return record_run(config(run_dir, resume="auto"))
+
+
+def record_preempted_and_resumed(run_dir: Path, config: Callable[..., RunConfig]) -> dict:
+    """Train until a real SIGTERM to rank 1's process stops every rank with a checkpoint, then
+    resume=auto in a fresh trainer; the step all ranks stopped after, and the resumed run."""
+    from callback_targets import SignalAt
+
+    from sparse_llm.training.preemption import TrainingPreempted
+
+    trainer = Trainer(config(run_dir), run_dir, [Recorder(), SignalAt(SIGNAL_AT, "SIGTERM", rank=1)])
+    with pytest.raises(TrainingPreempted) as stopped:
+        trainer.fit()
+    return {"stopped_after": stopped.value.step, **record_run(config(run_dir, resume="auto"))}
 
 
 def _worker(out: Path) -> None:
@@ -308,11 +322,13 @@ def _force_accelerate_fsdp2() -> None:
 
 
 def _trainer_fsdp2_worker(out: Path) -> None:
-    """The Trainer under FSDP2: an uninterrupted run, a killed and resumed one, and a bf16 run."""
+    """The Trainer under FSDP2: an uninterrupted run, a killed and resumed one, one stopped by a
+    SIGTERM to rank 1 and resumed, and a bf16 run."""
     _force_accelerate_fsdp2()
     rank = int(os.environ["RANK"])
     results = {"straight": record_run(fsdp2_run_config(out / "straight"))}
     results["resumed"] = record_killed_and_resumed(out / "resumed", fsdp2_run_config)
+    results["preempted"] = record_preempted_and_resumed(out / "preempted", fsdp2_run_config)
     # Prefetch (1 layer ahead by default) moves only when the all-gathers run: the same steps as
     # FSDP2's own order (0) and as 2 layers ahead, bitwise.
     results["own_order"] = record_run(
@@ -537,8 +553,8 @@ def test_reinit_on_fsdp2_shards_is_bitwise_the_single_process_reinit(tmp_path):
 def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
     """The trainer's FSDP2 path end to end on CPU (see _force_accelerate_fsdp2): sharded weights,
     losses, dead-unit reinit, weights and AdamW moments equal to a single-process run, sharded
-    checkpoints that resume bitwise after a kill, an export gathered from the shards, and an fp32
-    loss under the bf16 policy."""
+    checkpoints that resume bitwise after a kill and after a SIGTERM to one rank, an export
+    gathered from the shards, and an fp32 loss under the bf16 policy."""
     from safetensors.torch import load_file
 
     _launch([str(tmp_path), "trainer_fsdp2"])
@@ -577,6 +593,15 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
             for name, tensor in straight[part].items():
                 assert torch.equal(resumed[part][name], tensor), (part, name)
         assert resumed["steps"] == straight["steps"][KILL_AT:]
+        # SIGTERM to one rank: both stopped after the same step, wrote one sharded checkpoint, and
+        # resumed bitwise.
+        preempted = rank["preempted"]
+        assert preempted["stopped_after"] == SIGNAL_AT + 1
+        assert preempted["steps"] == straight["steps"][SIGNAL_AT + 1 :]
+        for part in ("model", "optimizer"):
+            for name, tensor in straight[part].items():
+                assert torch.equal(preempted[part][name], tensor), ("preempted", part, name)
+        assert preempted["data_state"] == straight["data_state"]
         # (its last step also holds the run's final evaluation, which the longer run makes later)
         first_steps = [{k: v for k, v in r.items() if k != "val_loss"} for r in straight["steps"][:3]]
         for order in ("own_order", "prefetch"):
@@ -591,6 +616,8 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
     step_dir = tmp_path / "straight" / "checkpoints" / f"step_{MAX_STEPS:08d}"
     assert sorted(p.name for p in (step_dir / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (step_dir / "model.safetensors").exists()
+    stopped = tmp_path / "preempted" / "checkpoints" / f"step_{SIGNAL_AT + 1:08d}" / "sharded"
+    assert sorted(p.name for p in stopped.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     exported = load_file(tmp_path / "straight" / "export" / "model.safetensors")
     reference = load_file(tmp_path / "single" / "export" / "model.safetensors")
     assert exported.keys() == reference.keys()

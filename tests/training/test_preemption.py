@@ -1,0 +1,132 @@
+"""Preemption as a scheduler does it: a real signal to a `python -m sparse_llm.train` process, which
+stops after the step in flight with a checkpoint (exit 75) that `train.resume=auto` continues
+bitwise; a second signal ends it at once. The signals come from a callback at a known step
+(callback_targets.SignalAt) or from outside, as a scheduler sends them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tiny import TINY_CLI_OVERRIDES
+
+from sparse_llm.training.preemption import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 6
+# The tiny command-line run, 6 steps, every step logged, a checkpoint only at the end.
+RUN = [o for o in TINY_CLI_OVERRIDES if not o.startswith("train.max_steps=")]
+RUN += [f"train.max_steps={STEPS}", "train.log_every=1", "train.checkpoint_every=0", "train.export=false"]
+COMPARED = ("loss", "ce", "l1", "lr", "grad_norm", "tokens_seen", "sparsity/mean", "dead/mean")
+
+
+def _env() -> dict[str, str]:
+    paths = (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "sparse_llm.train", f"run_dir={run_dir}", *RUN, *overrides]
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        _command(run_dir, *overrides),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return _wait(_start(run_dir, *overrides))
+
+
+def _signal_at(step: int, name: str, times: int = 1) -> str:
+    return f"callbacks=[{{_target_:callback_targets.SignalAt,step:{step},signal:{name},times:{times}}}]"
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+def _stop_line(done: subprocess.CompletedProcess) -> str:
+    logged = [line.split(" - ", 1)[1] for line in done.stderr.splitlines() if " - " in line]
+    return logged[-1]
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes_bitwise(tmp_path):
+    run_dir = tmp_path / "preempted"
+    procs = _start(tmp_path / "straight"), _start(run_dir, _signal_at(3, "SIGTERM"))  # side by side
+    straight, stopped = (_wait(p) for p in procs)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr and "error" not in stopped.stderr
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert _stop_line(stopped) == (
+        f"SIGTERM: stopped after step 3 of {STEPS}, checkpoint {checkpoint}; continue with train.resume=auto"
+    )
+    assert stopped.stdout.splitlines()[-1] == f"run_dir: {run_dir}"
+    assert _checkpoints(run_dir) == ["step_00000003"] and [r["step"] for r in _records(run_dir)] == [1, 2, 3]
+    # The stop is in train.log too, and the run made no export (it did not end).
+    assert _stop_line(stopped) in (run_dir / "train.log").read_text()
+    resumed = _train(run_dir, "train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = _records(tmp_path / "straight"), _records(run_dir)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == rb[key], (ra["step"], key)
+    last = f"checkpoints/step_{STEPS:08d}/model.safetensors"
+    assert (run_dir / last).read_bytes() == (tmp_path / "straight" / last).read_bytes()
+
+
+def test_slurm_s_early_signal_and_ctrl_c_stop_the_same_way_and_a_second_signal_at_once(tmp_path):
+    names = ("SIGUSR1", "SIGINT")
+    procs = [_start(tmp_path / name, _signal_at(2, name)) for name in names]
+    # Two signals at the end of step 2: the process ends by the second, before the step is logged.
+    twice = _start(tmp_path / "twice", _signal_at(2, "SIGTERM", times=2))
+    for name, done in zip(names, map(_wait, procs), strict=True):
+        assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
+        assert _stop_line(done).startswith(f"{name}: stopped after step 2 of {STEPS}, checkpoint ")
+        assert _checkpoints(tmp_path / name) == ["step_00000002"] and "Traceback" not in done.stderr
+    done = _wait(twice)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "SIGTERM again: stopping at once, without a checkpoint"
+    assert _checkpoints(tmp_path / "twice") == []
+    assert [r["step"] for r in _records(tmp_path / "twice")] == [1]
+
+
+def test_a_sigterm_from_outside_checkpoints_the_last_step(tmp_path):
+    """As a scheduler sends it: whenever it comes, the step in flight ends and is checkpointed."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "train.max_steps=100000")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not get to step 2"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    done = _wait(proc)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
+    step = _records(run_dir)[-1]["step"]
+    assert _checkpoints(run_dir) == [f"step_{step:08d}"]
+    assert re.fullmatch(rf"SIGTERM: stopped after step {step} of 100000, checkpoint .*", _stop_line(done))
+    assert done.stdout.splitlines()[-1] == f"run_dir: {run_dir}"
