@@ -27,9 +27,10 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PYTHON) -m sparse_llm.train $(ARGS)
 
+# The CPU suite; the 15 slowest tests are listed at the end, so that a new slow one is seen.
 test: setup
 	$(PYTHON) -m ruff check sparse_llm scripts benchmarks tests
-	$(PYTHON) -m pytest -q -m "not gpu" $(ARGS)
+	$(PYTHON) -m pytest -q -m "not gpu" --durations=15 $(ARGS)
 
 test-gpu: setup
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
