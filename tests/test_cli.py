@@ -137,8 +137,9 @@ def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path,
     assert done.returncode == 2
     assert done.stderr.strip() == "error: config key 'train.lr': must be > 0, got -1.0"
     # --debug through main in-process: the exit status is main's SystemExit (the process boundary
-    # is tested above); main sets HYDRA_FULL_ERROR, which monkeypatch restores.
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    # is tested above). main sets HYDRA_FULL_ERROR=1: set here first, so that monkeypatch undoes it
+    # (a delenv of an absent variable records nothing, and later commands would show tracebacks).
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     monkeypatch.setattr(sys, "argv", ["sparse_llm.train", *args, "--debug"])
     with pytest.raises(SystemExit) as debug:
         main()
