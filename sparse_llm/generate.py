@@ -34,7 +34,7 @@ from sparse_llm.inference.loading import DamagedModel
 EXIT_DAMAGED = 4  # the model's files are damaged or disagree (sparse_llm.inference.loading)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="export directory, checkpoints/step_* directory or run directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
         "--compile", action="store_true", help="torch.compile the prefill (pays off for long prompts)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def greedy_note(texts: list[str], temperature: float) -> str | None:
@@ -69,8 +69,8 @@ def greedy_note(texts: list[str], temperature: float) -> str | None:
     )
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     prompts = list(args.prompt)
     try:
         if args.prompt_file is not None:

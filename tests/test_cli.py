@@ -17,7 +17,7 @@ from bad_files import BAD_FILES, write_bad_file
 from omegaconf import OmegaConf
 from tiny import TINY_CLI_OVERRIDES
 
-from sparse_llm.train import _setup_logging, single_run
+from sparse_llm.train import _setup_logging, main, single_run
 
 REPO = Path(__file__).resolve().parents[1]
 # The tiny run of tests/tiny.py without its step count (each test sets its own).
@@ -125,14 +125,27 @@ def test_a_truncated_checkpoint_falls_back_to_the_older_one(tmp_path, capsys, ca
     assert code == 4 and "cannot resume from" in err and "Traceback" not in err
 
 
-def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path):
-    cmd = [sys.executable, "-m", "sparse_llm.train", f"run_dir={tmp_path / 'run'}", *TINY, "train.lr=-1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    args = [f"run_dir={tmp_path / 'run'}", *TINY, "train.lr=-1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sparse_llm.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == "error: config key 'train.lr': must be > 0, got -1.0"
-    debug = subprocess.run([*cmd, "--debug"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert debug.returncode == 2 and "Traceback" in debug.stderr
-    assert debug.stderr.strip().splitlines()[-1] == "error: config key 'train.lr': must be > 0, got -1.0"
+    # --debug through main in-process: the exit status is main's SystemExit (the process boundary
+    # is tested above). main sets HYDRA_FULL_ERROR=1: set here first, so that monkeypatch undoes it
+    # (a delenv of an absent variable records nothing, and later commands would show tracebacks).
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    monkeypatch.setattr(sys, "argv", ["sparse_llm.train", *args, "--debug"])
+    with pytest.raises(SystemExit) as debug:
+        main()
+    err = capsys.readouterr().err
+    assert debug.value.code == 2 and "Traceback" in err
+    assert err.strip().splitlines()[-1] == "error: config key 'train.lr': must be > 0, got -1.0"
     assert not (tmp_path / "run").exists()
 
 

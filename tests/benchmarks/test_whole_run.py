@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from in_process import run_module
 
+from benchmarks import whole_run
 from benchmarks.whole_run import main, parse_args, recipe, run_name, scaling, summarize, train_command
 
 
@@ -38,7 +41,9 @@ def test_summarize_reads_phases_from_the_timed_records():
 
 
 @pytest.mark.slow
-def test_two_tiny_runs_and_their_comparison(tmp_path):
+def test_two_tiny_runs_and_their_comparison(tmp_path, monkeypatch):
+    # The trainer's command line runs in this process (the script times a run by its own records).
+    monkeypatch.setattr(whole_run, "subprocess", SimpleNamespace(run=run_module))
     for impl in ("dense", "reference"):
         main(["--tiny", "--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl)])
     dense = json.loads((tmp_path / "whole_run_dense.json").read_text())["results"][0]

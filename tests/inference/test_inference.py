@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +10,10 @@ import torch
 from tiny import tiny_run_config
 from transformers import AutoModelForCausalLM
 
+from benchmarks.inference import main as inference_benchmark
 from sparse_llm.config import to_yaml
 from sparse_llm.generate import greedy_note
+from sparse_llm.generate import main as generate_main
 from sparse_llm.inference import (
     Generator,
     SamplingParams,
@@ -31,7 +31,6 @@ from sparse_llm.model.kv_cache import KVCache
 from sparse_llm.model.rope import rope_tables
 from sparse_llm.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def main():\n    return", "import os\n", "class Foo(object):\n    def __init__(self"]
 
 
@@ -324,34 +323,18 @@ def test_clear_errors_before_compute(run_dir, loaded, tmp_path):
         load_model(run_dir / "export", device="cpu", dtype="int8")
 
 
-def test_generate_command(run_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "sparse_llm.generate",
-        str(run_dir / "export"),
-        "--prompt",
-        "def f():",
-        "--prompt",
-        "x",
-    ]
-    done = subprocess.run(
-        [*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json"], cwd=REPO, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout)
+def test_generate_command(run_dir, capsys):
+    # In-process through main(argv): what the command prints and returns, without a fresh
+    # interpreter per call (the exit code of a console script is main's return value).
+    cmd = [str(run_dir / "export"), "--prompt", "def f():", "--prompt", "x"]
+    assert generate_main([*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert len(result["outputs"]) == 2 and result["ffn"] == {"prefill": "dense", "decode": "dense"}
     assert result["decode"] == "eager" and result["decode_reason"]  # no CUDA graphs on a CPU
-    static = subprocess.run(
-        [*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json", "--decode", "static"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert static.returncode == 0, static.stderr[-2000:]
-    assert json.loads(static.stdout)["outputs"] == result["outputs"]  # the same greedy tokens
-    bad = subprocess.run([*cmd, "--top-p", "2"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and "top_p" in bad.stderr
+    static = [*cmd, "--max-new-tokens", "5", "--device", "cpu", "--json", "--decode", "static"]
+    assert generate_main(static) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"] == result["outputs"]  # the same greedy tokens
+    assert generate_main([*cmd, "--top-p", "2"]) == 2 and "top_p" in capsys.readouterr().err
 
 
 def test_blank_greedy_output_gets_a_note_on_sampling():
@@ -363,26 +346,8 @@ def test_blank_greedy_output_gets_a_note_on_sampling():
 
 def test_benchmark_script_tiny(tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.inference",
-            "--tiny",
-            "--sparsify-steps",
-            "3",
-            "--compile",
-            "--compile-backend",
-            "eager",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    argv = ["--tiny", "--sparsify-steps", "3", "--compile", "--compile-backend", "eager", "--out", str(out)]
+    assert inference_benchmark(argv) == 0  # in-process: the script's main, one interpreter fewer
     result = json.loads((out / "inference_benchmark.json").read_text())
     assert {"device", "commit", "date", "sparsity", "results"} <= set(result)
     impls = {r["impl"] for r in result["results"]}

@@ -1,9 +1,11 @@
 """Data parallelism on CPU: 2 processes (gloo) against 1, for the same global batch.
 
 The 2-process runs are launched once per session with `torch.distributed.run`, which runs this
-file as a script (the `__main__` block at the bottom); each rank records its losses, batches,
-dead-unit counters and final weights and AdamW moments (gathered from FSDP2 shards), and the
-tests compare them with a single-process run made in the pytest process.
+file as a script (the `__main__` block at the bottom): one launch runs every part (FSDP2 sharded
+checkpoints, reinit on shards, the data-parallel trainer, the trainer under FSDP2) in one process
+group, as each costs more to start (two interpreters importing torch) than to run. Each rank records
+its losses, batches, dead-unit counters and final weights and AdamW moments (gathered from FSDP2
+shards), and the tests compare them with a single-process run made in the pytest process.
 """
 
 from __future__ import annotations
@@ -218,7 +220,6 @@ def _fsdp2_worker(out: Path) -> None:
 
     from sparse_llm.training import checkpoint as ckpt_io
 
-    dist.init_process_group("gloo")
     cfg = byte_model_config(out)
     model, optimizer = new_model(cfg, shard=True)
     assert ckpt_io.is_sharded(model)
@@ -234,7 +235,6 @@ def _fsdp2_worker(out: Path) -> None:
         train_step(m, o, 100 + dist.get_rank()) for m, o in ((model, optimizer), (fresh, fresh_optimizer))
     ]
     torch.save(losses, out / f"losses{dist.get_rank()}.pt")
-    dist.destroy_process_group()
 
 
 def reinit_mask() -> torch.Tensor:
@@ -261,7 +261,6 @@ def _fsdp2_reinit_worker(out: Path) -> None:
     made the AdamW moments non-zero: the full state before and after, for a 1-process replay."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
     model, optimizer = new_model(byte_model_config(out), shard=True)
     for seed in range(2):
         train_step(model, optimizer, seed + 10 * dist.get_rank())
@@ -270,7 +269,6 @@ def _fsdp2_reinit_worker(out: Path) -> None:
     after = gathered_state(model, optimizer)
     if dist.get_rank() == 0:
         torch.save({"before": before, "after": after, "revived": revived}, out / "reinit.pt")
-    dist.destroy_process_group()
 
 
 def fsdp2_run_config(run_dir: Path, **train_overrides) -> RunConfig:
@@ -324,6 +322,9 @@ def _force_accelerate_fsdp2() -> None:
 def _trainer_fsdp2_worker(out: Path) -> None:
     """The Trainer under FSDP2: an uninterrupted run, a killed and resumed one, one stopped by a
     SIGTERM to rank 1 and resumed, and a bf16 run."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # the data-parallel part's state: FSDP2 starts afresh
     _force_accelerate_fsdp2()
     rank = int(os.environ["RANK"])
     results = {"straight": record_run(fsdp2_run_config(out / "straight"))}
@@ -337,11 +338,31 @@ def _trainer_fsdp2_worker(out: Path) -> None:
     results["prefetch"] = record_run(
         fsdp2_run_config(out / "prefetch", fsdp_prefetch=2, max_steps=3, export=False)
     )
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state()  # a new mixed precision needs a fresh accelerate state
     results["bf16"] = record_run(fsdp2_run_config(out / "bf16", precision="bf16", max_steps=2, export=False))
     torch.save(results, out / f"fsdp2_rank{rank}.pt")
+
+
+# The parts of the launch, in their order (the trainer under FSDP2 last: it switches accelerate to
+# FSDP for the rest of the process), each writing into its own folder of the launch's.
+PARTS = {
+    "fsdp2": _fsdp2_worker,
+    "fsdp2_reinit": _fsdp2_reinit_worker,
+    "ddp": _worker,
+    "trainer_fsdp2": _trainer_fsdp2_worker,
+}
+
+
+def _run_parts(out: Path) -> None:
+    """Every part in one gloo process group (accelerate's trainer runs in it too)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for name, part in PARTS.items():
+        (out / name).mkdir(exist_ok=True)
+        part(out / name)
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _launch(script_args: list[str]) -> None:
@@ -360,9 +381,16 @@ def _launch(script_args: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("ddp")
+def launched(tmp_path_factory) -> Path:
+    """The one 2-process launch: a folder per part of PARTS."""
+    out = tmp_path_factory.mktemp("two_processes")
     _launch([str(out)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_procs(launched) -> tuple[Path, list[dict]]:
+    out = launched / "ddp"
     return out, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -503,31 +531,30 @@ def test_two_process_checkpoint_resumes_on_one_process(two_procs, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(tmp_path):
+def test_fsdp2_sharded_checkpoint_resumes_exactly_and_consolidates(launched):
     from sparse_llm.model import state as model_state
     from sparse_llm.training import checkpoint as ckpt_io
 
-    _launch([str(tmp_path), "fsdp2"])
+    out = launched / "fsdp2"
     for rank in range(2):
-        before, after = torch.load(tmp_path / f"losses{rank}.pt", weights_only=True)
+        before, after = torch.load(out / f"losses{rank}.pt", weights_only=True)
         assert before == after  # the reloaded shards continue bitwise like the originals
-    assert sorted(p.name for p in (tmp_path / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
-    consolidated = ckpt_io.consolidate_sharded(tmp_path)  # one process, no process group
+    assert sorted(p.name for p in (out / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    full = torch.load(out / "full.pt", weights_only=True)
+    consolidated = ckpt_io.consolidate_sharded(out)  # one process, no process group
     assert full.keys() == consolidated.keys()
     for name, tensor in full.items():
         assert torch.equal(tensor, consolidated[name]), name
     # The consolidated state loads into a plain (unsharded) model: what the HF export needs.
-    model_state.load_model_state(build_model(byte_model_config(tmp_path)), consolidated)
+    model_state.load_model_state(build_model(byte_model_config(out)), consolidated)
 
 
 @pytest.mark.slow
-def test_reinit_on_fsdp2_shards_is_bitwise_the_single_process_reinit(tmp_path):
+def test_reinit_on_fsdp2_shards_is_bitwise_the_single_process_reinit(launched, tmp_path):
     """Reinit with a known mask on FSDP2 shards, against the same reinit of the same (gathered)
     state in one process: weights and AdamW moments bitwise equal, as every rank draws the full
     rows from the same generator and only copies its part of them (no arithmetic differs)."""
-    _launch([str(tmp_path), "fsdp2_reinit"])
-    sharded = torch.load(tmp_path / "reinit.pt", weights_only=True)
+    sharded = torch.load(launched / "fsdp2_reinit" / "reinit.pt", weights_only=True)
     before, after = sharded["before"], sharded["after"]
     model, optimizer = new_model(byte_model_config(tmp_path), shard=False)
     model.load_state_dict(before["model"])
@@ -550,16 +577,16 @@ def test_reinit_on_fsdp2_shards_is_bitwise_the_single_process_reinit(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
+def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, tmp_path):
     """The trainer's FSDP2 path end to end on CPU (see _force_accelerate_fsdp2): sharded weights,
     losses, dead-unit reinit, weights and AdamW moments equal to a single-process run, sharded
     checkpoints that resume bitwise after a kill and after a SIGTERM to one rank, an export
     gathered from the shards, and an fp32 loss under the bf16 policy."""
     from safetensors.torch import load_file
 
-    _launch([str(tmp_path), "trainer_fsdp2"])
+    out = launched / "trainer_fsdp2"
     single = record_run(fsdp2_run_config(tmp_path / "single"))
-    ranks = [torch.load(tmp_path / f"fsdp2_rank{r}.pt", weights_only=True) for r in range(2)]
+    ranks = [torch.load(out / f"fsdp2_rank{r}.pt", weights_only=True) for r in range(2)]
     for rank in ranks:
         straight, resumed = rank["straight"], rank["resumed"]
         assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
@@ -613,22 +640,22 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
         # over 2 micro-batches and 2 ranks).
         ces = [r["ce"] for r in rank["bf16"]["steps"]]
         assert all(4 <= ce < 16 and (ce * 2**8) % 1 != 0 for ce in ces), ces
-    step_dir = tmp_path / "straight" / "checkpoints" / f"step_{MAX_STEPS:08d}"
+    step_dir = out / "straight" / "checkpoints" / f"step_{MAX_STEPS:08d}"
     assert sorted(p.name for p in (step_dir / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (step_dir / "model.safetensors").exists()
-    stopped = tmp_path / "preempted" / "checkpoints" / f"step_{SIGNAL_AT + 1:08d}" / "sharded"
+    stopped = out / "preempted" / "checkpoints" / f"step_{SIGNAL_AT + 1:08d}" / "sharded"
     assert sorted(p.name for p in stopped.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    exported = load_file(tmp_path / "straight" / "export" / "model.safetensors")
+    exported = load_file(out / "straight" / "export" / "model.safetensors")
     reference = load_file(tmp_path / "single" / "export" / "model.safetensors")
     assert exported.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(exported[name], tensor, **TOL, msg=name)
-    resumed_export = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
+    resumed_export = load_file(out / "resumed" / "export" / "model.safetensors")
     for name, tensor in exported.items():
         assert torch.equal(resumed_export[name], tensor), name
     # The sharded checkpoint resumes in one process without FSDP2 (DCP loads the shards whole):
     # the steps of the uninterrupted 2-process run, to the round-off of one process against two.
-    source = tmp_path / "straight" / "checkpoints" / f"step_{KILL_AT:08d}"
+    source = out / "straight" / "checkpoints" / f"step_{KILL_AT:08d}"
     shutil.copytree(source, tmp_path / "one_process" / "checkpoints" / source.name)
     resumed_alone = record_run(fsdp2_run_config(tmp_path / "one_process", resume="auto"))
     straight = ranks[0]["straight"]
@@ -640,11 +667,4 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(tmp_path):
 
 
 if __name__ == "__main__":
-    if sys.argv[2:] == ["fsdp2"]:
-        _fsdp2_worker(Path(sys.argv[1]))
-    elif sys.argv[2:] == ["trainer_fsdp2"]:
-        _trainer_fsdp2_worker(Path(sys.argv[1]))
-    elif sys.argv[2:] == ["fsdp2_reinit"]:
-        _fsdp2_reinit_worker(Path(sys.argv[1]))
-    else:
-        _worker(Path(sys.argv[1]))
+    _run_parts(Path(sys.argv[1]))

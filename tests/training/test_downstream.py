@@ -122,7 +122,7 @@ def test_without_lm_eval_the_config_says_what_to_install(tmp_path, monkeypatch):
         downstream_config(tmp_path, OFFLINE)
 
 
-def test_an_unknown_task_fails_before_the_run_directory_exists(tmp_path):
+def test_an_unknown_task_fails_before_the_run_directory_exists(tmp_path, shared_task_managers):
     pytest.importorskip("lm_eval")
     run_dir = tmp_path / "run"
     cfg = downstream_config(run_dir, {"tasks": ["python_completion", "no_such_task"]})

@@ -13,10 +13,12 @@ import torch
 from tiny import TINY_CLI_OVERRIDES, tiny_run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from scripts.summarize_sweep import main as summarize_sweep_main
 from sparse_llm import run_files
 from sparse_llm.config import RunConfig
 from sparse_llm.model import build_model
 from sparse_llm.model import state as model_state
+from sparse_llm.train import single_run
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer, TrainingDiverged
@@ -240,21 +242,21 @@ def test_export_loads_in_plain_transformers_with_same_logits(tmp_path: Path):
     assert tokenizer.eos_token_id == trainer.tokenizer.eos_token_id
 
 
-def test_command_line_run_and_config_error(tmp_path: Path):
+def test_command_line_run_and_config_error(tmp_path: Path, capsys):
+    # In-process: the command's single_run on the same overrides (tests/test_cli.py runs the
+    # command itself, for its exit codes and console log).
     run_dir = tmp_path / "cli"
     overrides = [f"run_dir={run_dir}", *TINY_CLI_OVERRIDES]
-    cmd = [sys.executable, "-m", "sparse_llm.train"]
-    done = subprocess.run(cmd + overrides, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == f"run_dir: {run_dir}"
+    code = single_run(overrides)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert out.strip().splitlines()[-1] == f"run_dir: {run_dir}"
     assert (run_dir / "export" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file()
 
-    bad = subprocess.run(
-        [*cmd, *overrides, "train.global_batch_size=3"], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert bad.returncode == 2
-    assert "train.global_batch_size" in bad.stderr
+    bad = single_run([*overrides, "train.global_batch_size=3"])
+    assert bad == 2
+    assert "train.global_batch_size" in capsys.readouterr().err
 
 
 def test_l1_sweep_multirun_and_summary(tmp_path: Path):
@@ -270,13 +272,7 @@ def test_l1_sweep_multirun_and_summary(tmp_path: Path):
     done = subprocess.run(cmd + TINY_CLI_OVERRIDES, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").is_file()) == ["0", "1"]
-    summary = subprocess.run(
-        [sys.executable, "scripts/summarize_sweep.py", str(sweep_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert summary.returncode == 0, summary.stderr
+    assert summarize_sweep_main([str(sweep_dir)]) == 0  # in-process: the script's main
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert [row["l1_coeff"] for row in rows] == [0.0, 0.01]
     assert (sweep_dir / "sweep_val_ce_vs_sparsity.png").stat().st_size > 0
