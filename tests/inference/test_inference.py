@@ -432,7 +432,7 @@ def _copy(source: Path, target: Path) -> Path:
     return target
 
 
-def test_a_damaged_model_is_one_line_naming_the_file_and_exit_4(run_dir, tmp_path, monkeypatch, capsys):
+def test_a_damaged_model_is_one_line_naming_the_file_and_exit_4(run_dir, tmp_path, capsys):
     """Each way a model's files go bad is a DamagedModel naming the file, before any tensor is
     read; sparse-llm-generate says it in one line with exit code 4."""
     from sparse_llm import generate
@@ -463,9 +463,6 @@ def test_a_damaged_model_is_one_line_naming_the_file_and_exit_4(run_dir, tmp_pat
     for path, message in cases.items():
         with pytest.raises(DamagedModel, match=message):
             load_model(path, device="cpu")
-        monkeypatch.setattr(
-            sys, "argv", ["sparse-llm-generate", str(path), "--prompt", "x", "--device", "cpu"]
-        )
-        assert generate.main() == 4
+        assert generate.main([str(path), "--prompt", "x", "--device", "cpu"]) == 4
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
