@@ -18,6 +18,7 @@ the new tokens per second of the generation, prefill included, and the decode mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -97,13 +98,14 @@ def main() -> int:
     if note is not None:
         print(note, file=sys.stderr)
     if args.json:
+        measurement = generator.ffn_measurement
         result = {
             "model": str(loaded.path),
             "source": loaded.source,
             "device": str(loaded.model.lm_head.weight.device),
             "dtype": str(loaded.model.lm_head.weight.dtype),
             "ffn": generator.ffn,
-            "ffn_measurement": generator.ffn_measurement,
+            "ffn_measurement": measurement and dataclasses.asdict(measurement),
             "decode": generator.decode,
             "decode_reason": generator.decode_reason,
             "seconds": seconds,

@@ -65,7 +65,9 @@ def eos_capacity(count: int) -> int:
     return max(4, 1 << max(count - 1, 0).bit_length())
 
 
-def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
+def why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
+    """Why the decode FFN `impl` cannot be captured in a CUDA graph at `batch` rows (None: at some
+    batch), or None when it can."""
     if impl in CAPTURABLE_DECODE_FFNS:
         return None
     if not decode_kernel_fits(1, hidden_size):
@@ -84,7 +86,7 @@ def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> s
 def why_not_graph(model: SparseLlamaForCausalLM, batch: int | None = None) -> str | None:
     """Why `model`'s decode step (of `batch` rows; None: of some batch) cannot be captured in a
     CUDA graph, or None when it can."""
-    why = _why_ffn_not_capturable(model.ffn_plan.decode.impl, model.config.hidden_size, batch)
+    why = why_ffn_not_capturable(model.ffn_plan.decode.impl, model.config.hidden_size, batch)
     if why:
         return why
     device = model.lm_head.weight.device
