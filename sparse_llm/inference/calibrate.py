@@ -35,6 +35,9 @@ from sparse_llm.ops.ffn.select import FFN_IMPLS, FFNSelection, select_ffn
 FASTEST = "fastest"
 CHOICES = (*FFN_IMPLS, FASTEST)
 PHASES = ("prefill", "decode")
+# The calibration batch of `fastest`: rows and tokens a row (at most the model's context).
+CALIBRATION_BATCH = 8
+CALIBRATION_LEN = 512
 # The batch sizes the decode phase is timed at (one token a row): a Generator decodes at any, and
 # the kernels' edge over dense is largest at one row.
 DECODE_BATCHES = (1, 8)
@@ -266,8 +269,8 @@ def choose_ffn_plan(
     model: SparseLlamaForCausalLM,
     prefill: str,
     decode: str,
-    calibration_batch: int = 8,
-    calibration_len: int = 512,
+    calibration_batch: int = CALIBRATION_BATCH,
+    calibration_len: int = CALIBRATION_LEN,
 ) -> tuple[FFNPlan, FFNMeasurement | None]:
     """The inference plan for `prefill` and `decode` (values of CHOICES), and the measurement
     when `fastest` timed the candidates (else None). Evaluation takes the prefill's choice, and
