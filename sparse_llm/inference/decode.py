@@ -205,7 +205,8 @@ class CaptureMemory:
     MemPool objects), not the handles that name it. With a bare `graph_pool_handle()` the count
     fell to 0 whenever every graph captured into it was gone (the decoder grew its cache memory,
     made a slot anew for more EOS ids, evicted its last captured slot); a block the captures had
-    left allocated kept the pool registered, and the next capture into it failed in
+    left allocated (likely cuBLAS's workspace for the capture stream) kept the pool registered,
+    and the next capture into it failed in
     `create_or_incref_pool` (`it->second->use_count > 0 INTERNAL ASSERT FAILED`). The failed
     `capture_begin` had already put the graph's generators (the device's default one, the slot's)
     in capture mode and never took them out, so every later draw raised "Offset increment outside
@@ -266,16 +267,17 @@ def _sampling_key(params: SamplingParams) -> tuple[SamplingParams, bool]:
 
 class DecodeSlot:
     """One batch size and cache length of a `StaticDecoder`: its `DecodeState` and its steps, one
-    per sampling setting (graphs captured in `memory`, else, without it, `decode_step` itself)."""
+    per sampling setting (graphs captured in `graph_memory`, else, without it, `decode_step`
+    itself)."""
 
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
         cache: KVCache,
         eos_slots: int,
-        memory: CaptureMemory | None = None,
+        graph_memory: CaptureMemory | None = None,
     ) -> None:
-        self.forward, self.memory = forward, memory
+        self.forward, self.graph_memory = forward, graph_memory
         self.state = DecodeState.over(cache, eos_slots)
         # Seeded calls draw from this one generator, reseeded per call: a graph captured with it
         # registered replays for any seed.
@@ -291,9 +293,9 @@ class DecodeSlot:
             how, seeded = key
             generator = self.generator if seeded else None
             step = functools.partial(decode_step, self.forward, self.state, how, generator)
-            if self.memory is not None:
+            if self.graph_memory is not None:
                 self.state.reset()
-                step = DecodeGraph(step, self.memory, generator)
+                step = DecodeGraph(step, self.graph_memory, generator)
             self.steps[key] = step
         return self.steps[key]
 
@@ -359,7 +361,7 @@ class StaticDecoder:
         self.forward = (
             torch.compile(model.decode_step, dynamic=False, fullgraph=True) if compile else model.decode_step
         )
-        self.memory = CaptureMemory(model.lm_head.weight.device) if capture else None
+        self.graph_memory = CaptureMemory(model.lm_head.weight.device) if capture else None
         self.slots: OrderedDict[tuple[int, int], DecodeSlot] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -376,8 +378,8 @@ class StaticDecoder:
             self.slots.pop(key, None)
             cache = self._cache(*key)
             capture = self.capture and why_not_graph(self.model, batch) is None
-            memory = self.memory if capture else None
-            slot = DecodeSlot(self.forward, cache, eos_capacity(eos_count), memory)
+            graph_memory = self.graph_memory if capture else None
+            slot = DecodeSlot(self.forward, cache, eos_capacity(eos_count), graph_memory)
             self.slots[key] = slot
             while len(self.slots) > MAX_SLOTS:
                 self.slots.popitem(last=False)
