@@ -33,6 +33,7 @@ corpus (or --random-tokens).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparsity": sparsity,
         "meets_min_sparsity": sparsity["mean"] >= args.min_sparsity,
         "fastest": {"prefill": fastest.prefill.impl, "decode": fastest.decode.impl},
-        "fastest_measurement": measurement,
+        "fastest_measurement": measurement and dataclasses.asdict(measurement),
         "results": results,
         "decode_sweep": sweep,
         "notes": notes,

@@ -22,6 +22,7 @@ config that does not parse, weights of another shape than the config's: the line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -107,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     if note is not None:
         print(note, file=sys.stderr)
     if args.json:
+        measurement = generator.ffn_measurement
         result = {
             "model": str(loaded.path),
             "source": loaded.source,
             "device": str(loaded.model.lm_head.weight.device),
             "dtype": str(loaded.model.lm_head.weight.dtype),
             "ffn": generator.ffn,
-            "ffn_measurement": generator.ffn_measurement,
+            "ffn_measurement": measurement and dataclasses.asdict(measurement),
             "decode": generator.decode,
             "decode_reason": generator.decode_reason,
             "seconds": seconds,

@@ -65,7 +65,9 @@ def eos_capacity(count: int) -> int:
     return max(4, 1 << max(count - 1, 0).bit_length())
 
 
-def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
+def why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> str | None:
+    """Why the decode FFN `impl` cannot be captured in a CUDA graph at `batch` rows (None: at some
+    batch), or None when it can."""
     if impl in CAPTURABLE_DECODE_FFNS:
         return None
     if not decode_kernel_fits(1, hidden_size):
@@ -84,7 +86,7 @@ def _why_ffn_not_capturable(impl: str, hidden_size: int, batch: int | None) -> s
 def why_not_graph(model: SparseLlamaForCausalLM, batch: int | None = None) -> str | None:
     """Why `model`'s decode step (of `batch` rows; None: of some batch) cannot be captured in a
     CUDA graph, or None when it can."""
-    why = _why_ffn_not_capturable(model.ffn_plan.decode.impl, model.config.hidden_size, batch)
+    why = why_ffn_not_capturable(model.ffn_plan.decode.impl, model.config.hidden_size, batch)
     if why:
         return why
     device = model.lm_head.weight.device
@@ -195,33 +197,58 @@ def decode_step(
     state.columns.add_(1)
 
 
+class CaptureMemory:
+    """Where one decoder's graphs are captured: a memory pool and a stream on the model's device,
+    both held for the decoder's life.
+
+    The pool: the caching allocator counts the users of a graph pool (graphs captured into it and
+    MemPool objects), not the handles that name it. With a bare `graph_pool_handle()` the count
+    fell to 0 whenever every graph captured into it was gone (the decoder grew its cache memory,
+    made a slot anew for more EOS ids, evicted its last captured slot); a block the captures had
+    left allocated (likely cuBLAS's workspace for the capture stream) kept the pool registered,
+    and the next capture into it failed in
+    `create_or_incref_pool` (`it->second->use_count > 0 INTERNAL ASSERT FAILED`). The failed
+    `capture_begin` had already put the graph's generators (the device's default one, the slot's)
+    in capture mode and never took them out, so every later draw raised "Offset increment outside
+    graph capture encountered unexpectedly". A MemPool is one user of its pool for as long as it
+    lives: the count never reaches 0 while the decoder can capture.
+
+    The stream: warm-up and capture run on this one stream. Work that is done once per stream
+    (cuBLAS and cuBLASLt give every stream a workspace, allocated on its first GEMM) then happens
+    in a warm-up, outside any capture, instead of in the first capture on torch.cuda.graph's own
+    stream, where the workspace came from the graph pool and stayed allocated there for the life
+    of the process. And the stream is on the model's device: torch.cuda.graph's default stream is
+    one for the process, made on whichever device was current at the first capture."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):  # a MemPool belongs to the current device
+            self.pool = torch.cuda.MemPool()
+            self.stream = torch.cuda.Stream()
+
+
 class DecodeGraph:
     """`step` captured in a CUDA graph: calling it replays the step on whatever the buffers it was
     captured on hold. `generator` (a seeded generator the step draws from) is registered with the
     graph, so that a replay draws what an eager step would at the generator's state.
 
-    The graphs of a decoder share one memory `pool`: a step keeps nothing it allocates (its
-    results go to the slot's buffers, made outside the capture), and only one graph runs at a
-    time, so their temporaries may overlap."""
+    The graphs of a decoder share one memory pool (`CaptureMemory`): a step keeps nothing it
+    allocates (its results go to the slot's buffers, made outside the capture), and only one graph
+    runs at a time, so their temporaries may overlap."""
 
     def __init__(
-        self,
-        step: Callable[[], None],
-        device: torch.device,
-        generator: torch.Generator | None,
-        pool: tuple[int, int] | None,
+        self, step: Callable[[], None], memory: CaptureMemory, generator: torch.Generator | None
     ) -> None:
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        with torch.cuda.device(memory.device):
+            memory.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(memory.stream):
                 for _ in range(WARMUP_STEPS):
                     step()
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(memory.stream)
             self.graph = torch.cuda.CUDAGraph()
             if generator is not None:
                 self.graph.register_generator_state(generator)
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=memory.pool.id, stream=memory.stream):
                 step()
 
     def __call__(self) -> None:
@@ -240,17 +267,17 @@ def _sampling_key(params: SamplingParams) -> tuple[SamplingParams, bool]:
 
 class DecodeSlot:
     """One batch size and cache length of a `StaticDecoder`: its `DecodeState` and its steps, one
-    per sampling setting (captured graphs when capturing, else `decode_step` itself)."""
+    per sampling setting (graphs captured in `graph_memory`, else, without it, `decode_step`
+    itself)."""
 
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
         cache: KVCache,
         eos_slots: int,
-        capture: bool,
-        pool: tuple[int, int] | None = None,
+        graph_memory: CaptureMemory | None = None,
     ) -> None:
-        self.forward, self.capture, self.pool = forward, capture, pool
+        self.forward, self.graph_memory = forward, graph_memory
         self.state = DecodeState.over(cache, eos_slots)
         # Seeded calls draw from this one generator, reseeded per call: a graph captured with it
         # registered replays for any seed.
@@ -266,9 +293,9 @@ class DecodeSlot:
             how, seeded = key
             generator = self.generator if seeded else None
             step = functools.partial(decode_step, self.forward, self.state, how, generator)
-            if self.capture:
+            if self.graph_memory is not None:
                 self.state.reset()
-                step = DecodeGraph(step, self.state.tokens.device, generator, self.pool)
+                step = DecodeGraph(step, self.graph_memory, generator)
             self.steps[key] = step
         return self.steps[key]
 
@@ -334,7 +361,7 @@ class StaticDecoder:
         self.forward = (
             torch.compile(model.decode_step, dynamic=False, fullgraph=True) if compile else model.decode_step
         )
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graph_memory = CaptureMemory(model.lm_head.weight.device) if capture else None
         self.slots: OrderedDict[tuple[int, int], DecodeSlot] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -351,7 +378,8 @@ class StaticDecoder:
             self.slots.pop(key, None)
             cache = self._cache(*key)
             capture = self.capture and why_not_graph(self.model, batch) is None
-            slot = DecodeSlot(self.forward, cache, eos_capacity(eos_count), capture, self.pool)
+            graph_memory = self.graph_memory if capture else None
+            slot = DecodeSlot(self.forward, cache, eos_capacity(eos_count), graph_memory)
             self.slots[key] = slot
             while len(self.slots) > MAX_SLOTS:
                 self.slots.popitem(last=False)

@@ -19,6 +19,7 @@ key mask built per step (model/kv_cache.py: decode_key_mask).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -178,13 +179,15 @@ def decode_attention_kernel(
     acc = torch.empty(programs * chunks * head_dim, device=q.device, dtype=torch.float32)
     out = torch.empty((batch, 1, q_heads, head_dim), device=q.device, dtype=q.dtype)
     scale_log2 = LOG2_E / math.sqrt(head_dim)
-    _chunk_kernel[(programs, chunks)](
-        q, k, v, first_columns, columns, m, totals, acc,
-        q_heads, q_heads // kv_heads, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), scale_log2,
-        HEAD_DIM=head_dim, CHUNKS=chunks, BLOCK_N=keys_per_step(max_len, chunks), num_warps=2, num_stages=3,
-    )  # fmt: skip
-    _merge_kernel[(programs,)](m, totals, acc, out, HEAD_DIM=head_dim, CHUNKS=chunks, num_warps=4)
+    # Triton launches on the current device: make it the tensors' (a model on a second GPU).
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _chunk_kernel[(programs, chunks)](
+            q, k, v, first_columns, columns, m, totals, acc,
+            q_heads, q_heads // kv_heads, q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), scale_log2,
+            HEAD_DIM=head_dim, CHUNKS=chunks, BLOCK_N=keys_per_step(max_len, chunks), num_warps=2, num_stages=3,
+        )  # fmt: skip
+        _merge_kernel[(programs,)](m, totals, acc, out, HEAD_DIM=head_dim, CHUNKS=chunks, num_warps=4)
     return out
 
 

@@ -240,7 +240,7 @@ def test_top_p_and_top_k_filters():
     assert set(draws.tolist()) == {0, 1}
 
 
-def test_generator_text_api_and_ffn_selection(run_dir):
+def test_generator_text_api_and_ffn_selection(run_dir, caplog):
     gen = Generator.from_pretrained(
         run_dir / "export", device="cpu", prefill_ffn="fastest", decode_ffn="reference"
     )
@@ -256,9 +256,24 @@ def test_generator_text_api_and_ffn_selection(run_dir):
     assert dense.tokens == out.tokens
     compiled = Generator(gen.loaded, "dense", "dense", compile=True)  # Inductor on CPU
     assert compiled.generate(PROMPTS[:2], max_new_tokens=6).tokens == out.tokens
-    measured = measure_ffn_impls(gen.model, 2, 16, candidates=("dense", "reference"), reps=1)
-    assert set(measured["choice"].values()) <= {"dense", "reference"}
-    assert set(measured["timings_s"]["prefill"]) == {"dense", "reference"}
+    with caplog.at_level("INFO", logger="sparse_llm.inference.calibrate"):
+        measured = measure_ffn_impls(gen.model, 2, 16, candidates=("dense", "reference"), reps=1)
+    # Prefill over all 2 x 16 tokens; decode at each batch of DECODE_BATCHES up to the 2 rows.
+    assert [(t.phase, t.batch, t.tokens, t.timed) for t in measured.timings] == [
+        ("prefill", 2, 32, "eager"),
+        ("decode", 1, 1, "eager"),  # no CUDA graphs on a CPU
+        ("decode", 2, 2, "eager"),
+    ]
+    for phase in ("prefill", "decode"):  # the faster on average, relative to dense
+        rows = [t for t in measured.timings if t.phase == phase]
+        ratio = sum(t.ms["reference"] / t.ms["dense"] for t in rows) / len(rows)
+        assert measured.choice[phase] == ("reference" if ratio < 1 else "dense")
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("fastest: prefill FFN at batch 2 (32 tokens") for m in logged) == 1
+    assert sum(m.startswith("fastest: decode FFN at batch") for m in logged) == 2
+    assert f"fastest: the decode FFN is {measured.choice['decode']}" in logged
+    table = measured.markdown().splitlines()
+    assert table[0].startswith("| phase | batch |") and len(table) == 2 + 3
 
 
 def test_generator_decode_mode_is_fixed_when_built(loaded):

@@ -193,7 +193,7 @@ def test_a_capture_warms_up_from_a_reset_state(monkeypatch):
     itself needs a GPU: a stand-in runs the warm-up steps and then the step.)"""
 
     class WarmUpOnly:
-        def __init__(self, step, device, generator, pool) -> None:
+        def __init__(self, step, memory, generator) -> None:
             for _ in range(decode.WARMUP_STEPS):
                 step()
             self.step = step
@@ -206,7 +206,7 @@ def test_a_capture_warms_up_from_a_reset_state(monkeypatch):
     decoder = StaticDecoder(model, capture=False)
     padded = left_pad(PROMPTS, torch.device("cpu"))
     steps = decode.CACHE_LEN_MULTIPLE - padded.width  # the last step writes the last column
-    decoder.slot(len(PROMPTS), padded.width + steps, 0).capture = True  # as on a GPU
+    decoder.slot(len(PROMPTS), padded.width + steps, 0).graph_memory = "memory"  # as on a GPU
     for params in (greedy(steps, stop_at_eos=False), SAMPLINGS[1]):  # the second captures anew
         params = SamplingParams(**{**params.__dict__, "max_new_tokens": steps})
         assert generate_ids(model, PROMPTS, params, decoder=decoder).tokens == (
@@ -445,7 +445,7 @@ def test_kernels_decode_ffn_in_graphs_equals_eager():
         eager = generate_ids(sparse, prompts, params)
         assert generate_ids(sparse, prompts, params, decoder=decoder).tokens == eager.tokens
         # After each batch: the larger one's cache memory replaces the first's (its slot dropped).
-        captured |= {key[0]: slot.capture for key, slot in decoder.slots.items()}
+        captured |= {key[0]: slot.graph_memory is not None for key, slot in decoder.slots.items()}
     assert captured == {3: True, rows + 1: False}
 
 
@@ -466,3 +466,29 @@ def test_compiled_step_with_the_kernels_ffn_above_one_row():
         sparse, prompts, greedy(2), decoder=StaticDecoder(sparse, capture=True, compile=True)
     )
     assert [row[1] for row in compiled.tokens] == [row[1] for row in plain.tokens]
+
+
+@pytest.mark.gpu
+def test_captures_after_every_graph_of_the_decoder_was_dropped():
+    """Issue 51: the decoder's graphs are all dropped (its cache memory grows for a larger batch;
+    a slot is made anew for more EOS ids) and it captures again, seeded and not: the pool it
+    captures into is still live (`CaptureMemory` holds it), the tokens are the eager decode's. (The
+    old failure needed the pool to keep a block from a capture: in a fresh process, the first
+    capture's cuBLAS workspace; the fresh-process fuzz, tests/inference/test_generation_fuzz.py,
+    runs that order.)"""
+    model = tiny_model("cuda", torch.float32)
+    decoder = StaticDecoder(model, capture=True)
+    seeded = SamplingParams(max_new_tokens=12, temperature=0.8, seed=0)
+    unseeded = SamplingParams(max_new_tokens=12, temperature=0.8)
+    for prompts, eos in (
+        (PROMPTS[1:2], ()),
+        ([PROMPTS[1]] * 8, ()),  # more memory: every slot (and graph) dropped
+        ([PROMPTS[1]] * 8, (1, 2, 3, 4, 5)),  # more EOS ids than the slot holds: made anew
+        ([PROMPTS[0]] * 16, ()),
+    ):
+        for params in (greedy(12), seeded):
+            want = generate_ids(model, prompts, params, eos)
+            assert generate_ids(model, prompts, params, eos, decoder=decoder).tokens == want.tokens
+        out = generate_ids(model, prompts, unseeded, eos, decoder=decoder)  # the default generator
+        assert all(1 <= len(row) <= 12 for row in out.tokens)
+    assert list(decoder.slots) == [(16, 256)]
