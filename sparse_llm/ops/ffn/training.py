@@ -389,8 +389,8 @@ class TrainCapacities:
 
     @classmethod
     def update(cls, capacities: torch.Tensor, sizes: Sequence[int]) -> None:
-        # Written through numpy: autograd saved this tensor for other layers' steps, and a torch
-        # in-place write would bump the version its saved copies are checked against.
+        # Written through numpy: every forward saves this tensor for its backward, and a torch
+        # in-place write would bump the version that a pending backward checks it against.
         values = capacities.numpy()
         for i, (size, granule) in enumerate(zip(sizes[:3], cls.GRANULES, strict=True)):
             need = -(-int(size * cls.HEADROOM) // granule) * granule
