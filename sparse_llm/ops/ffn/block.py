@@ -79,11 +79,12 @@ class _FFNBlock(torch.autograd.Function):
             capacities=capacities,
         )
         record = out.record.tensors()  # flat: what save_for_backward and an output take
-        # The capacity path keeps every row (it reads no count of the active ones): no indexing.
+        # The capacity path (taken on the CUDA kernels when capacities are given) keeps every row,
+        # reading no count of the active ones (no indexing then), and its backward sets the
+        # capacities: they are kept for it.
         ctx.all_rows = out.record.host_sizes is not None
         ctx.heavy_threshold = heavy_threshold
-        ctx.has_capacities = capacities is not None
-        extra = (capacities,) if capacities is not None else ()
+        extra = (capacities,) if ctx.all_rows else ()
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
@@ -98,8 +99,8 @@ class _FFNBlock(torch.autograd.Function):
     def backward(ctx, grad_out, grad_l1, *_unused):
         saved = ctx.saved_tensors
         xhat_active, r, active_rows, norm_weight, wg, wu, wd = saved[:7]
-        capacities = saved[7] if ctx.has_capacities else None
-        record = saved[8:] if ctx.has_capacities else saved[7:]
+        capacities = saved[7] if ctx.all_rows else None
+        record = saved[8:] if ctx.all_rows else saved[7:]
         dtype = ctx.compute_dtype
         xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
