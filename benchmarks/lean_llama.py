@@ -236,7 +236,7 @@ def time_lean(
     # The batches our step reads from the trainer's stream, in the same order.
     batches = iter(
         trainer_batches(
-            cfg, tuple(ids.shape), step_args(args, ids.shape[0]), device, args.warmup + 1 + args.steps + 1
+            cfg, tuple(ids.shape), step_args(args, ids.shape[0]), device, args.warmup + 2 + args.steps + 1
         )
     )
     losses: list[torch.Tensor] = []
@@ -253,12 +253,14 @@ def time_lean(
         if device == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(args.warmup + 1):  # as time_impl: the warm-up and one step for the memory probe
+    # As time_impl: the warm-up, the step after which the first one's L0 sets the FFN paths, and
+    # one step for the memory probe.
+    for _ in range(args.warmup + 2):
         step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = common.median_ms(step, torch.device("cpu"), warmup=0, reps=args.steps)  # wall clock: step() syncs
-    timed = [loss.item() for loss in losses[args.warmup + 1 :]]
+    timed = [loss.item() for loss in losses[args.warmup + 2 :]]
     return {
         "ms_step": ms,
         "tokens_per_s": (ids.numel() - ids.shape[0]) / (ms / 1000),  # each row drops its last id

@@ -245,9 +245,10 @@ def time_trainer_step(
     step = trainer.train_step
     optimizer_timer = OptimizerTimer(trainer.optimizer, device)
     try:
-        # The first step runs every layer dense (a fresh run's start) and sets each layer's path
-        # from its L0; the warm-up compiles what the timed steps run.
-        for _ in range(args.warmup + 1):
+        # The first step runs every layer dense (a fresh run's start); its L0 sets each layer's
+        # path after the second (a step's scalars act one step late); the warm-up compiles what
+        # the timed steps run.
+        for _ in range(args.warmup + 2):
             step()
         record["dense_fallback_layers"] = sum(model.ffn_dense_fallback())
         first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]
@@ -272,7 +273,8 @@ def time_trainer_step(
         times, losses = [], []
         for _ in range(args.steps):
             begin = time.perf_counter()
-            losses.append(step()["ce"])  # the step's host sync: its scalars
+            step()
+            losses.append(trainer.step_metrics()["ce"])  # a host sync, as on a logging step
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - begin)

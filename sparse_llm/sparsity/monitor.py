@@ -112,9 +112,16 @@ class SparsityMonitor:
         """Per-layer L0 (active units per token) of the last completed step, global over ranks:
         what the L1 controller follows. Exact integer totals, so the same on every rank; syncs with
         the host."""
+        return self.last_step_l0_tensor().tolist()
+
+    def last_step_l0_tensor(self) -> torch.Tensor:
+        """`last_step_l0` as a float64 [L] tensor on the statistics' device, without a host sync:
+        the same values (integer totals, one correctly rounded division)."""
         if self._last_step_hist is None:
             raise RuntimeError("SparsityMonitor.last_step_l0() called before any end_step()")
-        return _mean_active_units(self._last_step_hist).tolist()
+        hist = self._last_step_hist
+        active = (hist * torch.arange(hist.shape[-1], device=hist.device)).sum(-1)
+        return active.double() / hist[0].sum().double()
 
     def last_step_histogram(self) -> torch.Tensor:
         """[L, H + 1] token counts of the last completed step by active units per token, global

@@ -270,6 +270,8 @@ class TrainingState:
     sharded: bool  # FSDP2: model and optimizer go to `sharded/` (DCP), written by every rank
     # The L1Controller of a run with a sparsity target (None without): JSON state_dict().
     l1_controller: Any = None
+    # The last step's scalars, which act after the next step (training/step_scalars.py).
+    step_readings: Any = None
     # The run's resolved config as plain values (config.to_plain), recorded in every checkpoint.
     config: dict[str, Any] | None = None
 
@@ -319,6 +321,8 @@ def save_training_state(
         }
         if parts.l1_controller is not None:
             state["l1_controller"] = parts.l1_controller.state_dict()
+        if parts.step_readings is not None:
+            state["step_readings"] = parts.step_readings.state_dict()
         if parts.config is not None:
             state[CONFIG_KEY] = parts.config
         if parts.sharded:
@@ -368,6 +372,9 @@ def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
     controller = ckpt.state.get("l1_controller")
     if parts.l1_controller is not None and controller is not None:
         parts.l1_controller.load_state_dict(controller)
+    # Checkpoints from before the scalars were read late: nothing acts after the first step.
+    if parts.step_readings is not None:
+        parts.step_readings.load_state_dict(ckpt.state.get("step_readings"))
     prefix = "sparsity/"
     parts.sparsity.load_state_dict(
         {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}

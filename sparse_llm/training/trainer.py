@@ -50,6 +50,7 @@ from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 from sparse_llm.training.preemption import StopSignals, TrainingPreempted
+from sparse_llm.training.step_scalars import StepReadings, StepScalars, step_vector
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,8 @@ class Trainer:
         # (under FSDP2: every rank draws the rows a single process would, and keeps its shard).
         self.reinit_generator = torch.Generator().manual_seed(t.seed + 1)
         self.callbacks = CallbackList(default_callbacks(cfg) + list(callbacks or []))
+        # Each step's scalars reach the host one step late (training/step_scalars.py).
+        self.step_readings = StepReadings()
         # Per-layer fallback of a sparse training FFN to dense while a layer is too dense to gain
         # (every layer dense at the start; a resumed run takes the checkpoint's flags).
         self.ffn_fallback = (
@@ -215,11 +218,12 @@ class Trainer:
             device=self.device,
             sharded=self.sharded,
             l1_controller=self.l1_controller,
+            step_readings=self.step_readings,
             config=to_plain(cfg),
         )
         self.step = 0
         self.tokens_seen = 0
-        self._last_ce = math.nan
+        self._last_penalty = (0.0, False)  # the last step's lambda, and whether it was per layer
         self._resumed = False
         # SIGTERM, SIGUSR1, SIGINT while `fit` runs: stop after the step in flight, with a
         # checkpoint (training/preemption.py). Every rank's request rides on the step's all-reduce.
@@ -301,6 +305,7 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.perf_counter()
+                record.update(self.step_metrics())
                 record.update(self._throughput(window_tokens, now - window_start))
                 record["elapsed_s"] = (
                     now - loop_start
@@ -317,6 +322,7 @@ class Trainer:
                 self.callbacks.on_eval(self, self.step, evaluation)
                 logger.info("step %d: val_loss %.4f", self.step, evaluation["val_loss"])
             if any(key in record for key in ("tokens_per_s", "val_loss", "reinit/revived")):
+                record.update(self.step_metrics())
                 if t.compile:
                     record["compile/graphs"] = float(compiled_graphs() - graphs_at_start)
                     record["compile/recompiles"] = float(compiled_graphs() - graphs_after_first)
@@ -350,8 +356,10 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `train.global_batch_size` sequences: the forward of every
         micro-batch with the L1 term and the sparsity statistics, backward, gradient clipping,
-        AdamW, the scheduler, then the L1 controller and the FFN fallback from the step's L0. The
-        step the run takes and the benchmarks time. Returns the step's scalar metrics."""
+        AdamW, the scheduler; then the previous step's scalars act (the divergence check, the L1
+        controller and the FFN fallback from its L0: training/step_scalars.py). The step the run
+        takes and the benchmarks time. Returns what the host knows of it without waiting for the
+        GPU (lambda, the learning rate, tokens); `step_metrics()` waits for its loss."""
         t = self.cfg.train
         control = self.l1_controller
         if control is None:
@@ -361,7 +369,11 @@ class Trainer:
         # Per-layer coefficients: the penalty term is the mean over layers of lambda_i x L1_i.
         layer_coeffs = None
         if control is not None and control.per_layer and coeff > 0:
-            layer_coeffs = torch.tensor(control.coefficients(self.step), dtype=torch.float32).to(self.device)
+            # From page-locked memory: a copy from pageable memory would wait for the GPU.
+            layer_coeffs = torch.tensor(
+                control.coefficients(self.step), dtype=torch.float32, pin_memory=self.device.type == "cuda"
+            ).to(self.device, non_blocking=True)
+        self._last_penalty = (coeff, layer_coeffs is not None)
         ce_sum = torch.zeros((), device=self.device)
         l1_sum = torch.zeros((), device=self.device)
         penalty_sum = torch.zeros((), device=self.device)
@@ -388,51 +400,68 @@ class Trainer:
         stop = torch.zeros((), device=self.device)
         if self.stop_signals.requested:
             stop.fill_(1.0)
-        # One all-reduce and one host sync per step for the scalars (penalty_sum: per-layer lambdas
-        # only; stop: > 0 when any rank was signalled).
-        ce, l1_mean, penalty_mean, stop_any = self.accelerator.reduce(
+        # One all-reduce per step for the scalars (penalty_sum: per-layer lambdas only; stop: > 0
+        # when any rank was signalled); they reach the host one step late, with the L0.
+        scalars = self.accelerator.reduce(
             torch.stack((ce_sum, l1_sum, penalty_sum, stop)) / self.accum_steps, reduction="mean"
-        ).tolist()
-        self._stop_agreed = stop_any > 0
-        if not math.isfinite(ce) or not math.isfinite(l1_mean):
-            raise TrainingDiverged(
-                f"loss became {ce} (L1 {l1_mean}) at step {self.step + 1}; stopping without a checkpoint. "
-                f"Last good checkpoint: {latest_checkpoint(self.checkpoint_root) or 'none'}. "
-                "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
-            )
-        grad_norm = math.nan
+        )
+        grad_norm = None
         if t.grad_clip > 0:
-            grad_norm = self.accelerator.clip_grad_norm_(self.prepared_model.parameters(), t.grad_clip).item()
-            if not math.isfinite(grad_norm):
-                raise TrainingDiverged(
-                    f"the gradient norm became {grad_norm} at step {self.step + 1} (loss {ce}); stopping "
-                    f"without a checkpoint. Last good checkpoint: "
-                    f"{latest_checkpoint(self.checkpoint_root) or 'none'}."
-                )
+            grad_norm = self.accelerator.clip_grad_norm_(self.prepared_model.parameters(), t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.prepared_optimizer.step()
         self.scheduler.step()
         self.prepared_optimizer.zero_grad(set_to_none=True)
         self.sparsity.end_step(self._all_reduce_sum)
-        self._last_ce = ce
-        record = {
-            "loss": ce + (penalty_mean if layer_coeffs is not None else coeff * l1_mean),
-            "ce": ce,
-            "l1": l1_mean,
+        record: dict[str, Any] = {
             "l1_coeff": coeff,  # the one this step used; per layer: their mean
             "lr": lr,
-            "grad_norm": grad_norm,
             "tokens_seen": self.tokens_seen + self.tokens_per_step,
         }
-        if control is not None or self.ffn_fallback is not None:
-            # This step's per-layer L0, all-reduced: the same on every rank.
-            l0_per_layer = self.sparsity.last_step_l0()
-            if control is not None:
-                record.update(control.metrics(self.step))
-                control.update(l0_per_layer, self.step)  # the next step's lambda
-            if self.ffn_fallback is not None:
-                self.ffn_fallback.observe(l0_per_layer)  # the next step's path per layer
+        if control is not None:
+            record.update(control.metrics(self.step))
+        vector = step_vector(scalars, grad_norm, self.sparsity.last_step_l0_tensor())
+        previous = self.step_readings.push(self.step, vector)
+        if previous is not None:
+            self._act_on(previous)
         return record
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last step's loss, cross-entropy, L1 and gradient norm: waits for them (a host sync;
+        the loop asks on logging steps only). Raises TrainingDiverged if they are not finite."""
+        last = self._checked(self.step_readings.latest())
+        coeff, per_layer = self._last_penalty  # the step's own
+        return {
+            "loss": last.ce + (last.penalty if per_layer else coeff * last.l1),
+            "ce": last.ce,
+            "l1": last.l1,
+            "grad_norm": last.grad_norm,
+        }
+
+    def _checked(self, scalars: StepScalars) -> StepScalars:
+        problem = scalars.diverged(clipping=self.cfg.train.grad_clip > 0)
+        if problem is not None:
+            hint = (
+                "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
+                if "loss" in problem.split(" ", 1)[0]
+                else ""
+            )
+            raise TrainingDiverged(
+                f"{problem}; stopping without a checkpoint. Last good checkpoint: "
+                f"{latest_checkpoint(self.checkpoint_root) or 'none'}. {hint}".rstrip()
+            )
+        return scalars
+
+    def _act_on(self, scalars: StepScalars) -> None:
+        """What the host does with a step's scalars, one step after it (training/step_scalars.py):
+        the divergence check, the stop agreement, the L1 controller's next lambda (from step
+        `scalars.step + 2` on), the dense fallback's paths."""
+        self._checked(scalars)
+        self._stop_agreed = scalars.stop
+        if self.l1_controller is not None:
+            self.l1_controller.update(scalars.l0_per_layer, scalars.step)
+        if self.ffn_fallback is not None:
+            self.ffn_fallback.observe(scalars.l0_per_layer)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -470,6 +499,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        self._checked(self.step_readings.latest())  # never a checkpoint of a diverged step
         return ckpt_io.save_training_state(
             self.checkpoint_root,
             self.state,

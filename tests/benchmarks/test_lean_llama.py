@@ -72,7 +72,8 @@ def test_benchmark_times_ours_and_lean_from_the_same_losses(tmp_path):
     rows = main([*SIZE_ARGS, "--steps", "2", "--warmup", "0", "--no-compile", *files])
     ours, lean, lean_bf16 = rows
     assert [r["variant"] for r in rows] == ["ours", "lean", "lean_bf16"]
-    assert lean["loss_first"] == pytest.approx(ours["loss_first"], rel=1e-6)
+    # fp32 round-off of two implementations after the three untimed steps: ~1e-6
+    assert lean["loss_first"] == pytest.approx(ours["loss_first"], rel=5e-6)
     assert lean["loss_last"] == pytest.approx(ours["loss_last"], rel=1e-5)
     assert lean_bf16["loss_first"] == pytest.approx(ours["loss_first"], rel=2e-2)  # bf16 weights
     assert lean["ours_over_this_ms"] == pytest.approx(ours["ms_step"] / lean["ms_step"])

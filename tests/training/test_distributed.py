@@ -34,7 +34,8 @@ from sparse_llm.training.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 KILL_AT = 4
-SIGNAL_AT = 2  # rank 1 alone gets SIGTERM when step 2 ends: every rank stops after step 3
+SIGNAL_AT = 2  # rank 1 alone gets SIGTERM when step 2 ends: step 3 carries it, read after step 4
+STOPPED_AFTER = SIGNAL_AT + 2  # every rank stops there (a step's scalars are read one step late)
 DEAD_ROWS = 8  # gate rows zeroed at the start: dead units that reinit must revive identically
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TINY_LAYERS, TINY_UNITS = TINY_MODEL["num_hidden_layers"], TINY_MODEL["intermediate_size"]
@@ -460,7 +461,8 @@ def test_l1_controller_gives_every_rank_the_single_process_coefficients(two_proc
     assert a == b
     keys = ("l1_coeff", "l1_coeff/layer_00", "l1_coeff/layer_01")
     assert [r["step"] for r in a] == [r["step"] for r in single] == list(range(1, MAX_STEPS + 1))
-    assert len({r["l1_coeff"] for r in a}) == MAX_STEPS  # it adapted every step
+    # It adapted every step from the third (a step's L0 sets lambda from the step after next).
+    assert len({r["l1_coeff"] for r in a}) == MAX_STEPS - 1
     assert a[0]["l1_coeff"] == single[0]["l1_coeff"]
     for r2, r1 in zip(a, single, strict=True):
         for key in (*keys, "loss", "ce"):
@@ -623,8 +625,8 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
         # SIGTERM to one rank: both stopped after the same step, wrote one sharded checkpoint, and
         # resumed bitwise.
         preempted = rank["preempted"]
-        assert preempted["stopped_after"] == SIGNAL_AT + 1
-        assert preempted["steps"] == straight["steps"][SIGNAL_AT + 1 :]
+        assert preempted["stopped_after"] == STOPPED_AFTER
+        assert preempted["steps"] == straight["steps"][STOPPED_AFTER:]
         for part in ("model", "optimizer"):
             for name, tensor in straight[part].items():
                 assert torch.equal(preempted[part][name], tensor), ("preempted", part, name)
@@ -643,7 +645,7 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
     step_dir = out / "straight" / "checkpoints" / f"step_{MAX_STEPS:08d}"
     assert sorted(p.name for p in (step_dir / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (step_dir / "model.safetensors").exists()
-    stopped = out / "preempted" / "checkpoints" / f"step_{SIGNAL_AT + 1:08d}" / "sharded"
+    stopped = out / "preempted" / "checkpoints" / f"step_{STOPPED_AFTER:08d}" / "sharded"
     assert sorted(p.name for p in stopped.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     exported = load_file(out / "straight" / "export" / "model.safetensors")
     reference = load_file(tmp_path / "single" / "export" / "model.safetensors")

@@ -1,0 +1,74 @@
+"""The trainer's own loop on a GPU: between logging steps it never waits for the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ffn_patterns import needs_hopper
+from tiny import tiny_run_config
+
+from sparse_llm.training.callbacks import Callback
+from sparse_llm.training.trainer import Trainer
+
+LOG_EVERY = 10
+
+
+class SyncsRaise(Callback):
+    """Steps `first`..LOG_EVERY - 1 (1-based) run under set_sync_debug_mode("error"): any
+    synchronising CUDA call (a tensor read on the host, a blocking copy) raises."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.checked: list[int] = []
+
+    def on_step_end(self, trainer, step, metrics) -> None:
+        if self.first <= step < LOG_EVERY:
+            self.checked.append(step)
+        if step == self.first - 1:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        if step == LOG_EVERY - 1:  # the next step logs: it syncs to time and read the scalars
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_steps_between_logging_steps_never_wait_on_the_gpu(tmp_path: Path, compile: bool):
+    """With the kernels' FFN (the capacity path), the L1 controller, the dense fallback and
+    gradient clipping all on, and the data prefetched into page-locked memory, the loop's steps
+    between two logging steps make no synchronising CUDA call, while the controller still adapts
+    (from the scalars read one step late) and the logged steps still carry their loss."""
+    cfg = tiny_run_config(
+        tmp_path / "run",
+        model=dict(
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_impl="cuda",
+            ffn_dense_above=1.0,  # sparse from step 3 (step 1's L0 acts after step 2), never back
+        ),
+        sparsity=dict(l1_coeff=1e-3, target_l0=40.0, l1_warmup_end=0),
+        prefetch=2,
+        seq_len=128,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_steps=LOG_EVERY,
+        log_every=LOG_EVERY,
+        grad_clip=1.0,
+        compile=compile,
+    )
+    guard = SyncsRaise(first=5)  # steps 3-4: the capacities settle, the regions compile
+    trainer = Trainer(cfg, Path(cfg.run_dir), [guard])
+    try:
+        trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.checked == list(range(5, LOG_EVERY))
+    assert trainer.model.ffn_dense_fallback() == [False, False]  # the steps checked ran sparse
+    last = trainer.step_metrics()
+    assert torch.isfinite(torch.tensor([last["loss"], last["grad_norm"]])).all()
+    assert trainer.l1_controller.state_dict()["integral"] != [1e-3]  # it adapted
