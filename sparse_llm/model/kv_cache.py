@@ -74,9 +74,10 @@ class ColumnWriteCache:
     shapes nor the write position are Python values, so a CUDA graph can capture the step once and
     replay it.
 
-    How it attends is fixed when it is made: by the rows' column bounds where that kernel is the
-    faster (`ops.decode_attention.reads_bounds`: one row on a GPU), else SDPA over all max_len
-    columns under one additive key mask, built here once a step (`decode_key_mask`).
+    How it attends is fixed when it is made: by the rows' column bounds on a GPU
+    (`ops.decode_attention.reads_bounds`: the Triton kernel, whose logits repeat call after call),
+    else SDPA over all max_len columns under one additive key mask, built here once a step
+    (`decode_key_mask`).
 
     The write (`write_kv_columns`) rounds RoPE(k) exactly as every other cache write does, so the
     static and the eager decode keep the same cache, bit for bit.
@@ -96,7 +97,7 @@ class ColumnWriteCache:
         dtype, device = cache.k.dtype, cache.k.device
         self.key_mask = (
             None
-            if reads_bounds(batch, dtype, device, head_dim)
+            if reads_bounds(dtype, device, head_dim)
             else decode_key_mask(first_columns, columns, max_len, dtype)
         )
 

@@ -70,12 +70,12 @@ def test_chunks_fill_the_gpu_and_never_outnumber_the_keys():
     assert chunks_for(4, 10, 132) == 1
 
 
-def test_a_step_reads_bounds_at_one_row_on_a_gpu_only():
+def test_a_step_reads_bounds_on_a_gpu_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not reads_bounds(1, torch.bfloat16, cpu, 64)
-    assert not reads_bounds(8, torch.bfloat16, cuda, 64)  # cuDNN's SDPA is faster from 8 rows
-    assert not reads_bounds(1, torch.float32, cuda, 64)
-    assert not reads_bounds(1, torch.bfloat16, cuda, 80)
+    assert reads_bounds(torch.bfloat16, cuda, 64)  # at any row count: its logits repeat (issue 51)
+    assert not reads_bounds(torch.bfloat16, cpu, 64)
+    assert not reads_bounds(torch.float32, cuda, 64)
+    assert not reads_bounds(torch.bfloat16, cuda, 80)
 
 
 def test_bad_operands_are_clear_errors():
