@@ -1,9 +1,10 @@
 """Target-sparsity control of the L1 coefficient (docs/design.md section 2).
 
 With `sparsity.target_l0` (or `target_sparsity`) set, lambda is no longer a fixed schedule: after
-every optimizer step the controller compares the step's measured L0 (active units per token,
+every optimizer step the controller compares a step's measured L0 (active units per token,
 summed over micro-batches and processes, so the same on every rank) with the target and moves
-lambda in log space, a PI controller:
+lambda in log space, a PI controller. The trainer reads a step's L0 on the host one step late
+(training/step_scalars.py: no step waits for the GPU), so step s's L0 sets the lambda of step s + 2:
 
     e = log((L0 + eps) / target_l0)          eps = EPS_FRACTION x target_l0
     log(I) += gain x e                       the integral part, starting at `sparsity.l1_coeff`

@@ -443,7 +443,7 @@ class Trainer:
         if problem is not None:
             hint = (
                 "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
-                if "loss" in problem.split(" ", 1)[0]
+                if problem.startswith("loss")
                 else ""
             )
             raise TrainingDiverged(
