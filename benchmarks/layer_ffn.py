@@ -6,8 +6,8 @@ costs, dense against the sparse op, at the L0 and row density that layer has.
 
 One forward over held-out text (rows x seq-len tokens, the M of one training step) keeps each
 layer's FFN input (the post-attention norm's output), or `--inputs DIR` reads those that
-`row_density.py --save-inputs DIR` saved (bf16, the same tokens every time). Then, layer by layer, on that input and the
-layer's weights: the training forward+backward with the L1 term as `benchmarks/ffn.py --train` times
+`row_density.py --save-inputs DIR` saved (bf16, the same tokens every time). Then, layer by layer,
+on that input and the layer's weights: the training forward+backward with the L1 term as `benchmarks/ffn.py --train` times
 it, dense (compiled on a GPU) against `ops.ffn_forward_train`, beside the layer's row density
 (`row_density.py`: L0, heavy rows, past early). ffn.py's synthetic workload spreads the active units
 over tokens one way; a trained layer spreads them its own way, and that sets what the training

@@ -64,16 +64,14 @@ EARLY_ROWS_PER = 64  # kEarlyHeavyRowsPer in kernels/train_bindings.cpp
 HEAVY_ROWS_GRANULE = 64  # kHeavyRowsGranule in kernels/torch_glue.h
 RANDOM_TINY = {**common.TINY_MODEL, "vocab_size": 97}  # --tiny: random weights, no tokenizer
 TILES = (64, 128)  # token tiles: the M-tiles of a tensor-core design
-DENSE_PRODUCTS, GATE_PRODUCTS = (
-    9,
-    1,
-)  # M x D x H products of the dense FFN's forward+backward; the gate forward's
+DENSE_PRODUCTS = 9  # M x D x H products of the dense FFN's forward+backward (module docstring)
+GATE_PRODUCTS = 1  # of which the gate's forward, dense in any sparse op
 INPUTS_META = "meta.json"  # beside the layer_NN.safetensors of --save-inputs
 
 
 def model_parser(description: str | None) -> argparse.ArgumentParser:
-    """The options of a per-layer benchmark on a model's held-out tokens (`model_and_tokens`):
-    --model or --tiny, --rows, --seq-len, --heavy-threshold, --json, --md."""
+    """The options of a per-layer benchmark on a model's held-out tokens (`model_inputs`):
+    --model or --tiny, --rows, --seq-len, --heavy-threshold, --inputs, --json, --md."""
     p = common.script_parser(description)
     p.add_argument("--model", type=Path, default=None, help="export, checkpoint or run directory")
     p.add_argument("--tiny", action="store_true", help="a tiny random model on CPU")
