@@ -522,6 +522,32 @@ def layers_over_dense_above(l0_per_layer: Sequence[float], hidden: int, max_dens
 
 
 @torch.no_grad()
+def ffn_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's FFN input (its post-attention norm's output) for every token of ids, [M, D],
+    one row of ids at a time. With statistics asked for, every layer calls its FFN module on that
+    input, whichever implementation it runs."""
+    captured: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda _, inputs, kept=kept: kept.append(inputs[0].flatten(0, -2))
+        )
+        for layer, kept in zip(model.model.layers, captured, strict=True)
+    ]
+    try:
+        for row in ids.split(1):
+            model(row, with_stats=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(rows) for rows in captured]
+
+
+def gate_active(x: torch.Tensor, mlp: Any) -> torch.Tensor:
+    """[M, H] bool: which of the layer's units fire (gate > 0) on each token of its FFN input x."""
+    return x @ mlp.gate_proj.weight.to(x.dtype).T > 0
+
+
+@torch.no_grad()
 def active_units_per_token(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """[layers, rows x seq-len] active FFN units of every token of ids ([rows, seq-len]), one row at
     a time (the memory of one row's forward)."""

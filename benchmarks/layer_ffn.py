@@ -5,8 +5,9 @@ costs, dense against the sparse op, at the L0 and row density that layer has.
     python -m benchmarks.layer_ffn --tiny      # CPU, seconds: the reference op, the script end to end
 
 One forward over held-out text (rows x seq-len tokens, the M of one training step) keeps each
-layer's FFN input (the post-attention norm's output). Then, layer by layer, on that input and the
-layer's weights: the training forward+backward with the L1 term as `benchmarks/ffn.py --train` times
+layer's FFN input (the post-attention norm's output), or `--inputs DIR` reads those that
+`row_density.py --save-inputs DIR` saved (bf16, the same tokens every time). Then, layer by layer,
+on that input and the layer's weights: the training forward+backward with the L1 term as `benchmarks/ffn.py --train` times
 it, dense (compiled on a GPU) against `ops.ffn_forward_train`, beside the layer's row density
 (`row_density.py`: L0, heavy rows, past early). ffn.py's synthetic workload spreads the active units
 over tokens one way; a trained layer spreads them its own way, and that sets what the training
@@ -28,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, train_ours
-from benchmarks.row_density import layer_rows, model_and_tokens, model_parser, parse_model_args
+from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,27 +38,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     return parse_model_args(p, argv)
-
-
-@torch.no_grad()
-def ffn_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's FFN input (its post-attention norm's output) for every token of ids, [M, D],
-    one row of ids at a time. With statistics asked for, every layer calls its FFN module on that
-    input, whichever implementation it runs."""
-    captured: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
-    hooks = [
-        layer.mlp.register_forward_pre_hook(
-            lambda _, inputs, kept=kept: kept.append(inputs[0].flatten(0, -2))
-        )
-        for layer, kept in zip(model.model.layers, captured, strict=True)
-    ]
-    try:
-        for row in ids.split(1):
-            model(row, with_stats=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [torch.cat(rows) for rows in captured]
 
 
 def rotating(fn: Callable, sets: list[tuple[torch.Tensor, ...]]) -> Callable[[], Any]:
@@ -140,12 +120,9 @@ def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.bench_device(cpu=args.tiny)
-    model, ids, text, name = model_and_tokens(args, device)
-    inputs = ffn_inputs(model, ids)
+    model, inputs, text, name = model_inputs(args, device)
     mlps = [layer.mlp for layer in model.model.layers]
-    nnz = torch.stack(
-        [(x @ mlp.gate_proj.weight.to(x.dtype).T > 0).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)]
-    )
+    nnz = torch.stack([common.gate_active(x, mlp).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)])
     rows = layer_rows(nnz.cpu(), args.heavy_threshold)
     impl, _ = common.sparse_path(
         "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32

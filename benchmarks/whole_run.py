@@ -8,6 +8,8 @@ writes the comparison:
     python -m benchmarks.whole_run --impl dense --out-dir $OUT      # ~5 min on an H100 (1b)
     python -m benchmarks.whole_run --impl auto --out-dir $OUT
     python -m benchmarks.whole_run --join dense.json auto.json --json run_1b_h100.json --md run_1b_h100.md
+    python -m benchmarks.whole_run --impl dense --tag run2 --out-dir $OUT   # dense again: the A/A pair
+    python -m benchmarks.whole_run --join dense.json auto.json --aa dense_run2.json ...
     python -m benchmarks.whole_run --tiny --impl reference --out-dir /tmp/w   # CPU, the script end to end
     python -m benchmarks.whole_run --impl auto --gpus 2 --out-dir $OUT   # FSDP2 over 2 GPUs
     python -m benchmarks.whole_run --join dense_2gpu.json auto_2gpu.json --baseline run_1b_h100.json ...
@@ -25,6 +27,11 @@ step (which holds the first compile), tokens/s until L0 first reaches `--early-l
 last `--steady-steps` steps, the run's peak memory (the allocator's high-water mark over the whole
 run), the layers' fallback flips, the graphs compiled after the first step, the last held-out loss,
 and the L0 of the final weights on held-out text.
+
+`--aa` adds, for each pair, a second dense run of the same seed and data: the A/A pair, whose
+differences are the runs' own nondeterminism (the attention backward's order of sums, the compiled
+kernels' choices). The report puts its loss and steady tokens/s ratios beside A/B's and says whether
+the A/B loss ratio is further from 1 than the A/A one.
 """
 
 from __future__ import annotations
@@ -74,12 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steady-steps", type=int, default=400, help="the steady phase: the run's last N steps")
     p.add_argument("--tiny", action="store_true", help="the tiny model on CPU: checks the script end to end")
     p.add_argument("--override", action="append", default=[], help="an extra Hydra override for the run")
+    p.add_argument("--tag", default=None, help="appended to the run's name: a repeat of an impl, e.g. run2")
     p.add_argument(
         "--join",
         nargs="+",
         type=Path,
         metavar="JSON",
         help="pairs of summaries: DENSE_JSON SPARSE_JSON [...]",
+    )
+    p.add_argument(
+        "--aa",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="with --join: for each pair in order, a second dense run of its seed and data (the A/A pair)",
     )
     p.add_argument("--json", type=Path, default=None, help="with --join: the comparison's JSON")
     p.add_argument("--md", type=Path, default=None, help="with --join: the comparison's Markdown")
@@ -97,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus must be >= 1, got {args.gpus}")
     if args.join is None and (args.impl is None or args.out_dir is None):
         p.error("give --impl and --out-dir for a run, or --join DENSE_JSON SPARSE_JSON")
+    if args.aa is not None and args.join is None:
+        p.error("--aa goes with --join")
     if args.tiny:
         args.steady_steps = min(args.steady_steps, 4)
     return args
@@ -205,13 +222,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_name(args: argparse.Namespace) -> str:
-    """whole_run_<impl>[_<preset>][_<N>gpu][_seed<S>]: the 1b preset on one GPU, seed 0 unmarked."""
+    """whole_run_<impl>[_<preset>][_<N>gpu][_seed<S>][_<tag>]: the 1b preset on one GPU, seed 0 unmarked."""
     preset = args.preset or (TINY if args.tiny else FULL)["preset"]
     return (
         f"whole_run_{args.impl}"
         + (f"_{preset}" if preset not in ("1b", "tiny") else "")
         + (f"_{args.gpus}gpu" if args.gpus > 1 else "")
         + (f"_seed{args.seed}" if args.seed else "")
+        + (f"_{args.tag}" if args.tag else "")
     )
 
 
@@ -262,12 +280,12 @@ def summarize(
 RATIO_KEYS = ("wall_speedup", "steady_speedup", "run_peak_mem_ratio", "final_loss_ratio", "heldout_l0")
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def compare(dense: dict[str, Any], sparse: dict[str, Any]) -> dict[str, Any]:
     """One pair's figures: dense time / sparse time, sparse memory and loss / dense's."""
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
-
     return {
         "wall_speedup": dense["wall_s_after_first_step"] / sparse["wall_s_after_first_step"],
         "wall_speedup_with_first_step": dense["wall_s"] / sparse["wall_s"],
@@ -283,11 +301,27 @@ def compare(dense: dict[str, Any], sparse: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def compare_aa(pair: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """A pair's A/A figures: its dense run repeated (`again`) over the first, and whether the A/B loss
+    ratio is further from 1 than the A/A one (None without both losses)."""
+    aa_loss = ratio(again["final_val_loss"], pair["dense"]["final_val_loss"])
+    ab_loss = pair["final_loss_ratio"]
+    return {
+        "final_loss_ratio": aa_loss,
+        "steady_speedup": again["steady_tokens_per_s"] / pair["dense"]["steady_tokens_per_s"],
+        "loss_ab_exceeds_aa": None if None in (aa_loss, ab_loss) else abs(ab_loss - 1) > abs(aa_loss - 1),
+        "dense_again": again,
+    }
+
+
 def join(args: argparse.Namespace) -> dict[str, Any]:
-    """The pairs (dense, sparse) of --join, each compared; the top-level figures are the median over
-    the pairs (recompiles: the most of any pair)."""
+    """The pairs (dense, sparse) of --join, each compared, with their A/A figures where --aa gives a
+    second dense run; the top-level figures are the median over the pairs (recompiles: the most of
+    any pair)."""
     if len(args.join) % 2:
         raise SystemExit("--join takes pairs: DENSE_JSON SPARSE_JSON [DENSE_JSON SPARSE_JSON ...]")
+    if args.aa is not None and 2 * len(args.aa) != len(args.join):
+        raise SystemExit("--aa takes one second dense run per pair of --join")
     loaded = [_load(p) for p in args.join]
     pairs = [compare(d[1], s[1]) for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
     metas = [{"dense": d[0], "sparse": s[0]} for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
@@ -295,6 +329,12 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
         key: statistics.median(p[key] for p in pairs if p[key] is not None) for key in RATIO_KEYS
     }
     result["recompiles"] = max(p["recompiles"] or 0 for p in pairs)
+    if args.aa is not None:
+        for pair, meta, path in zip(pairs, metas, args.aa, strict=True):
+            meta["dense_again"], again = _load(path)
+            pair["aa"] = compare_aa(pair, again)
+        aa_losses = [p["aa"]["final_loss_ratio"] for p in pairs if p["aa"]["final_loss_ratio"] is not None]
+        result["aa_final_loss_ratio"] = statistics.median(aa_losses) if aa_losses else None
     result["pairs"] = pairs
     if args.baseline is not None:
         result["scaling"] = scaling(pairs, json.loads(args.baseline.read_text())["results"][0]["pairs"])
@@ -413,7 +453,28 @@ def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
         "|---|---|---|---|",
         *(f"| {name} | {a} | {b} | {c} |" for name, a, b, c in rows),
     ]
+    if "aa" in r:
+        lines += ["", aa_markdown(r, meta["dense_again"])]
     return "\n".join(lines) + "\n"
+
+
+def aa_markdown(r: dict[str, Any], again_meta: dict[str, Any]) -> str:
+    """The A/A line of a pair: its dense run repeated, against the A/B loss ratio."""
+    aa, ab_loss = r["aa"], r["final_loss_ratio"]
+    text = (
+        f"A/A: dense again, same seed and data (commit `{again_meta.get('commit')}`, {again_meta.get('date')}): "
+        f"final held-out loss {_fmt(aa['dense_again'].get('final_val_loss'), '.4f')}, "
+        f"{_fmt(aa['final_loss_ratio'], '.4f')}x the first dense run's; steady tokens/s "
+        f"{aa['steady_speedup']:.3f}x. "
+    )
+    if aa["loss_ab_exceeds_aa"] is None:
+        return text + "A run without a held-out loss: no loss comparison."
+    ab_gap, aa_gap = abs(ab_loss - 1), abs(aa["final_loss_ratio"] - 1)
+    exceeds = aa["loss_ab_exceeds_aa"]
+    return text + (
+        f"The A/B loss ratio ({ab_loss:.4f}x) is {'further' if exceeds else 'no further'} from 1 ({ab_gap:.4f}) "
+        f"than A/A's ({aa_gap:.4f}): {'more than' if exceeds else 'within'} the runs' own nondeterminism."
+    )
 
 
 def _gpus_text(gpus: int) -> str:

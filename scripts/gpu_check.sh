@@ -21,6 +21,9 @@
 #   whole_run     one run per $IMPL (dense | auto, default auto; several: one run each) with SEED
 #                 (train.seed, default 0), PRESET (default 1b), GPUS (processes, one GPU each; over 1:
 #                 FSDP2, default 1); SIDE_BY_SIDE=1 runs the one-GPU IMPLs at the same time, one per GPU.
+#                 An impl named again runs again, named whole_run_<impl>..._run<N>; with dense twice (e.g.
+#                 IMPL="dense dense auto"), each other impl's pair is joined with the second dense run as
+#                 its A/A pair (same seed and data): $OUT/run_aa_<impl>.md.
 #                 MEMORY_RANGES (e.g. "2:3 30:33"): first a 40-step run of MEMORY_IMPL (default auto)
 #                 writing the blocks alive at the peak of each step range (benchmarks.memory_peak).
 #                 PROFILE_STEPS (e.g. 700:702): every run profiles those steps on every rank
@@ -150,7 +153,12 @@ ab() {
 
 # ---- the whole run ------------------------------------------------------------------------------
 whole_run() {
-  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run visible
+  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run visible suffix tag n
+  local -a names=()
+  local -A runs=()  # the runs of each impl so far: a repeat is tagged run<N>
+  # whole_run.py's run_name: the 1b preset, one GPU and seed 0 unmarked
+  suffix=$([ "$preset" = 1b ] || echo "_$preset")$([ "$gpus" = 1 ] || echo "_${gpus}gpu")
+  suffix=$suffix$([ "$seed" = 0 ] || echo "_seed$seed")
   IFS=, read -ra visible <<<"${CUDA_VISIBLE_DEVICES:-0,1,2,3,4,5,6,7}"  # SIDE_BY_SIDE: one each, in order
   if [ "${IMPL:-auto}" != dense ] || [ -n "${MEMORY_RANGES:-}" ]; then wait_build || return 1; fi
   if [ -n "${MEMORY_RANGES:-}" ]; then
@@ -165,11 +173,13 @@ whole_run() {
     head -n 3 "$OUT"/memory_peak_steps_*.txt
   fi
   for impl in ${IMPL:-auto}; do
-    step "whole run: $impl, preset $preset, $gpus GPU(s), seed $seed"
-    name=whole_run_$impl$([ "$preset" = 1b ] || echo "_$preset")$([ "$gpus" = 1 ] || echo "_${gpus}gpu")
-    name=$name$([ "$seed" = 0 ] || echo "_seed$seed")
+    runs[$impl]=$((${runs[$impl]:-0} + 1))
+    tag=$([ "${runs[$impl]}" = 1 ] || echo "run${runs[$impl]}")
+    step "whole run: $impl${tag:+ ($tag)}, preset $preset, $gpus GPU(s), seed $seed"
+    name=whole_run_$impl$suffix${tag:+_$tag}
+    names+=("$name")
     run=($PY -m benchmarks.whole_run --impl "$impl" --seed "$seed" --preset "$preset" --gpus "$gpus"
-      --out-dir "$OUT" --run-dir "/tmp/$name")
+      --out-dir "$OUT" --run-dir "/tmp/$name" ${tag:+--tag "$tag"})
     [ -z "${PROFILE_STEPS:-}" ] || run+=(--override "callbacks=[{_target_:benchmarks.step_profile.StepProfile,\
 first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
     if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
@@ -183,7 +193,18 @@ first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
   if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
     local job
     for job in $(jobs -p); do [ "$job" = "${BUILD_PID:-}" ] || wait "$job" || rc=1; done
-    for impl in ${IMPL:-auto}; do tail -n 2 "$OUT"/whole_run_"$impl"*.log; done
+    for n in "${names[@]}"; do tail -n 2 "$OUT/$n.log"; done
+  fi
+  if [ "${runs[dense]:-0}" -ge 2 ]; then
+    for impl in "${!runs[@]}"; do
+      [ "$impl" = dense ] && continue
+      step "A/B beside A/A: dense against $impl, dense against dense"
+      n=run_aa_$impl$suffix
+      $PY -m benchmarks.whole_run --join "$OUT/whole_run_dense$suffix.json" "$OUT/whole_run_$impl$suffix.json" \
+        --aa "$OUT/whole_run_dense${suffix}_run2.json" --json "$OUT/$n.json" --md "$OUT/$n.md" >"$OUT/$n.log" 2>&1 \
+        || rc=1
+      grep "^A/A" "$OUT/$n.md"
+    done
   fi
   local weights=/tmp/$name  # the last run's final weights
   if [ "${LAYER_FFN:-0}${MODEL_STEP:-0}${PAPER_BATCH:-0}" != 000 ]; then wait_build || return 1; fi

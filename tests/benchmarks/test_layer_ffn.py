@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.layer_ffn import ffn_inputs, main, totals
+from benchmarks.common import ffn_inputs
+from benchmarks.layer_ffn import main, totals
 from benchmarks.row_density import RANDOM_TINY
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model

@@ -94,6 +94,8 @@ def test_multi_gpu_runs_launch_fsdp2_with_one_gpus_batch_on_each():
     assert config.is_file() and config.name == "fsdp2.yaml"
     assert command[command.index("--num_processes") + 1] == "2"
     assert run_name(args) == "whole_run_auto_2b_2gpu"
+    again = parse_args(["--impl", "dense", "--out-dir", "/tmp/x", "--tag", "run2"])
+    assert run_name(again) == "whole_run_dense_run2"  # a repeat of an impl: the A/A pair's second run
     one = parse_args(["--impl", "dense", "--out-dir", "/tmp/x"])
     assert train_command(one, [])[1:] == ["-m", "sparse_llm.train"] and run_name(one) == "whole_run_dense"
 
@@ -115,3 +117,48 @@ def test_scaling_against_one_gpu_uses_the_medians_of_each_side():
     assert got["sparse_tokens_per_s_per_gpu"] == 80.0
     assert got["steady_speedup_one_gpu"] == pytest.approx((84 / 70 + 86 / 74) / 2)
     assert got["steady_speedup_change"] == pytest.approx(160 / 140 - got["steady_speedup_one_gpu"])
+
+
+def _summary(impl: str, loss: float, steady: float) -> dict:
+    """A run's summary with the fields the join reads."""
+    return {
+        "impl": impl,
+        "preset": "1b",
+        "steps": 800,
+        "early_end_step": 100,
+        "wall_s": 300.0,
+        "wall_s_after_first_step": 250.0,
+        "early_tokens_per_s": steady,
+        "steady_tokens_per_s": steady,
+        "peak_mem_gib": 40.0,
+        "recompiles": 0,
+        "flips": 0,
+        "final_val_loss": loss,
+        "heldout_l0": 30.0,
+    }
+
+
+@pytest.mark.parametrize(("sparse_loss", "exceeds"), [(3.03, True), (3.0012, False)])
+def test_join_puts_the_aa_pair_beside_ab(tmp_path, sparse_loss, exceeds):
+    runs = {
+        "dense": ("dense", 3.0, 100.0),
+        "dense_run2": ("dense", 3.0015, 98.0),
+        "auto": ("auto", sparse_loss, 120.0),
+    }
+    for name, summary in runs.items():
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps({"meta": {"commit": name}, "results": [_summary(*summary)]})
+        )
+    md = tmp_path / "joined.md"
+    files = [str(tmp_path / f"{name}.json") for name in runs]
+    result = main(["--join", files[0], files[2], "--aa", files[1], "--md", str(md)])
+    aa = result["pairs"][0]["aa"]
+    assert aa["final_loss_ratio"] == pytest.approx(1.0005) and aa["steady_speedup"] == pytest.approx(0.98)
+    assert aa["loss_ab_exceeds_aa"] is exceeds and result["aa_final_loss_ratio"] == pytest.approx(1.0005)
+    line = next(line for line in md.read_text().splitlines() if line.startswith("A/A"))
+    assert "commit `dense_run2`" in line
+    assert (
+        "more than the runs' own nondeterminism" if exceeds else "within the runs' own nondeterminism"
+    ) in line
+    with pytest.raises(SystemExit, match="one second dense run per pair"):
+        main(["--join", files[0], files[2], "--aa", files[1], files[1]])
