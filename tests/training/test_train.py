@@ -222,8 +222,13 @@ class PoisonWeightsAfterCheckpoint(Callback):
                 trainer.model.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
 
 
-def test_nan_loss_stops_without_writing_a_checkpoint(tmp_path: Path):
-    cfg = tiny_run_config(tmp_path, max_steps=6, checkpoint_every=1)
+@pytest.mark.parametrize("every", [1, 2], ids=["logged", "read_one_step_late"])
+def test_nan_loss_stops_without_writing_a_checkpoint(tmp_path: Path, every: int):
+    """Step 3's loss is NaN. Logged and checkpointed every step, it stops at once; logged every 10
+    steps and checkpointed every 2, step 3's scalars are read when step 4 ends
+    (training/step_scalars.py), before step 4's checkpoint."""
+    log_every = 1 if every == 1 else 10
+    cfg = tiny_run_config(tmp_path, max_steps=6, checkpoint_every=every, log_every=log_every)
     with pytest.raises(TrainingDiverged, match="step 3"):
         train(cfg, [PoisonWeightsAfterCheckpoint()])
     names = [p.name for p in run_files.list_checkpoints(tmp_path / "checkpoints")]
