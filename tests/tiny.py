@@ -47,7 +47,8 @@ def tiny_run_config(
     )
 
 
-# The same tiny run as command-line overrides, for tests of the `sparse_llm.train` command (2 steps).
+# The same tiny run as command-line overrides, for tests of the `sparse_llm.train` command (2 steps);
+# no end-of-run plots, as in tiny_run_config (matplotlib's import and figures: ~3.5 s a run).
 TINY_CLI_OVERRIDES = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
@@ -61,6 +62,7 @@ TINY_CLI_OVERRIDES = [
     "train.progress=false",
     "data.max_documents=100",
     "logger=none",
+    "sparsity.plots=false",
 ]
 
 

@@ -1,7 +1,8 @@
 """Preemption as a scheduler does it: a real signal to a `python -m sparse_llm.train` process, which
 stops after the step in flight with a checkpoint (exit 75) that `train.resume=auto` continues
 bitwise; a second signal ends it at once. The signals come from a callback at a known step
-(callback_targets.SignalAt) or from outside, as a scheduler sends them."""
+(callback_targets.SignalAt) or from outside, as a scheduler sends them. The runs that get no signal
+run in this process (tests/in_process.py): a fresh interpreter costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from in_process import run_module
 from tiny import TINY_CLI_OVERRIDES
 
 from sparse_llm.training.preemption import EXIT_PREEMPTED
@@ -51,10 +54,6 @@ def _wait(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return _wait(_start(run_dir, *overrides))
-
-
 def _signal_at(step: int, name: str, times: int = 1) -> str:
     return f"callbacks=[{{_target_:callback_targets.SignalAt,step:{step},signal:{name},times:{times}}}]"
 
@@ -72,11 +71,12 @@ def _stop_line(done: subprocess.CompletedProcess) -> str:
     return logged[-1]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes_bitwise(tmp_path):
     run_dir = tmp_path / "preempted"
-    procs = _start(tmp_path / "straight"), _start(run_dir, _signal_at(3, "SIGTERM"))  # side by side
-    straight, stopped = (_wait(p) for p in procs)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    proc = _start(run_dir, _signal_at(3, "SIGTERM"))
+    assert run_module(_command(tmp_path / "straight")).returncode == 0  # while the process runs
+    stopped = _wait(proc)
     assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-2000:]
     assert "Traceback" not in stopped.stderr and "error" not in stopped.stderr
     checkpoint = run_dir / "checkpoints" / "step_00000003"
@@ -87,8 +87,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes_bitwise(tmp
     assert _checkpoints(run_dir) == ["step_00000003"] and [r["step"] for r in _records(run_dir)] == [1, 2, 3]
     # The stop is in train.log too, and the run made no export (it did not end).
     assert _stop_line(stopped) in (run_dir / "train.log").read_text()
-    resumed = _train(run_dir, "train.resume=auto")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert run_module(_command(run_dir, "train.resume=auto")).returncode == 0
     a, b = _records(tmp_path / "straight"), _records(run_dir)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b, strict=True):
@@ -98,6 +97,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes_bitwise(tmp
     assert (run_dir / last).read_bytes() == (tmp_path / "straight" / last).read_bytes()
 
 
+@pytest.mark.slow
 def test_slurm_s_early_signal_and_ctrl_c_stop_the_same_way_and_a_second_signal_at_once(tmp_path):
     names = ("SIGUSR1", "SIGINT")
     procs = [_start(tmp_path / name, _signal_at(2, name)) for name in names]
@@ -114,6 +114,7 @@ def test_slurm_s_early_signal_and_ctrl_c_stop_the_same_way_and_a_second_signal_a
     assert [r["step"] for r in _records(tmp_path / "twice")] == [1]
 
 
+@pytest.mark.slow
 def test_a_sigterm_from_outside_checkpoints_the_last_step(tmp_path):
     """As a scheduler sends it: whenever it comes, the step in flight ends and is checkpointed."""
     run_dir = tmp_path / "run"
