@@ -28,11 +28,12 @@ train: setup
 	$(PYTHON) -m sparse_llm.train $(ARGS)
 
 # The CPU suite in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, with its
-# fixtures); the 15 slowest tests are listed at the end, so that a new slow one is seen.
+# fixtures; files in the order tests/conftest.py sets, those with the most `slow` tests first);
+# the 15 slowest tests are listed at the end, so that a new slow one is seen.
 TEST_WORKERS ?= 2
 test: setup
 	$(PYTHON) -m ruff check sparse_llm scripts benchmarks tests
-	$(PYTHON) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(ARGS)
+	$(PYTHON) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(ARGS)
 
 test-gpu: setup
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)

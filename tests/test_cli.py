@@ -125,6 +125,7 @@ def test_a_truncated_checkpoint_falls_back_to_the_older_one(tmp_path, capsys, ca
     assert code == 4 and "cannot resume from" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     args = [f"run_dir={tmp_path / 'run'}", *TINY, "train.lr=-1"]
     done = subprocess.run(
@@ -149,6 +150,7 @@ def test_the_command_exits_with_the_code_and_debug_shows_the_traceback(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_binary_file_is_all_the_command_says(tmp_path):
     """No parser's log lines or traceback before the one line (datasets logs its own errors)."""
     path, words = write_bad_file(tmp_path, "jsonl_binary")
@@ -160,6 +162,7 @@ def test_a_binary_file_is_all_the_command_says(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_console_log_is_the_run_log(tmp_path):
     """What a run logs (the run directory, absolute, the FFN in words, the held-out losses) is on the
     console and in train.log; other libraries' INFO lines are not; the last line is the run dir."""

@@ -46,6 +46,7 @@ def test_the_readme_figures_are_the_recorded_runs():
         assert loss == pytest.approx(RECORDED_VAL_LOSS[step], abs=tolerance), step
 
 
+@pytest.mark.slow
 def test_the_default_run_starts_as_the_recorded_one(tmp_path, capsys):
     """If this fails, the default run changed: run `make train`, then update the README's figures
     and RECORDED_* above from its metrics.jsonl."""

@@ -41,6 +41,7 @@ def test_without_lm_eval_one_clear_line(default_run, capsys, monkeypatch):
     assert "pip install 'sparse-llm[eval]'" in err_line(capsys)
 
 
+@pytest.mark.slow
 def test_unknown_task_is_named_before_any_evaluation(default_run, capsys, tmp_path, shared_task_managers):
     pytest.importorskip("lm_eval")
     export = shutil.copytree(default_run / "export", tmp_path / "export")  # outside any run

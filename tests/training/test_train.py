@@ -270,6 +270,7 @@ def test_command_line_run_and_config_error(tmp_path: Path, capsys):
     assert "train.global_batch_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_l1_sweep_multirun_and_summary(tmp_path: Path):
     sweep_dir = tmp_path / "sweep"
     cmd = [
