@@ -32,7 +32,7 @@ from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_STEPS = 8
+MAX_STEPS = 6  # reinit (every 2 steps) and evaluation (every 4) on both sides of the kill at 4
 KILL_AT = 4
 SIGNAL_AT = 2  # rank 1 alone gets SIGTERM when step 2 ends: step 3 carries it, read after step 4
 STOPPED_AFTER = SIGNAL_AT + 2  # every rank stops there (a step's scalars are read one step late)

@@ -141,37 +141,6 @@ def test_resume_restores_the_per_layer_dense_fallback(tmp_path: Path):
         assert torch.equal(pa, pb), name
 
 
-# A run where the tiny model's L0 settles within ~100 steps: constant lr 1e-2, 512 tokens a step;
-# the last record's l0/mean is the mean over its last 150 steps. (300 steps, not 400, for the
-# suite's time: 400 took 50 s of one core. At 256 tokens a step the loop is too noisy: one seed of
-# four ended 40% off the target at 400 steps, 18% off at 200.)
-TARGET_RUN = dict(max_steps=300, lr=1e-2, min_lr_ratio=1.0, log_every=150)
-TARGET_RUN.update(seq_len=64, global_batch_size=8, micro_batch_size=8)
-
-
-@pytest.mark.slow
-def test_target_l0_controller_reaches_the_target_a_fixed_coefficient_misses(tmp_path: Path):
-    """From lambda 3e-3, with which the tiny model holds L0 ~12-19, the controller settles at the
-    target L0 8. gain 0.1: the tiny model's L0 drifts during training, and the default 0.05 trails
-    it by up to 19% in a run this short (sparse_llm/sparsity/controller.py). Over 8 seeds x 1 or 2
-    threads the 400-step run ended within 9% of the target, over 4 seeds (1 thread) this 300-step
-    one within 10.2%. (From above, from a lambda 10x too large, the
-    spread is wider: units silenced by the large lambda come back slowly.)"""
-    target = 8.0
-    start = dict(l1_coeff=3e-3, l1_warmup_end=60)
-    controlled = dict(start, target_l0=target, controller=dict(gain=0.1))
-    train(tiny_run_config(tmp_path / "target", sparsity=controlled, **TARGET_RUN))
-    train(tiny_run_config(tmp_path / "fixed", sparsity=start, **TARGET_RUN))
-    records, fixed = read_metrics(tmp_path / "target"), read_metrics(tmp_path / "fixed")
-    assert [r["step"] for r in records] == [1, 150, 300]
-    assert abs(records[-1]["l0/mean"] / target - 1) < 0.15, records[-1]["l0/mean"]
-    assert fixed[-1]["l0/mean"] > 1.3 * target, fixed[-1]["l0/mean"]
-    assert fixed[-1]["l1_coeff"] == 3e-3
-    # The controller raised lambda (1.46x to 1.6x across machines at 400 steps, 1.6x to 4x over 4
-    # seeds at 300: the end value is sensitive to the CPU's float kernels and to the seed).
-    assert records[-1]["l1_coeff"] > 3e-3 * 1.25
-
-
 @pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per_layer"])
 def test_resume_restores_the_l1_controller_bitwise(tmp_path: Path, per_layer: bool):
     """The coefficients adapt every step and live in the checkpoint: the resumed run logs the
