@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import common
-from benchmarks.model_step import model_step_args, time_impl, trainer_batches
+from benchmarks.model_step import model_step_args, time_impl, trainer_batches, untimed_steps
 from sparse_llm.config import ModelConfig
 
 VARIANTS = {
@@ -236,7 +236,11 @@ def time_lean(
     # The batches our step reads from the trainer's stream, in the same order.
     batches = iter(
         trainer_batches(
-            cfg, tuple(ids.shape), step_args(args, ids.shape[0]), device, args.warmup + 2 + args.steps + 1
+            cfg,
+            tuple(ids.shape),
+            step_args(args, ids.shape[0]),
+            device,
+            untimed_steps(args.warmup) + args.steps + 1,
         )
     )
     losses: list[torch.Tensor] = []
@@ -253,14 +257,12 @@ def time_lean(
         if device == "cuda":
             torch.cuda.synchronize()
 
-    # As time_impl: the warm-up, the step after which the first one's L0 sets the FFN paths, and
-    # one step for the memory probe.
-    for _ in range(args.warmup + 2):
+    for _ in range(untimed_steps(args.warmup)):  # as time_impl (its memory probe on a GPU aside)
         step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = common.median_ms(step, torch.device("cpu"), warmup=0, reps=args.steps)  # wall clock: step() syncs
-    timed = [loss.item() for loss in losses[args.warmup + 2 :]]
+    timed = [loss.item() for loss in losses[untimed_steps(args.warmup) :]]
     return {
         "ms_step": ms,
         "tokens_per_s": (ids.numel() - ids.shape[0]) / (ms / 1000),  # each row drops its last id

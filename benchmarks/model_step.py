@@ -190,6 +190,14 @@ def trainer_batches(
     return [stream.next_batch(cfg.train.micro_batch_size) for _ in range(count)]
 
 
+def untimed_steps(warmup: int) -> int:
+    """Steps before the memory probe and the timed ones: the first runs every layer dense (a fresh
+    run's start), its L0 sets each layer's path after the second (a step's scalars act one step
+    late), then `warmup` more compile what the timed steps run. A yardstick step
+    (benchmarks/lean_llama.py) takes as many."""
+    return warmup + 2
+
+
 def time_impl(
     impl: str,
     recompute_norms: str,
@@ -245,10 +253,7 @@ def time_trainer_step(
     step = trainer.train_step
     optimizer_timer = OptimizerTimer(trainer.optimizer, device)
     try:
-        # The first step runs every layer dense (a fresh run's start); its L0 sets each layer's
-        # path after the second (a step's scalars act one step late); the warm-up compiles what
-        # the timed steps run.
-        for _ in range(args.warmup + 2):
+        for _ in range(untimed_steps(args.warmup)):
             step()
         record["dense_fallback_layers"] = sum(model.ffn_dense_fallback())
         first_variant = ids.shape[0] == args.micro_batch[0] and recompute_norms == args.recompute_norms[0]

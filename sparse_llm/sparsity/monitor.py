@@ -119,9 +119,7 @@ class SparsityMonitor:
         the same values (integer totals, one correctly rounded division)."""
         if self._last_step_hist is None:
             raise RuntimeError("SparsityMonitor.last_step_l0() called before any end_step()")
-        hist = self._last_step_hist
-        active = (hist * torch.arange(hist.shape[-1], device=hist.device)).sum(-1)
-        return active.double() / hist[0].sum().double()
+        return _mean_active_units(self._last_step_hist)
 
     def last_step_histogram(self) -> torch.Tensor:
         """[L, H + 1] token counts of the last completed step by active units per token, global
@@ -226,7 +224,7 @@ def _max_nonzero_bin(hist: torch.Tensor) -> torch.Tensor:
 
 def _mean_active_units(hist: torch.Tensor) -> torch.Tensor:
     """Per layer, the mean number of active units per token of a [L, H + 1] count histogram (L0),
-    float64 on the CPU: the sums are exact integers, so every rank and every caller agrees."""
+    float64 on the histogram's device: the sums are exact integers and the division is correctly
+    rounded, so every rank, device and caller agrees."""
     bins = torch.arange(hist.shape[-1], device=hist.device)
-    active = (hist * bins).sum(-1).cpu().double()
-    return active / hist[0].sum().cpu().double()
+    return (hist * bins).sum(-1).double() / hist[0].sum().double()

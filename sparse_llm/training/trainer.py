@@ -50,7 +50,7 @@ from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 from sparse_llm.training.preemption import StopSignals, TrainingPreempted
-from sparse_llm.training.step_scalars import StepReadings, StepScalars, step_vector
+from sparse_llm.training.step_scalars import ScalarsInFlight, StepReadings, StepScalars, step_vector
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,6 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
-        self._last_penalty = (0.0, False)  # the last step's lambda, and whether it was per layer
         self._resumed = False
         # SIGTERM, SIGUSR1, SIGINT while `fit` runs: stop after the step in flight, with a
         # checkpoint (training/preemption.py). Every rank's request rides on the step's all-reduce.
@@ -373,7 +372,6 @@ class Trainer:
             layer_coeffs = torch.tensor(
                 control.coefficients(self.step), dtype=torch.float32, pin_memory=self.device.type == "cuda"
             ).to(self.device, non_blocking=True)
-        self._last_penalty = (coeff, layer_coeffs is not None)
         ce_sum = torch.zeros((), device=self.device)
         l1_sum = torch.zeros((), device=self.device)
         penalty_sum = torch.zeros((), device=self.device)
@@ -421,7 +419,9 @@ class Trainer:
         if control is not None:
             record.update(control.metrics(self.step))
         vector = step_vector(scalars, grad_norm, self.sparsity.last_step_l0_tensor())
-        previous = self.step_readings.push(self.step, vector)
+        previous = self.step_readings.push(
+            ScalarsInFlight(self.step, vector, coeff, layer_coeffs is not None)
+        )
         if previous is not None:
             self._act_on(previous)
         return record
@@ -430,22 +430,17 @@ class Trainer:
         """The last step's loss, cross-entropy, L1 and gradient norm: waits for them (a host sync;
         the loop asks on logging steps only). Raises TrainingDiverged if they are not finite."""
         last = self._checked(self.step_readings.latest())
-        coeff, per_layer = self._last_penalty  # the step's own
         return {
-            "loss": last.ce + (last.penalty if per_layer else coeff * last.l1),
+            "loss": last.loss,
             "ce": last.ce,
             "l1": last.l1,
             "grad_norm": last.grad_norm,
         }
 
     def _checked(self, scalars: StepScalars) -> StepScalars:
-        problem = scalars.diverged(clipping=self.cfg.train.grad_clip > 0)
-        if problem is not None:
-            hint = (
-                "Try a lower train.lr, a longer train.warmup_steps or train.grad_clip > 0."
-                if problem.startswith("loss")
-                else ""
-            )
+        diverged = scalars.diverged(clipping=self.cfg.train.grad_clip > 0)
+        if diverged is not None:
+            problem, hint = diverged
             raise TrainingDiverged(
                 f"{problem}; stopping without a checkpoint. Last good checkpoint: "
                 f"{latest_checkpoint(self.checkpoint_root) or 'none'}. {hint}".rstrip()
