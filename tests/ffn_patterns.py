@@ -18,11 +18,15 @@ needs_hopper = pytest.mark.skipif(
 # The exactness contract's floors on the relative error. Where fewer than SMALL_SUPPORT terms are
 # summed, each error is one or two bf16 roundings and the ratio of two of them is noise, so the
 # floor is two bf16 unit roundoffs (2 x 2^-9: one rounding of an intermediate, one of the output).
-# A gradient carries a third: the output gradient's cast to bf16. Measured: one token, D = H = 8,
-# dWg 9.0e-3 (ours) against 2.6e-3 (dense bf16, a lucky draw) on one output gradient of ~300.
+# A gradient at one active unit is a chain of up to six roundings in the dense bf16 block as in
+# ours (dWg's: the normalised input, the output gradient's cast, dh, u, dg = dh u, the GEMM's
+# output), so a draw of either lands anywhere up to six roundoffs while the other may land near
+# none. Measured on one token, D = H = 8, one active unit: dWg 9.0e-3 (ours) against 2.6e-3 (dense
+# bf16), and on another draw 1.05e-2 (5.4 roundoffs) against 1.45e-3 (H100, 80c0960): a floor of
+# three failed.
 ABS_FLOOR = 1e-5
 SMALL_SUPPORT, SMALL_SUPPORT_FLOOR = 64, 2.0**-8
-SMALL_SUPPORT_GRAD_FLOOR = 3 * 2.0**-9
+SMALL_SUPPORT_GRAD_FLOOR = 6 * 2.0**-9
 
 
 def ffn64(x, wg, wu, wd) -> torch.Tensor:

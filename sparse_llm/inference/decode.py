@@ -1,8 +1,8 @@
 """Static-shape decode, captured in CUDA graphs: one token per row per step, no host sync.
 
-The eager decode (generate.py: `eager_decode`) is launch-bound: every step slices the filled
-columns of the cache (a new shape each step), grows the padding mask by a concatenation, keeps the
-cache length as a Python int and checks the EOS with a host sync. Here a `DecodeSlot` (one batch
+The eager decode (generate.py: `eager_decode`) runs the same forward (`model.decode_step`) one
+launch at a time and checks the EOS with a host sync every step, so a small batch spends its step
+launching kernels. Here a `DecodeSlot` (one batch
 size and cache-length bucket) holds static buffers (the KV cache; per row the token to feed, its
 RoPE position, its cache column, its first real column and whether it has finished; the EOS ids),
 and a step reads and advances them in place on the device (`decode_step`): `model.decode_step`
@@ -16,8 +16,8 @@ static buffers that it mutates in place (the cache, positions, columns), which i
 raw graph replays. reduce-overhead would copy its inputs into buffers of its own, check guards on
 every call, compile with Inductor per batch size and sampling setting, and quietly run eager where
 it cannot capture (mutated inputs, a graph break), where a raw capture either happens or fails
-when it is made. The step runs the same ops as the eager decode, so it computes the same numbers;
-only the launches go.
+when it is made. The step runs the same ops as the eager decode on a cache of the same length, so
+it computes the same numbers; only the launches go.
 
 `why_not_graph` says where graphs cannot be had (no CUDA device, a decode FFN that reads on the
 host, for some batch sizes or all); a Generator decides its mode once, when it is built

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from sparse_llm.inference.calibrate import FASTEST, choose_ffn_plan
-from sparse_llm.inference.decode import DECODE_MODES, StaticDecoder, resolve_decode_mode
+from sparse_llm.inference.decode import DECODE_MODES, StaticDecoder, cache_len_bucket, resolve_decode_mode
 from sparse_llm.inference.loading import LoadedModel, load_model
 from sparse_llm.inference.sampling import SamplingParams, sample_next
 from sparse_llm.model import CausalLMOutput, KVCache, SparseLlamaForCausalLM
@@ -128,9 +128,12 @@ def eager_decode(
     """New tokens [B, n] (0 after a row's EOS): the prefill into a cache sized for the call, then
     `eager_decode_from`. The reference the static decode is checked against."""
     batch, width = padded.ids.shape
-    device = padded.ids.device
-    cache = KVCache(model.config, batch, width + params.max_new_tokens, device, model.lm_head.weight.dtype)
-    return eager_decode_from(model, prefill(cache), cache, params, padded.lengths, padded.mask, eos)
+    # The static decode's cache length for this call: attention by column bounds splits a row's
+    # columns by the cache's length (ops.decode_attention.chunks_for), so both decodes then
+    # attend alike, bit for bit.
+    cache_len = cache_len_bucket(width + params.max_new_tokens)
+    cache = KVCache(model.config, batch, cache_len, padded.ids.device, model.lm_head.weight.dtype)
+    return eager_decode_from(model, prefill(cache), cache, params, padded.lengths, eos)
 
 
 @torch.no_grad()
@@ -140,20 +143,32 @@ def eager_decode_from(
     cache: KVCache,
     params: SamplingParams,
     lengths: torch.Tensor,
-    mask: torch.Tensor | None = None,
     eos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """New tokens [B, n] (n <= max_new_tokens; 0 after a row's EOS) after a prefill into `cache`
-    whose last logits are `logits` [B, V]: one forward per step over the filled columns (a new
-    shape each step), the padding `mask` ([B, W] or None: no row padded) grown by a column per
-    step, and a host sync per step for the EOS check (none without `eos` ids). `lengths`: [B] real
-    prompt tokens a row, the RoPE position of its first new token."""
+    """New tokens [B, n] (n <= max_new_tokens; 0 after a row's EOS) after a prefill of prompts
+    left-padded to `cache.length` columns into `cache`, whose last logits are `logits` [B, V];
+    `lengths`: [B] real prompt tokens a row (int64), the RoPE position of its first new token.
+
+    Each step runs `model.decode_step`, the forward the static decode captures, uncaptured: the
+    new token written at the next column, each row attending to its columns from its first real
+    one. On a GPU that attention reads the rows' column bounds, whose logits repeat call after
+    call (cuDNN's attention under a padding mask did not: a seeded call's text changed between
+    identical calls, issue 51). What this decode leaves out is what the static one adds: its
+    buffers, slots and graphs; and it syncs with the host for the EOS check every step (none
+    without `eos` ids)."""
     batch, device = logits.shape[0], logits.device
+    if cache.length + params.max_new_tokens - 1 > cache.max_len:
+        raise ValueError(
+            f"the cache holds {cache.max_len} columns: too few for {cache.length} filled and "
+            f"max_new_tokens {params.max_new_tokens}"
+        )
     generator = None
     if params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(params.seed)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    next_pos = lengths.clone()
+    positions = lengths.clone()
+    columns = torch.full_like(lengths, cache.length)
+    first_columns = cache.length - lengths
     steps = []
     for step in range(params.max_new_tokens):
         token = sample_next(logits, params, generator)
@@ -165,12 +180,10 @@ def eager_decode_from(
                 break
         if step == params.max_new_tokens - 1:
             break
-        if mask is not None:
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
-        logits = model(
-            token[:, None], cache=cache, position_ids=next_pos[:, None], attention_mask=mask
-        ).logits[:, -1]
-        next_pos += 1
+        logits = model.decode_step(token, cache, positions, columns, first_columns)
+        positions += 1
+        columns += 1
+        cache.length += 1
     return torch.stack(steps, dim=1)
 
 

@@ -5,11 +5,11 @@ self_attn.q_proj, ..., mlp.gate_proj, ..., model.norm, lm_head), so a state dict
 Hugging Face checkpoint as it is. The FFN is the seam where sparse kernels plug in (`FFNPlan`,
 fixed at build: `build_model`); every layer also reports the sparsity statistics the recipe needs.
 
-Incremental decoding (sparse_llm.inference) passes a `KVCache`, per-row `position_ids` and a
-padding `attention_mask` to `forward`; without them (training, evaluation) the forward is the
-plain causal one, unchanged. `decode_step` is the static-shape form of a one-token decode forward
-(device tensors in, logits out, no host sync) that sparse_llm.inference.decode captures in CUDA
-graphs.
+A prefill (sparse_llm.inference) passes a `KVCache`, per-row `position_ids` and a padding
+`attention_mask` to `forward`; without them (training, evaluation) the forward is the plain causal
+one, unchanged. Decode steps run `decode_step`, the static-shape one-token forward (device tensors
+in, logits out, no host sync) that sparse_llm.inference.decode captures in CUDA graphs and the
+eager decode runs uncaptured.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def test_decode_from_a_prefilled_cache_repeats_the_generation():
     logits = prefill(cache)
     for _ in range(2):
         cache.length = padded.width
-        assert torch.equal(eager_decode_from(model, logits, cache, params, padded.lengths, padded.mask), want)
+        assert torch.equal(eager_decode_from(model, logits, cache, params, padded.lengths), want)
     slot = StaticDecoder(model, capture=False).slot(len(PROMPTS), padded.width + 6, 0)
     slot.step_for(params)
     first = prefill(slot.state.prefill_cache()).argmax(-1)
@@ -329,7 +329,7 @@ def test_captured_step_replays_new_inputs_like_the_uncaptured_step():
 @torch.no_grad()
 def test_captured_decode_step_logits_equal_the_eager_forward():
     """model.decode_step captured alone, replayed on new tokens and positions: its logits are the
-    eager forward(cache=...) logits (bf16: the attention kernels differ)."""
+    forward(cache=...) logits (bf16: the attention kernels differ)."""
     model = _cuda_model()
     cfg = model.config
     batch, width = 2, 5
@@ -358,8 +358,11 @@ def test_captured_decode_step_logits_equal_the_eager_forward():
         positions.fill_(width + step)
         columns.fill_(width + step)
         graph.replay()
-        want = model(tokens[:, None], cache=eager_cache).logits[:, -1]
-        torch.testing.assert_close(logits.float(), want.float(), rtol=0.02, atol=0.02)
+        want = model(tokens[:, None], cache=eager_cache).logits[:, -1].float()
+        # bf16 logits through two attention kernels (the step's by column bounds, SDPA here): a
+        # logit may differ by a bf16 step of its magnitude; allowed two at the largest logit's.
+        atol = 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+        torch.testing.assert_close(logits.float(), want, rtol=0, atol=atol)
         assert torch.equal(logits.argmax(-1), want.argmax(-1))
 
 
