@@ -1,17 +1,18 @@
 """Where a training step's time goes, on every rank: a trainer callback that profiles a range of
 steps with torch.profiler and writes, per rank, the step's time split (compute, communication not
 hidden by compute, GPU idle), the idle gaps by their neighbouring kernels, the kernels by GPU time,
-and the Chrome trace.
+the host's lead over the GPU (`benchmarks.trace_lead`, from the trace) and the Chrome trace.
 
 Added to any run from the command line (steps are 1-based, inclusive), e.g. a whole run's steady
 phase on 2 GPUs:
 
     python -m benchmarks.whole_run --impl auto --gpus 2 --out-dir out \\
-      --override 'callbacks=[{_target_:benchmarks.step_profile.StepProfile,first:700,last:702,out:/tmp/prof}]'
+      --override 'callbacks=[{_target_:benchmarks.step_profile.StepProfile,first:701,last:703,out:/tmp/prof}]'
 
 writes `<out>/step_profile_rank<r>_steps_<first>_<last>.txt` and `.json` (the split) and
 `trace_rank<r>_steps_<first>_<last>.json.gz`. Profiling slows the steps it covers; time runs
-without it.
+without it. Profile steps between logging steps (e.g. 701-703 in a whole run, which logs every 20 steps): a logging
+step reads its scalars on the host, which drains the launch queue for the next step's start.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import common
+from benchmarks import common, trace_lead
 from benchmarks.step_range import StepRangeCallback
 
 
@@ -62,15 +63,20 @@ class StepProfile(StepRangeCallback):
             "dense_layers": sum(trainer.model.ffn_dense_fallback()),
             **common.step_time_split(events, steps),
         }
+        lead_text = ""
+        if self.trace:
+            trace = self.out / f"trace_{name}.json.gz"
+            self._profiler.export_chrome_trace(str(trace))
+            lead, lead_text = trace_lead.lead_report(trace_lead.read_trace(trace))
+            split["host_lead_median_ms"] = lead.median_lead_ms
+            split["starved_gpu_ms"] = lead.starved_gpu_ms / steps
         (self.out / f"step_profile_{name}.json").write_text(json.dumps(split, indent=1))
         rows = "\n".join(f"| {key} | {value:.2f} |" for key, value in split.items() if key.endswith("_ms"))
         text = (
             f"Rank {trainer.rank} of {trainer.world_size}, steps {self.first}-{self.last}, "
             f"layers falling back to dense: {split['dense_layers']}. Per step (host wall clock, then "
             "the GPU's time from its first to its last event, split):\n\n| | ms |\n|---|---|\n"
-            f"{rows}\n{common.gpu_idle_table(events)}{common.device_kernel_table(events, calls=steps)}"
+            f"{rows}\n{lead_text}{common.gpu_idle_table(events)}{common.device_kernel_table(events, calls=steps)}"
         )
         (self.out / f"step_profile_{name}.txt").write_text(text)
-        if self.trace:
-            self._profiler.export_chrome_trace(str(self.out / f"trace_{name}.json.gz"))
         self._profiler = None
