@@ -1,11 +1,12 @@
 """Data parallelism on CPU: 2 processes (gloo) against 1, for the same global batch.
 
-The 2-process runs are launched once per session with `torch.distributed.run`, which runs this
-file as a script (the `__main__` block at the bottom): one launch runs every part (FSDP2 sharded
-checkpoints, reinit on shards, the data-parallel trainer, the trainer under FSDP2) in one process
-group, as each costs more to start (two interpreters importing torch) than to run. Each rank records
-its losses, batches, dead-unit counters and final weights and AdamW moments (gathered from FSDP2
-shards), and the tests compare them with a single-process run made in the pytest process.
+The 2-process runs are launched once per session as `torch.distributed.run` starts its ranks
+(_launch), each running this file as a script (the `__main__` block at the bottom): one launch runs
+every part (FSDP2 sharded checkpoints, reinit on shards, the data-parallel trainer, the trainer
+under FSDP2) in one process group, as each costs more to start (two interpreters importing torch)
+than to run. Each rank records its losses, batches, dead-unit counters and final weights and AdamW
+moments (gathered from FSDP2 shards), and the tests compare them with a single-process run made
+in the pytest process.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -366,16 +370,44 @@ def _run_parts(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _launch(script_args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(Path(__file__).resolve()), *script_args]
+def _launch(script_args: list[str], timeout: float = 600) -> None:
+    """This file as a script on 2 ranks, started as torchrun starts them (its environment: rank,
+    world size, the rendezvous address) but without torchrun's own process, an interpreter that
+    imports torch too. Like torchrun, a rank that fails ends the other (which would wait at its
+    next collective)."""
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *script_args]
     # The script imports the tests' shared helpers (tiny.py) from tests/.
     # And this checkout's package first, whatever an installed copy points at.
     paths = (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH"))
-    pythonpath = os.pathsep.join(p for p in paths if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = [Path(logs) / f"rank{rank}.log" for rank in range(2)]
+        procs = []
+        for rank, output in enumerate(outputs):
+            with output.open("w") as log:  # a file, not a pipe: a full pipe would block a rank
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=log, stderr=log))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                for proc in procs:
+                    proc.kill()
+                break
+            time.sleep(0.1)
+        codes = [proc.wait() for proc in procs]
+        assert codes == [0, 0], "\n".join(f"{o.name}: {o.read_text()[-4000:]}" for o in outputs)
 
 
 # ---- fixtures --------------------------------------------------------------------------------
