@@ -64,6 +64,7 @@ def test_short_run_loss_falls(tmp_path: Path):
     assert run_files.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
+@pytest.mark.slow  # Inductor compiles C++ for the CPU: 5-30 s for the first, beside other tests
 @pytest.mark.parametrize("recompute_norms", [False, True])
 def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path, recompute_norms: bool):
     """train.compile=true goes through compile_model with the sparse training op (the reference
