@@ -55,8 +55,8 @@ def logging_kept() -> Iterator[None]:
                 if handler not in kept:
                     handler.close()
             if lg in saved:
-                lg.level, handlers, lg.propagate, lg.disabled = saved[lg]
+                level, handlers, lg.propagate, lg.disabled = saved[lg]
+                lg.setLevel(level)  # (setLevel, not the attribute: it clears the loggers' level caches)
                 lg.handlers = handlers[:]
             else:
                 lg.handlers = [h for h in lg.handlers if h in kept]
-        manager._clear_cache()
