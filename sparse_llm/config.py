@@ -20,10 +20,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-# The FFN implementations: the ops' own names (sparse_llm.ops.ffn.select says what each means and picks
-# what runs).
-from sparse_llm.ops.ffn.select import FFN_IMPLS
-
+# The FFN implementations: the ops' own names (sparse_llm.ops.ffn.select.FFN_IMPLS, which says what
+# each means and picks what runs), written out here so that the config, and a command line's config
+# error, loads without torch (tests/test_config.py checks that the two agree).
+FFN_IMPLS = ("auto", "dense", "reference", "cuda")
 ATTN_IMPLS = ("sdpa", "flash")
 # The FFN's gate activation: relu (the sparse recipe and kernels) or silu (SwiGLU, the dense baseline).
 HIDDEN_ACTS = ("relu", "silu")

@@ -93,7 +93,8 @@ def absolute(path: Path) -> Path:
 
 
 def _user_errors() -> dict[type[BaseException], int]:
-    """The failures a user can fix, and their exit codes (see the module docstring)."""
+    """The failures a user can fix, and their exit codes (see the module docstring). It imports the
+    trainer: a ConfigError, which comes before the trainer is needed, is handled without it."""
     from sparse_llm.data import DataError
     from sparse_llm.training.checkpoint import CheckpointError
     from sparse_llm.training.trainer import TrainingDiverged
@@ -105,7 +106,10 @@ def _report(err: BaseException, debug: bool = False) -> int:
     """Print `err` as one line on stderr (after its traceback with `debug`); its exit code."""
     if debug:
         traceback.print_exception(err)
-    code = next(c for kind, c in _user_errors().items() if isinstance(err, kind))
+    if isinstance(err, ConfigError):
+        code = 2
+    else:
+        code = next(c for kind, c in _user_errors().items() if isinstance(err, kind))
     message = " ".join(str(err).split()) or type(err).__name__
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -189,6 +193,8 @@ def single_run(overrides: list[str], debug: bool = False) -> int:
     except TrainingPreempted:  # the trainer logged where its checkpoint is
         print(f"run_dir: {absolute(run_dir)}", flush=True)
         return EXIT_PREEMPTED
+    except ConfigError as err:  # before _user_errors, which imports the trainer (seconds of imports)
+        return _report(err, debug)
     except tuple(_user_errors()) as err:
         return _report(err, debug)
     print(f"run_dir: {absolute(run_dir)}", flush=True)

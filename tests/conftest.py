@@ -9,17 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 # Under pytest-xdist (`make test`: one worker per core) each worker computes on one thread, and so do
 # the processes its tests start: two workers whose torch each spun two OpenMP threads on two cores
-# took the controller test from 14 s to 150 s.
+# took the controller test from 14 s to 150 s. (torch imported here only: xdist's controller process,
+# which runs no test, need not spend seconds of a core importing it while the workers start.)
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    import torch
+
     _slow_files_first(items)
     if torch.cuda.is_available():
         return

@@ -248,3 +248,11 @@ def test_overwrite_cannot_move_aside_the_checkpoint_it_resumes(tmp_path):
         composed(f"run_dir={tmp_path / 'fork'}", f"train.resume={checkpoint}", "train.overwrite=true")
     )
     load_config(composed(f"run_dir={tmp_path / 'run'}", "train.resume=auto", "train.overwrite=true"))
+
+
+def test_the_configs_ffn_implementations_are_the_ops_own():
+    """config.py writes the list out (its import stays free of torch): the same names as the ops'."""
+    from sparse_llm import config
+    from sparse_llm.ops.ffn import select
+
+    assert config.FFN_IMPLS == select.FFN_IMPLS

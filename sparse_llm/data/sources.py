@@ -44,9 +44,9 @@ def _sorted_stdlib_files() -> tuple[str, ...]:
 
 def stdlib_files(max_documents: int = 0) -> list[Path]:
     """The standard library's own .py files: sorted, then a fixed seeded permutation."""
-    files = [Path(p) for p in _sorted_stdlib_files()]
-    random.Random(EMBEDDED_SEED).shuffle(files)
-    return files[:max_documents] if max_documents > 0 else files
+    files = list(_sorted_stdlib_files())
+    random.Random(EMBEDDED_SEED).shuffle(files)  # the permutation depends on the length alone
+    return [Path(p) for p in (files[:max_documents] if max_documents > 0 else files)]
 
 
 def _read_text_files(paths: list[str]) -> Iterator[dict[str, str | None]]:

@@ -30,7 +30,7 @@ from sparse_llm.data.errors import READ_ERRORS, DataError
 from sparse_llm.data.sources import open_source
 
 STATE_VERSION = 1
-_CHUNK_DOCS = 16  # documents per tokenizer call: one Rust call spreads them over threads
+_CHUNK_DOCS = 16  # documents per tokenizer call, at most: one Rust call spreads them over threads
 _CHUNK_CHARS = 1 << 20  # ... or fewer, so that one call stays short
 _GIVE_UP_ROWS = 10_000  # rows read in an epoch without any usable document: wrong text_field?
 _FINGERPRINT_SKIP = ("name",)  # DataConfig fields that do not change the token stream
@@ -89,6 +89,9 @@ class TokenStream:
         self._cursor = _new_cursor()
         self._rows: Any = None  # iterator over the source's rows; None: (re)start at the cursor
         self._docs: deque[_Document] = deque()
+        # Documents per tokenizer call: 1 at first, doubling up to _CHUNK_DOCS, so that a stream's
+        # first batches (the held-out ones, a short run's) tokenize only about the documents they take.
+        self._chunk_docs = 1
         self._offset = 0  # tokens of self._docs[0] already emitted
         self._tokens = 0
         self._malformed_fields: list[str] | None = None  # the first malformed row's fields, for errors
@@ -144,7 +147,7 @@ class TokenStream:
         """Read and tokenize the next few documents of this split, each with its resume cursor."""
         pending: list[tuple[dict[str, Any], str]] = []
         chars = 0
-        while len(pending) < _CHUNK_DOCS and chars < _CHUNK_CHARS:
+        while len(pending) < self._chunk_docs and chars < _CHUNK_CHARS:
             before = dict(self._cursor)  # "dataset" is replaced on each read, never mutated
             row = self._next_row()
             if row is None:
@@ -168,6 +171,7 @@ class TokenStream:
                     chars += len(text)
             if c["epoch_usable"] == 0 and c["epoch_rows"] >= _GIVE_UP_ROWS:
                 raise DataError(self._no_documents_message() + "; is data.text_field right?")
+        self._chunk_docs = min(2 * self._chunk_docs, _CHUNK_DOCS)
         encodings = self._encoder.encode_batch_fast([text for _, text in pending], add_special_tokens=False)
         for (cursor, _), encoding in zip(pending, encodings, strict=True):
             ids = np.empty(len(encoding.ids) + 1, dtype=np.int64)

@@ -44,8 +44,12 @@ def test_summarize_reads_phases_from_the_timed_records():
 def test_two_tiny_runs_and_their_comparison(tmp_path, monkeypatch):
     # The trainer's command line runs in this process (the script times a run by its own records).
     monkeypatch.setattr(whole_run, "subprocess", SimpleNamespace(run=run_module))
+    # Without the runs' own end-of-run figures (matplotlib: seconds a run; the comparison's plot stays).
+    quiet = ["--override", "sparsity.plots=false"]
     for impl in ("dense", "reference"):
-        main(["--tiny", "--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl)])
+        main(
+            ["--tiny", "--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl), *quiet]
+        )
     dense = json.loads((tmp_path / "whole_run_dense.json").read_text())["results"][0]
     sparse = json.loads((tmp_path / "whole_run_reference.json").read_text())["results"][0]
     assert dense["steps"] == sparse["steps"] == 8

@@ -1,20 +1,25 @@
 """Data parallelism on CPU: 2 processes (gloo) against 1, for the same global batch.
 
-The 2-process runs are launched once per session with `torch.distributed.run`, which runs this
-file as a script (the `__main__` block at the bottom): one launch runs every part (FSDP2 sharded
-checkpoints, reinit on shards, the data-parallel trainer, the trainer under FSDP2) in one process
-group, as each costs more to start (two interpreters importing torch) than to run. Each rank records
-its losses, batches, dead-unit counters and final weights and AdamW moments (gathered from FSDP2
-shards), and the tests compare them with a single-process run made in the pytest process.
+The 2-process runs are launched once per session (_launch, _run_ranks: torchrun's environment, the
+second rank forked from the first after the imports), each rank running this file as a script (the
+`__main__` block at the bottom): one launch runs every part (FSDP2 sharded checkpoints, reinit on
+shards, the data-parallel trainer, the trainer under FSDP2) in one process group, as each costs more
+to start (interpreters importing torch) than to run. Each rank records its losses, batches, dead-unit
+counters and final weights and AdamW moments (gathered from FSDP2 shards), and the tests compare
+them with a single-process run made in the pytest process.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -358,7 +363,7 @@ def _run_parts(out: Path) -> None:
     """Every part in one gloo process group (accelerate's trainer runs in it too)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))  # not 30: a peer died
     for name, part in PARTS.items():
         (out / name).mkdir(exist_ok=True)
         part(out / name)
@@ -366,15 +371,57 @@ def _run_parts(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _launch(script_args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [str(Path(__file__).resolve()), *script_args]
+def _run_ranks(out: Path) -> None:
+    """The launch's two ranks, as torchrun starts them (its environment: rank, world size, the
+    rendezvous address), from one fresh interpreter: it imports everything once (torch, the package,
+    TorchDynamo, which each rank's first optimizer would import), then forks rank 1 and is rank 0:
+    one interpreter's imports (~9 s of a core) fewer than two. A rank that fails ends the other
+    (rank 1 waits at most the process group's timeout for a rank 0 that died)."""
+    import torch._dynamo  # noqa: F401  (before the fork: both ranks have it)
+
+    child = os.fork()
+    rank = 1 if child == 0 else 0
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    if child == 0:  # rank 1 never returns to the caller: its status is rank 0's to read
+        code = 0
+        try:
+            _run_parts(out)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        _run_parts(out)
+    except BaseException:
+        os.kill(child, signal.SIGKILL)
+        raise
+    _, status = os.waitpid(child, 0)
+    if status != 0:
+        sys.exit(f"rank 1 failed: exit status {os.waitstatus_to_exitcode(status)}")
+
+
+def _launch(script_args: list[str], timeout: float = 600) -> None:
+    """This file as a script (_run_ranks), with torchrun's environment for 2 ranks on this host."""
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *script_args]
     # The script imports the tests' shared helpers (tiny.py) from tests/.
     # And this checkout's package first, whatever an installed copy points at.
     paths = (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH"))
-    pythonpath = os.pathsep.join(p for p in paths if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath}
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
@@ -669,4 +716,4 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
 
 
 if __name__ == "__main__":
-    _run_parts(Path(sys.argv[1]))
+    _run_ranks(Path(sys.argv[1]))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from in_process import logging_kept
 from tiny import TINY_CLI_OVERRIDES, tiny_run_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -18,12 +18,10 @@ from sparse_llm import run_files
 from sparse_llm.config import RunConfig
 from sparse_llm.model import build_model
 from sparse_llm.model import state as model_state
-from sparse_llm.train import single_run
+from sparse_llm.train import main, single_run
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback
 from sparse_llm.training.trainer import Trainer, TrainingDiverged
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def train(cfg: RunConfig, callbacks: list[Callback] | None = None) -> Trainer:
@@ -66,6 +64,7 @@ def test_short_run_loss_falls(tmp_path: Path):
     assert run_files.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000060"
 
 
+@pytest.mark.slow  # Inductor compiles C++ for the CPU: 5-30 s for the first, beside other tests
 @pytest.mark.parametrize("recompute_norms", [False, True])
 def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path, recompute_norms: bool):
     """train.compile=true goes through compile_model with the sparse training op (the reference
@@ -239,19 +238,14 @@ def test_command_line_run_and_config_error(tmp_path: Path, capsys):
     assert "train.global_batch_size" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_l1_sweep_multirun_and_summary(tmp_path: Path):
+def test_l1_sweep_multirun_and_summary(tmp_path: Path, monkeypatch):
+    # The command's main in-process, through Hydra's launcher (its multirun and job directories);
+    # tests/test_cli.py tests the command's process itself.
     sweep_dir = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "sparse_llm.train",
-        "-m",
-        "sparsity.l1_coeff=0,1e-2",
-        f"hydra.sweep.dir={sweep_dir}",
-    ]
-    done = subprocess.run(cmd + TINY_CLI_OVERRIDES, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    argv = ["sparse_llm.train", "-m", "sparsity.l1_coeff=0,1e-2", f"hydra.sweep.dir={sweep_dir}"]
+    monkeypatch.setattr(sys, "argv", argv + TINY_CLI_OVERRIDES)
+    with logging_kept():
+        main()  # a failed job ends in SystemExit
     assert sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").is_file()) == ["0", "1"]
     assert summarize_sweep_main([str(sweep_dir)]) == 0  # in-process: the script's main
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
