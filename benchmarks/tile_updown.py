@@ -1,0 +1,256 @@
+"""Design 2 of issue 50 (docs/kernels.md, design review part 2), its first kernel, as a measured
+prototype: the training forward's up/down, h = relu(g) * (x Wu^T) and y = h Wd^T, computed per
+tile of T consecutive tokens over the union of the units active in that tile, as two tensor-core
+GEMMs whose weight operand is a panel of gathered rows (Triton), instead of the op's per-entry
+kernel (`csr_updown`: a weight row read per active entry) and its heavy rows' GEMMs over all H.
+
+Every row takes the one path: a tile whose union is all of H is a dense GEMM, a tile with few
+units a thin one. Its matmul work is `row_density.py`'s tile bound; what this measures is whether
+the tensor cores and the panel's reuse (a unit's row loaded once a tile, not once an entry) beat
+the per-entry reads the op pays at every density.
+
+    python -m benchmarks.tile_updown --nnz 5 30 100 --tile 64 --sorted
+
+On the synthetic workload of `benchmarks/ffn.py`, per case: the error of y against float64 next to the dense bf16 path's, and the GPU
+time of the plan (the tiles' unions, with torch ops), the two kernels, the op's whole forward
+(`ffn_forward_train`) and its forward less the gate GEMM, and the dense up/down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+from benchmarks.row_density import lowest_unit_order
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the plan and its PyTorch reference only
+    triton = None
+
+BLOCK_U = 64  # units a program of the h kernel computes, and a panel of the y kernel reduces over
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Each tile's union of active units, laid out block by block: tile t's units are
+    units[starts[t] : starts[t] + counts[t]] (ascending), padded with unit 0 up to the next
+    multiple of BLOCK_U (the padding is masked out)."""
+
+    tile: int
+    units: torch.Tensor  # int32 [starts[-1]]
+    starts: torch.Tensor  # int32 [tiles + 1], multiples of BLOCK_U
+    counts: torch.Tensor  # int32 [tiles]
+    max_blocks: int  # the most BLOCK_U blocks a tile has (the launch grid's second dimension)
+
+
+def tile_plan(active: torch.Tensor, tile: int) -> TilePlan:
+    """The plan of active [M, H] (bool; M a multiple of `tile`)."""
+    m, h = active.shape
+    if m % tile:
+        raise ValueError(f"M = {m} tokens is not a multiple of the tile ({tile})")
+    union = active.view(m // tile, tile, h).any(dim=1)
+    counts = union.sum(dim=1)
+    padded = (counts + BLOCK_U - 1) // BLOCK_U * BLOCK_U
+    starts = torch.zeros(len(counts) + 1, dtype=torch.long, device=active.device)
+    torch.cumsum(padded, 0, out=starts[1:])
+    pairs = union.nonzero()  # (tile, unit), tile-major and ascending: each tile's units in order
+    first_of_tile = torch.cumsum(counts, 0) - counts
+    position = torch.arange(len(pairs), device=active.device) - first_of_tile[pairs[:, 0]]
+    units = torch.zeros(int(starts[-1]), dtype=torch.int32, device=active.device)
+    units[starts[pairs[:, 0]] + position] = pairs[:, 1].to(torch.int32)
+    blocks = max(1, int(padded.max()) // BLOCK_U)  # a grid dimension: at least 1
+    return TilePlan(tile, units, starts.to(torch.int32), counts.to(torch.int32), blocks)
+
+
+def tile_updown_reference(
+    x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, plan: TilePlan
+) -> torch.Tensor:
+    """The tile computation in PyTorch (any device), rounding as the kernels do: u to the input
+    dtype, h = relu(g) * u rounded, y = h Wd[:, union]^T accumulated in float32 (or wider)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = torch.empty(x.shape[0], wd.shape[0], device=x.device, dtype=x.dtype)
+    for t in range(len(plan.counts)):
+        rows = slice(t * plan.tile, (t + 1) * plan.tile)
+        start = int(plan.starts[t])
+        units = plan.units[start : start + int(plan.counts[t])].long()
+        u = (x[rows].to(acc) @ wu[units].to(acc).T).to(x.dtype)
+        h = (torch.relu(g[rows][:, units]).to(acc) * u.to(acc)).to(x.dtype)
+        y[rows] = (h.to(acc) @ wd[:, units].to(acc).T).to(x.dtype)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_h_kernel(
+        x_ptr, wu_ptr, g_ptr, units_ptr, starts_ptr, counts_ptr, h_ptr, D, H,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, block): h[tile rows, the block's units] = relu(g) * (x_tile Wu[units]^T),
+        # stored as one contiguous [TILE, BLOCK_U] block of the tile's h.
+        t = tl.program_id(0)
+        block = tl.program_id(1)
+        count = tl.load(counts_ptr + t)
+        if block * BLOCK_U >= count:
+            return
+        start = tl.load(starts_ptr + t) + block * BLOCK_U
+        cols = tl.arange(0, BLOCK_U)
+        live = block * BLOCK_U + cols < count
+        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            xa = tl.load(x_ptr + rows[:, None] * D + k0 + k[None, :])
+            wb = tl.load(wu_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
+            acc = tl.dot(xa, wb, acc)
+        u = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        h = tl.maximum(g, 0.0) * u
+        out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        tl.store(out, h.to(h_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _tile_y_kernel(
+        h_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, y_ptr, D,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, column block): y[tile rows, columns] = h_tile Wd^T[units, columns], the
+        # reduction over the tile's union, a BLOCK_U panel of gathered Wd^T rows at a time.
+        t = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        count = tl.load(counts_ptr + t)
+        start = tl.load(starts_ptr + t)
+        cols = tl.arange(0, BLOCK_U)
+        n = n0 + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, TILE)
+        acc = tl.zeros((TILE, BLOCK_N), dtype=tl.float32)
+        for u0 in range(0, count, BLOCK_U):
+            live = u0 + cols < count
+            units = tl.load(units_ptr + start + u0 + cols).to(tl.int64)
+            h = tl.load(h_ptr + (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :])
+            w = tl.load(wdt_ptr + units[:, None] * D + n[None, :], mask=live[:, None], other=0.0)
+            acc = tl.dot(h, w, acc)
+        rows = (t * TILE + r).to(tl.int64)
+        tl.store(y_ptr + rows[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty))
+
+
+def tile_updown(
+    x: torch.Tensor, wu: torch.Tensor, wdt: torch.Tensor, g: torch.Tensor, plan: TilePlan, block_n: int = 128
+) -> torch.Tensor:
+    """y [M, D] by the two kernels: x [M, D], wu [H, D], wdt = Wd^T [H, D], g = x Wg^T [M, H], all
+    contiguous in one 16-bit dtype on a CUDA device; D a multiple of 64 and of block_n."""
+    m, d = x.shape
+    h_blocks = torch.empty(int(plan.starts[-1]) * plan.tile, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, d, device=x.device, dtype=x.dtype)
+    tiles = len(plan.counts)
+    _tile_h_kernel[(tiles, plan.max_blocks)](
+        x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, d, wu.shape[0],
+        TILE=plan.tile, BLOCK_U=BLOCK_U, BLOCK_K=64,
+    )  # fmt: skip
+    _tile_y_kernel[(tiles, d // block_n)](
+        h_blocks, wdt, plan.units, plan.starts, plan.counts, y, d,
+        TILE=plan.tile, BLOCK_U=BLOCK_U, BLOCK_N=block_n,
+    )  # fmt: skip
+    return y
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bench_case(x, wg, wu, wd, tile: int, sort: bool, reps: int) -> dict:
+    """One case on the GPU: errors against float64, GPU times (ms) of every part."""
+    from benchmarks.ffn import train_ours
+    from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
+
+    g = x @ wg.T
+    order = lowest_unit_order(g > 0) if sort else None
+    xs, gs = (x[order].contiguous(), g[order].contiguous()) if sort else (x, g)
+    wdt = wd.T.contiguous()
+    plan = tile_plan(gs > 0, tile)
+    y = tile_updown(xs, wu, wdt, gs, plan)
+    if sort:
+        y = torch.empty_like(y).index_copy_(0, order, y)
+    want = (torch.relu(g.double()) * (x.double() @ wu.double().T)) @ wd.double().T
+    dense_y = (torch.relu(g) * (x @ wu.T)) @ wd.T
+    ours = train_ours("cuda", DEFAULT_HEAVY_THRESHOLD)
+    active = g > 0
+    row = {
+        "tile": tile,
+        "sorted": sort,
+        "nnz": active.sum(1).double().mean().item(),
+        "union_mean": plan.counts.double().mean().item(),
+        "err_tile": rel_err(y, want),
+        "err_dense_bf16": rel_err(dense_y, want),
+        "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile), reps),
+        "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan), reps),
+        "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
+        "ms_dense_updown": common.gpu_busy_ms(lambda: (torch.relu(g) * (x @ wu.T)) @ wd.T, reps),
+        "ms_op_forward": common.gpu_busy_ms(lambda: ours(x, wg, wu, wd), reps),
+    }
+    if sort:
+        row["ms_sort"] = common.gpu_busy_ms(lambda: (lowest_unit_order(g > 0), x[order], g[order]), reps)
+    row["ms_op_forward_after_gate"] = row["ms_op_forward"] - row["ms_gate"]
+    return row
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# Design 2's up/down (tile unions, Triton) against the op's forward: {meta['device']}\n",
+        f"commit `{meta['commit']}`, {meta['date']}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
+        "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
+        "| nnz | tile | sorted | union | err tile | err dense bf16 | plan | sort | tile kernels | "
+        "op forward | op forward less the gate | dense up/down |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['nnz']:.1f} | {r['tile']} | {r['sorted']} | {r['union_mean']:.0f} | {r['err_tile']:.2e} | "
+            f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
+            f"{r['ms_tile_kernels']:.3f} | {r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
+            f"{r['ms_dense_updown']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nnz", type=float, nargs="+", default=[5.0, 30.0, 100.0])
+    p.add_argument("--M", type=int, default=16384)
+    p.add_argument("--D", type=int, default=2048)
+    p.add_argument("--H", type=int, default=5632)
+    p.add_argument("--tile", type=int, nargs="+", default=[64])
+    p.add_argument("--sorted", action="store_true", help="also time each case with its tokens sorted")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--md", type=Path)
+    args = p.parse_args(argv)
+    if triton is None or not torch.cuda.is_available():
+        p.error("the kernels need Triton and a CUDA device")
+    rows = []
+    for nnz in args.nnz:
+        w = common.make_workload(args.M, args.D, args.H, nnz, seed=0, device="cuda")
+        for tile in args.tile:
+            for sort in (False, True) if args.sorted else (False,):
+                rows.append(bench_case(w.x, w.wg, w.wu, w.wd, tile, sort, args.reps))
+                print(json.dumps(rows[-1]), flush=True)
+    meta = common.run_meta("cuda", M=args.M, D=args.D, H=args.H)
+    text = markdown(meta, rows)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.md:
+        args.md.write_text(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

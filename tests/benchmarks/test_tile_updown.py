@@ -1,0 +1,72 @@
+"""benchmarks/tile_updown.py on the CPU: the tile plan (each tile's union of active units, in order,
+padded to whole blocks) and the tile computation it drives equal the dense up/down."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.tile_updown import BLOCK_U, tile_plan, tile_updown, tile_updown_reference
+
+
+def _active(m: int, h: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    active = torch.rand(m, h, generator=gen) < 0.05
+    active[:8] = False  # a tile with no active unit
+    active[8:16, :] = True  # and one whose union is every unit
+    return active
+
+
+def test_the_plan_lists_each_tiles_union_in_order_padded_to_whole_blocks():
+    active = _active(64, 150, seed=0)
+    plan = tile_plan(active, tile=8)
+    unions = active.view(8, 8, 150).any(dim=1)
+    assert plan.counts.tolist() == unions.sum(dim=1).tolist()
+    assert plan.counts[0] == 0 and plan.counts[1] == 150
+    assert (plan.starts % BLOCK_U == 0).all() and plan.starts[0] == 0
+    for t in range(8):
+        start, count = int(plan.starts[t]), int(plan.counts[t])
+        assert plan.units[start : start + count].tolist() == unions[t].nonzero().flatten().tolist()
+        assert int(plan.starts[t + 1]) - start == -(-count // BLOCK_U) * BLOCK_U
+    assert plan.max_blocks == -(-150 // BLOCK_U)
+
+
+def test_the_plan_refuses_a_partial_tile():
+    with pytest.raises(ValueError, match="not a multiple of the tile"):
+        tile_plan(torch.zeros(10, 4, dtype=torch.bool), tile=8)
+
+
+def test_the_tile_computation_equals_the_dense_up_down():
+    gen = torch.Generator().manual_seed(1)
+    m, d, h = 32, 16, 150
+    x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    g = x @ wg.T
+    g[:8] = -1.0  # a tile with no active unit
+    plan = tile_plan(g > 0, tile=8)
+    want = (torch.relu(g) * (x @ wu.T)) @ wd.T
+    torch.testing.assert_close(tile_updown_reference(x, wu, wd, g, plan), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tile", [64, 128])
+def test_the_kernels_equal_the_reference_on_every_pattern(tile):
+    """The Triton kernels against the PyTorch tile computation on fresh inputs: tiles with no unit,
+    with every unit, with one, and random ones (bf16, the same roundings: equal up to the float32
+    sums' order)."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    m, d, h = 4 * tile, 256, 300
+    x, wg, wu = (torch.randn(*s, generator=gen, device="cuda") for s in ((m, d), (h, d), (h, d)))
+    wd = torch.randn(d, h, generator=gen, device="cuda") / h**0.5
+    x, wg, wu, wd = (t.to(torch.bfloat16) for t in (x, wg / d**0.5, wu / d**0.5, wd))
+    g = x @ wg.T
+    g[:tile] = -1.0  # no unit active
+    g[tile : 2 * tile] = g[tile : 2 * tile].abs() + 0.1  # every unit
+    g[2 * tile : 3 * tile] = -1.0
+    g[2 * tile + 5, 17] = 1.0  # one unit, one token
+    plan = tile_plan(g > 0, tile)
+    got = tile_updown(x, wu, wd.T.contiguous(), g, plan)
+    want = tile_updown_reference(x, wu, wd, g, plan)
+    assert torch.equal(got[:tile], torch.zeros_like(got[:tile]))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
