@@ -221,7 +221,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nnz", type=float, nargs="+", default=[5.0, 30.0, 100.0])
     p.add_argument("--M", type=int, default=16384)
@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if triton is None or not torch.cuda.is_available():
         p.error("the kernels need Triton and a CUDA device")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     rows = []
     for nnz in args.nnz:
         w = common.make_workload(args.M, args.D, args.H, nnz, seed=0, device="cuda")

@@ -116,7 +116,7 @@ def read_trace(path: Path) -> dict:
         return json.load(f)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     summary, text = lead_report(read_trace(args.trace), args.slices, args.starved_us)
     print(text)
     if args.json:
