@@ -9,7 +9,7 @@ units a thin one. Its matmul work is `row_density.py`'s tile bound; what this me
 the tensor cores and the panel's reuse (a unit's row loaded once a tile, not once an entry) beat
 the per-entry reads the op pays at every density.
 
-    python -m benchmarks.tile_updown --nnz 5 30 100 --tile 64 --sorted
+    python -m benchmarks.tile_updown --nnz 5 30 100 --tile 64 128 --block-u 64 128 --sorted
 
 On the synthetic workload of `benchmarks/ffn.py`, per case: the error of y against float64 next to the dense bf16 path's, and the GPU
 time of the plan (the tiles' unions, with torch ops), the two kernels, the op's whole forward
@@ -19,6 +19,7 @@ time of the plan (the tiles' unions, with torch ops), the two kernels, the op's 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,30 +35,33 @@ try:
 except ImportError:  # CPU installs: the plan and its PyTorch reference only
     triton = None
 
-BLOCK_U = 64  # units a program of the h kernel computes, and a panel of the y kernel reduces over
+# Units a program of the h kernel computes, and a panel of the y kernel reduces over: the plan's
+# padding. Larger blocks read fewer bytes from L2 per FLOP (docs/kernels.md, design review part 2).
+DEFAULT_BLOCK_U = 64
 
 
 @dataclass(frozen=True)
 class TilePlan:
     """Each tile's union of active units, laid out block by block: tile t's units are
     units[starts[t] : starts[t] + counts[t]] (ascending), padded with unit 0 up to the next
-    multiple of BLOCK_U (the padding is masked out)."""
+    multiple of block_u (the padding is masked out)."""
 
     tile: int
+    block_u: int
     units: torch.Tensor  # int32 [starts[-1]]
-    starts: torch.Tensor  # int32 [tiles + 1], multiples of BLOCK_U
+    starts: torch.Tensor  # int32 [tiles + 1], multiples of block_u
     counts: torch.Tensor  # int32 [tiles]
-    max_blocks: int  # the most BLOCK_U blocks a tile has (the launch grid's second dimension)
+    max_blocks: int  # the most blocks a tile has (the launch grid's second dimension)
 
 
-def tile_plan(active: torch.Tensor, tile: int) -> TilePlan:
+def tile_plan(active: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
     """The plan of active [M, H] (bool; M a multiple of `tile`)."""
     m, h = active.shape
     if m % tile:
         raise ValueError(f"M = {m} tokens is not a multiple of the tile ({tile})")
     union = active.view(m // tile, tile, h).any(dim=1)
     counts = union.sum(dim=1)
-    padded = (counts + BLOCK_U - 1) // BLOCK_U * BLOCK_U
+    padded = (counts + block_u - 1) // block_u * block_u
     starts = torch.zeros(len(counts) + 1, dtype=torch.long, device=active.device)
     torch.cumsum(padded, 0, out=starts[1:])
     pairs = union.nonzero()  # (tile, unit), tile-major and ascending: each tile's units in order
@@ -65,8 +69,8 @@ def tile_plan(active: torch.Tensor, tile: int) -> TilePlan:
     position = torch.arange(len(pairs), device=active.device) - first_of_tile[pairs[:, 0]]
     units = torch.zeros(int(starts[-1]), dtype=torch.int32, device=active.device)
     units[starts[pairs[:, 0]] + position] = pairs[:, 1].to(torch.int32)
-    blocks = max(1, int(padded.max()) // BLOCK_U)  # a grid dimension: at least 1
-    return TilePlan(tile, units, starts.to(torch.int32), counts.to(torch.int32), blocks)
+    blocks = max(1, int(padded.max()) // block_u)  # a grid dimension: at least 1
+    return TilePlan(tile, block_u, units, starts.to(torch.int32), counts.to(torch.int32), blocks)
 
 
 def tile_updown_reference(
@@ -123,7 +127,7 @@ if triton is not None:
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, column block): y[tile rows, columns] = h_tile Wd^T[units, columns], the
-        # reduction over the tile's union, a BLOCK_U panel of gathered Wd^T rows at a time.
+        # reduction over the tile's union, a panel of BLOCK_U gathered Wd^T rows at a time.
         t = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         count = tl.load(counts_ptr + t)
@@ -153,11 +157,11 @@ def tile_updown(
     tiles = len(plan.counts)
     _tile_h_kernel[(tiles, plan.max_blocks)](
         x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, d, wu.shape[0],
-        TILE=plan.tile, BLOCK_U=BLOCK_U, BLOCK_K=64,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
     )  # fmt: skip
     _tile_y_kernel[(tiles, d // block_n)](
         h_blocks, wdt, plan.units, plan.starts, plan.counts, y, d,
-        TILE=plan.tile, BLOCK_U=BLOCK_U, BLOCK_N=block_n,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
     )  # fmt: skip
     return y
 
@@ -166,7 +170,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def bench_case(x, wg, wu, wd, tile: int, sort: bool, reps: int) -> dict:
+def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int) -> dict:
     """One case on the GPU: errors against float64, GPU times (ms) of every part."""
     from benchmarks.ffn import train_ours
     from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
@@ -175,8 +179,8 @@ def bench_case(x, wg, wu, wd, tile: int, sort: bool, reps: int) -> dict:
     order = lowest_unit_order(g > 0) if sort else None
     xs, gs = (x[order].contiguous(), g[order].contiguous()) if sort else (x, g)
     wdt = wd.T.contiguous()
-    plan = tile_plan(gs > 0, tile)
-    y = tile_updown(xs, wu, wdt, gs, plan)
+    plan = tile_plan(gs > 0, tile, block_u)
+    y = tile_updown(xs, wu, wdt, gs, plan, block_n)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
     want = (torch.relu(g.double()) * (x.double() @ wu.double().T)) @ wd.double().T
@@ -185,13 +189,15 @@ def bench_case(x, wg, wu, wd, tile: int, sort: bool, reps: int) -> dict:
     active = g > 0
     row = {
         "tile": tile,
+        "block_u": block_u,
+        "block_n": block_n,
         "sorted": sort,
         "nnz": active.sum(1).double().mean().item(),
         "union_mean": plan.counts.double().mean().item(),
         "err_tile": rel_err(y, want),
         "err_dense_bf16": rel_err(dense_y, want),
-        "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile), reps),
-        "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan), reps),
+        "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile, block_u), reps),
+        "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan, block_n), reps),
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
         "ms_dense_updown": common.gpu_busy_ms(lambda: (torch.relu(g) * (x @ wu.T)) @ wd.T, reps),
         "ms_op_forward": common.gpu_busy_ms(lambda: ours(x, wg, wu, wd), reps),
@@ -207,13 +213,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"# Design 2's up/down (tile unions, Triton) against the op's forward: {meta['device']}\n",
         f"commit `{meta['commit']}`, {meta['date']}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
         "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
-        "| nnz | tile | sorted | union | err tile | err dense bf16 | plan | sort | tile kernels | "
+        "| nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | tile kernels | "
         "op forward | op forward less the gate | dense up/down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['nnz']:.1f} | {r['tile']} | {r['sorted']} | {r['union_mean']:.0f} | {r['err_tile']:.2e} | "
+            f"| {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['block_n']} | {r['sorted']} | {r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
@@ -228,6 +234,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--D", type=int, default=2048)
     p.add_argument("--H", type=int, default=5632)
     p.add_argument("--tile", type=int, nargs="+", default=[64])
+    p.add_argument(
+        "--block-u", type=int, nargs="+", default=[DEFAULT_BLOCK_U], help="units a block (h kernel)"
+    )
+    p.add_argument("--block-n", type=int, nargs="+", default=[128], help="output columns a block (y kernel)")
     p.add_argument("--sorted", action="store_true", help="also time each case with its tokens sorted")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", type=Path)
@@ -243,10 +253,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for nnz in args.nnz:
         w = common.make_workload(args.M, args.D, args.H, nnz, seed=0, device="cuda")
-        for tile in args.tile:
-            for sort in (False, True) if args.sorted else (False,):
-                rows.append(bench_case(w.x, w.wg, w.wu, w.wd, tile, sort, args.reps))
-                print(json.dumps(rows[-1]), flush=True)
+        shapes = itertools.product(
+            args.tile, args.block_u, args.block_n, (False, True) if args.sorted else (False,)
+        )
+        for tile, block_u, block_n, sort in shapes:
+            rows.append(bench_case(w.x, w.wg, w.wu, w.wd, tile, block_u, block_n, sort, args.reps))
+            print(json.dumps(rows[-1]), flush=True)
     meta = common.run_meta("cuda", M=args.M, D=args.D, H=args.H)
     text = markdown(meta, rows)
     print(text)

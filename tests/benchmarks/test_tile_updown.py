@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.tile_updown import BLOCK_U, tile_plan, tile_updown, tile_updown_reference
+from benchmarks.tile_updown import tile_plan, tile_updown, tile_updown_reference
 
 
 def _active(m: int, h: int, seed: int) -> torch.Tensor:
@@ -17,18 +17,19 @@ def _active(m: int, h: int, seed: int) -> torch.Tensor:
     return active
 
 
-def test_the_plan_lists_each_tiles_union_in_order_padded_to_whole_blocks():
+@pytest.mark.parametrize("block_u", [64, 128])
+def test_the_plan_lists_each_tiles_union_in_order_padded_to_whole_blocks(block_u):
     active = _active(64, 150, seed=0)
-    plan = tile_plan(active, tile=8)
+    plan = tile_plan(active, tile=8, block_u=block_u)
     unions = active.view(8, 8, 150).any(dim=1)
     assert plan.counts.tolist() == unions.sum(dim=1).tolist()
     assert plan.counts[0] == 0 and plan.counts[1] == 150
-    assert (plan.starts % BLOCK_U == 0).all() and plan.starts[0] == 0
+    assert (plan.starts % block_u == 0).all() and plan.starts[0] == 0
     for t in range(8):
         start, count = int(plan.starts[t]), int(plan.counts[t])
         assert plan.units[start : start + count].tolist() == unions[t].nonzero().flatten().tolist()
-        assert int(plan.starts[t + 1]) - start == -(-count // BLOCK_U) * BLOCK_U
-    assert plan.max_blocks == -(-150 // BLOCK_U)
+        assert int(plan.starts[t + 1]) - start == -(-count // block_u) * block_u
+    assert plan.max_blocks == -(-150 // block_u)
 
 
 def test_the_plan_refuses_a_partial_tile():
@@ -50,8 +51,8 @@ def test_the_tile_computation_equals_the_dense_up_down():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tile", [64, 128])
-def test_the_kernels_equal_the_reference_on_every_pattern(tile):
+@pytest.mark.parametrize(("tile", "block_u", "block_n"), [(64, 64, 128), (128, 64, 128), (128, 128, 64)])
+def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n):
     """The Triton kernels against the PyTorch tile computation on fresh inputs: tiles with no unit,
     with every unit, with one, and random ones (bf16, the same roundings: equal up to the float32
     sums' order)."""
@@ -65,8 +66,8 @@ def test_the_kernels_equal_the_reference_on_every_pattern(tile):
     g[tile : 2 * tile] = g[tile : 2 * tile].abs() + 0.1  # every unit
     g[2 * tile : 3 * tile] = -1.0
     g[2 * tile + 5, 17] = 1.0  # one unit, one token
-    plan = tile_plan(g > 0, tile)
-    got = tile_updown(x, wu, wd.T.contiguous(), g, plan)
+    plan = tile_plan(g > 0, tile, block_u)
+    got = tile_updown(x, wu, wd.T.contiguous(), g, plan, block_n)
     want = tile_updown_reference(x, wu, wd, g, plan)
     assert torch.equal(got[:tile], torch.zeros_like(got[:tile]))
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
