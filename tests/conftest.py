@@ -1,11 +1,7 @@
 from __future__ import annotations
 
-import hashlib
 import os
-import pickle
 from collections import Counter
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,46 +38,15 @@ def _slow_files_first(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: -slow[item.path])  # stable: the rest keep the collection's order
 
 
-@pytest.fixture(scope="session")
-def _task_managers() -> dict[str, Any]:
-    return {}
-
-
-@pytest.fixture(scope="session")
-def _session_dir(tmp_path_factory) -> Path:
-    """A directory of this session that every pytest-xdist worker shares (their temporary
-    directories are siblings), else this process's own."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def _built_once(path: Path, build: Callable[[], Any]) -> Any:
-    """build() in the first process that asks, pickled at `path` for the others (a file lock
-    between them)."""
-    from filelock import FileLock
-
-    with FileLock(f"{path}.lock"):
-        if path.is_file():
-            return pickle.loads(path.read_bytes())
-        built = build()
-        path.write_bytes(pickle.dumps(built))
-        return built
-
-
 @pytest.fixture
-def shared_task_managers(monkeypatch, _task_managers, _session_dir) -> Callable[..., Any]:
-    """lm-eval's TaskManager built once per session for each set of arguments, whichever worker
-    asks first: indexing lm-eval's own ~15K task configs (any task not shipped here) takes 13 s, and
-    the index never changes; another worker loads the pickled index in about 1 s."""
+def no_lm_eval_index(monkeypatch) -> None:
+    """lm-eval's TaskManager made to fail when asked to index lm-eval's own ~14K task configs (~13 s
+    of a core), for the tests of what is decided without them."""
     lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
     real = lm_eval_tasks.TaskManager
 
-    def shared(**kwargs: Any) -> Any:
-        key = repr(sorted(kwargs.items()))
-        if key not in _task_managers:
-            path = _session_dir / f"task_manager_{hashlib.sha256(key.encode()).hexdigest()[:16]}.pkl"
-            _task_managers[key] = _built_once(path, lambda: real(**kwargs))
-        return _task_managers[key]
+    def shipped_only(**kwargs: Any) -> Any:
+        assert not kwargs.get("include_defaults", True), "lm-eval's own task configs were indexed"
+        return real(**kwargs)
 
-    monkeypatch.setattr(lm_eval_tasks, "TaskManager", shared)
-    return shared
+    monkeypatch.setattr(lm_eval_tasks, "TaskManager", shipped_only)

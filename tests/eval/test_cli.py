@@ -41,13 +41,22 @@ def test_without_lm_eval_one_clear_line(default_run, capsys, monkeypatch):
     assert "pip install 'sparse-llm[eval]'" in err_line(capsys)
 
 
-@pytest.mark.slow
-def test_unknown_task_is_named_before_any_evaluation(default_run, capsys, tmp_path, shared_task_managers):
+def test_unknown_task_is_named_before_any_evaluation(default_run, capsys, tmp_path, no_lm_eval_index):
     pytest.importorskip("lm_eval")
     export = shutil.copytree(default_run / "export", tmp_path / "export")  # outside any run
     assert main([str(export), "--tasks", "python_completion,no_such_task"]) == 2
     assert "unknown lm-eval task(s) no_such_task" in err_line(capsys)
     assert not (export / "eval").exists()
+
+
+def test_the_early_unknown_task_check_finds_lm_evals_own_names():
+    """task_manager's check before lm-eval's index (no config names the task) would turn a real
+    task into an unknown one if it missed its name in lm-eval's configs: a task, a group, a tag."""
+    pytest.importorskip("lm_eval")
+    from sparse_llm.eval.harness import _written_in_lm_eval_configs
+
+    assert all(_written_in_lm_eval_configs([name]) for name in ("arc_easy", "mmlu", "ai2_arc"))
+    assert not _written_in_lm_eval_configs(["no_such_task", "python_completion"])
 
 
 def test_task_data_that_cannot_be_read_fails_before_any_model_loads(default_run, capsys, monkeypatch):

@@ -124,7 +124,7 @@ def test_without_lm_eval_the_config_says_what_to_install(tmp_path, monkeypatch):
         downstream_config(tmp_path, OFFLINE)
 
 
-def test_an_unknown_task_fails_before_the_run_directory_exists(tmp_path, shared_task_managers):
+def test_an_unknown_task_fails_before_the_run_directory_exists(tmp_path, no_lm_eval_index):
     pytest.importorskip("lm_eval")
     run_dir = tmp_path / "run"
     cfg = downstream_config(run_dir, {"tasks": ["python_completion", "no_such_task"]})
