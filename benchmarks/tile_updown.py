@@ -166,13 +166,10 @@ def tile_updown(
     return y
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int) -> dict:
     """One case on the GPU: errors against float64, GPU times (ms) of every part."""
-    from benchmarks.ffn import train_ours
+    from benchmarks.ffn import rel_err64, train_ours
+    from sparse_llm import ops
     from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
 
     g = x @ wg.T
@@ -183,8 +180,6 @@ def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool,
     y = tile_updown(xs, wu, wdt, gs, plan, block_n)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
-    want = (torch.relu(g.double()) * (x.double() @ wu.double().T)) @ wd.double().T
-    dense_y = (torch.relu(g) * (x @ wu.T)) @ wd.T
     ours = train_ours("cuda", DEFAULT_HEAVY_THRESHOLD)
     active = g > 0
     row = {
@@ -194,8 +189,8 @@ def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool,
         "sorted": sort,
         "nnz": active.sum(1).double().mean().item(),
         "union_mean": plan.counts.double().mean().item(),
-        "err_tile": rel_err(y, want),
-        "err_dense_bf16": rel_err(dense_y, want),
+        "err_tile": rel_err64(y, x, wg, wu, wd),
+        "err_dense_bf16": rel_err64(ops.ffn_forward_reference(x, wg, wu, wd), x, wg, wu, wd),
         "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile, block_u), reps),
         "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan, block_n), reps),
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),

@@ -92,24 +92,27 @@ def absolute(path: Path) -> Path:
     return Path(os.path.abspath(path))
 
 
+# A config error and its exit code: found before the trainer is needed, reported without importing
+# it (seconds of imports on a command that fails at once).
+_CONFIG_ERRORS: dict[type[BaseException], int] = {ConfigError: 2}
+
+
 def _user_errors() -> dict[type[BaseException], int]:
     """The failures a user can fix, and their exit codes (see the module docstring). It imports the
-    trainer: a ConfigError, which comes before the trainer is needed, is handled without it."""
+    trainer."""
     from sparse_llm.data import DataError
     from sparse_llm.training.checkpoint import CheckpointError
     from sparse_llm.training.trainer import TrainingDiverged
 
-    return {ConfigError: 2, DataError: 3, FileNotFoundError: 3, CheckpointError: 4, TrainingDiverged: 5}
+    return {**_CONFIG_ERRORS, DataError: 3, FileNotFoundError: 3, CheckpointError: 4, TrainingDiverged: 5}
 
 
 def _report(err: BaseException, debug: bool = False) -> int:
     """Print `err` as one line on stderr (after its traceback with `debug`); its exit code."""
     if debug:
         traceback.print_exception(err)
-    if isinstance(err, ConfigError):
-        code = 2
-    else:
-        code = next(c for kind, c in _user_errors().items() if isinstance(err, kind))
+    errors = _CONFIG_ERRORS if isinstance(err, tuple(_CONFIG_ERRORS)) else _user_errors()
+    code = next(c for kind, c in errors.items() if isinstance(err, kind))
     message = " ".join(str(err).split()) or type(err).__name__
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -193,7 +196,7 @@ def single_run(overrides: list[str], debug: bool = False) -> int:
     except TrainingPreempted:  # the trainer logged where its checkpoint is
         print(f"run_dir: {absolute(run_dir)}", flush=True)
         return EXIT_PREEMPTED
-    except ConfigError as err:  # before _user_errors, which imports the trainer (seconds of imports)
+    except tuple(_CONFIG_ERRORS) as err:  # before _user_errors, which imports the trainer
         return _report(err, debug)
     except tuple(_user_errors()) as err:
         return _report(err, debug)
