@@ -206,6 +206,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     "ce",
                     "peak_mem_gib",
                     "ffn_fallback/dense_layers",
+                    "gc_s",
                 )
             }
             for r in records

@@ -47,6 +47,7 @@ from sparse_llm.training.callbacks import Callback, CallbackList, default_callba
 from sparse_llm.training.determinism import set_determinism
 from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.ffn_summary import describe_ffn
+from sparse_llm.training.garbage import ScheduledCollection
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 from sparse_llm.training.preemption import StopSignals, TrainingPreempted
@@ -258,6 +259,8 @@ class Trainer:
                     "FFN: %s", describe_ffn(self.model.ffn_plan, self.cfg.model.ffn_impl, self.device)
                 )
             self.callbacks.on_train_start(self)
+            # Python's garbage collected at the same steps on every rank (training/garbage.py).
+            garbage = ScheduledCollection(t.gc_every, first_step=self.step + 1)
             main = self.accelerator.is_main_process
             bar = tqdm(
                 total=t.max_steps,
@@ -267,7 +270,8 @@ class Trainer:
                 dynamic_ncols=True,
             )
             try:
-                self._loop(bar)
+                with garbage:
+                    self._loop(bar, garbage)
             except TrainingPreempted:
                 bar.close()
                 self.logger.finish()
@@ -283,7 +287,7 @@ class Trainer:
         if isinstance(self.train_stream, BatchPrefetcher):
             self.train_stream.close()
 
-    def _loop(self, bar: tqdm) -> None:
+    def _loop(self, bar: tqdm, garbage: ScheduledCollection) -> None:
         t = self.cfg.train
         loop_start = window_start = time.perf_counter()
         window_tokens, first_step = 0, self.step + 1
@@ -296,6 +300,7 @@ class Trainer:
             self.tokens_seen += self.tokens_per_step
             window_tokens += self.tokens_per_step
             bar.update(1)
+            garbage.after_step(self.step)
             if self.step == first_step:
                 graphs_after_first = compiled_graphs()
             is_last = self.step == t.max_steps
@@ -309,6 +314,7 @@ class Trainer:
                 record["elapsed_s"] = (
                     now - loop_start
                 )  # since the loop began (evaluations, checkpoints included)
+                record["gc_s"] = garbage.take_seconds()  # of the window's time
                 record.update(self.sparsity.summary())
                 if self.ffn_fallback is not None:
                     record.update(self.ffn_fallback.metrics())

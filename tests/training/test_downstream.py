@@ -89,7 +89,7 @@ def test_the_evaluation_leaves_the_global_random_state_as_it_found_it():
 
 def training_numbers(record):
     """A logged record without the downstream keys and the measurements of time and memory."""
-    skip = ("downstream/", "tokens_per_s", "elapsed_s", "mfu", "peak_mem_gib", "data/")
+    skip = ("downstream/", "tokens_per_s", "elapsed_s", "gc_s", "mfu", "peak_mem_gib", "data/")
     return {k: v for k, v in record.items() if not k.startswith(skip)}
 
 
