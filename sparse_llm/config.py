@@ -185,7 +185,7 @@ class TrainConfig:
     # 0 keeps FSDP2's own order (a layer's all-gather issued when the host reaches that layer). 1:
     # the kernels' 1b run +8-10% tokens/s on 2 x H100, dense unchanged (run_1b_2xh100_prefetch.md).
     fsdp_prefetch: int = checked(1, ge=0)
-    # Python's garbage collector runs after the first step and every this-many steps, on every rank
+    # Python's garbage collector runs (its young generations) every this-many steps, on every rank
     # at once, instead of when each process decides (training/garbage.py); 0: Python's own schedule.
     gc_every: int = checked(50, ge=0)
     # Every step the same bits on the same weights and batch (PyTorch's deterministic algorithms:

@@ -260,7 +260,7 @@ class Trainer:
                 )
             self.callbacks.on_train_start(self)
             # Python's garbage collected at the same steps on every rank (training/garbage.py).
-            garbage = ScheduledCollection(t.gc_every, first_step=self.step + 1)
+            garbage = ScheduledCollection(t.gc_every)
             main = self.accelerator.is_main_process
             bar = tqdm(
                 total=t.max_steps,
