@@ -53,10 +53,14 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
 
 def _compiled(fn: Callable[..., Any], compile_kwargs: dict[str, Any]) -> Callable[..., Any]:
     compiled = torch.compile(fn, **compile_kwargs)
+    # One patch object for every call: each new one adds a ContextVar to the thread's context for
+    # good, so a patch made per call grew the context (and what the garbage collector walks) by
+    # one entry a layer a forward, through the whole run.
+    dynamic_output_shapes = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        with dynamic_output_shapes:
             return compiled(*args, **kwargs)
 
     return run

@@ -6,8 +6,9 @@ tracked object a training process holds. On several GPUs a paused rank holds up 
 at the next FSDP2 collective, and each rank pauses at its own moment, so every rank pays for every
 rank's pause: the 1b whole runs on 2 and 4 GPUs lost 10-25% of a 20-step window about every 50 s,
 dense and sparse alike, where one GPU's did not (benchmarks/results/gc_windows_h100.md). A full
-collection every 50 steps instead took 0.04 s at step 60 and 0.3 s by step 800 (the live objects
-it walks grow through a run).
+collection every 50 steps instead took 0.04 s at step 60 and 0.3 s by step 800: it walks every
+live object, and those grew through the run (the compiled regions' wrapper added a ContextVar to
+the thread's context at every call, since fixed in model/compiling.py).
 
 So while `ScheduledCollection` is installed (the trainer's `fit`), automatic collection is off and
 every `every` steps each rank collects the young generations (0 and 1: what the last steps made;

@@ -4,6 +4,7 @@ layer there), and a layer's FFN path changing without recompiling."""
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 
 import torch
@@ -51,10 +52,14 @@ def test_compile_model_captures_the_sparse_training_ffn_in_one_graph_per_region(
     eager = _loss_and_grads(model, model, ids)
     counter = CompileCounterWithBackend("inductor")
     compiled = compile_model(model, backend=counter)
-    for _ in range(2):  # the second call reuses the graphs
+    context_size = []
+    for _ in range(3):  # the later calls reuse the graphs
         _assert_same(_loss_and_grads(compiled, model, ids), eager)
+        context_size.append(len(contextvars.copy_context()))
     assert counter.frame_count == 2  # one graph shared by every layer, one for the head
     assert not torch._dynamo.config.capture_dynamic_output_shape_ops  # scoped to the calls
+    # a config patch made per call added a ContextVar for good each time (the context grew a step)
+    assert context_size[1] == context_size[2]
 
 
 def test_fallback_flips_compile_each_variant_once_and_change_no_loss():
