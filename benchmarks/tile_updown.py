@@ -10,9 +10,12 @@ the tensor cores and the panel's reuse (a unit's row loaded once a tile, not onc
 the per-entry reads the op pays at every density.
 
     python -m benchmarks.tile_updown --nnz 5 30 100 --tile 64 128 --block-u 64 128 --sorted
+    python -m benchmarks.tile_updown --model runs/sparse_1b --inputs DIR --layers 0 3 12 16 17
 
-On the synthetic workload of `benchmarks/ffn.py`, per case: the error of y against float64 next to the dense bf16 path's, and the GPU
-time of the plan (the tiles' unions, with torch ops), the two kernels, the op's whole forward
+On the synthetic workload of `benchmarks/ffn.py`, or with `--model` on a trained model's layers
+(their FFN inputs from one forward over held-out text, or those `row_density.py --save-inputs`
+kept: `--inputs`), per case: the error of y against float64 next to the dense bf16 path's, and the
+GPU time of the plan (the tiles' unions, with torch ops), the two kernels, the op's whole forward
 (`ffn_forward_train`) and its forward less the gate GEMM, and the dense up/down.
 """
 
@@ -21,13 +24,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from benchmarks import common
-from benchmarks.row_density import lowest_unit_order
+from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
 
 try:
     import triton
@@ -166,11 +169,12 @@ def tile_updown(
     return y
 
 
-def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int) -> dict:
+def bench_case(
+    x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int, heavy_threshold: int
+) -> dict:
     """One case on the GPU: errors against float64, GPU times (ms) of every part."""
     from benchmarks.ffn import rel_err64, train_ours
     from sparse_llm import ops
-    from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
 
     g = x @ wg.T
     order = lowest_unit_order(g > 0) if sort else None
@@ -180,7 +184,7 @@ def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool,
     y = tile_updown(xs, wu, wdt, gs, plan, block_n)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
-    ours = train_ours("cuda", DEFAULT_HEAVY_THRESHOLD)
+    ours = train_ours("cuda", heavy_threshold)
     active = g > 0
     row = {
         "tile": tile,
@@ -204,17 +208,19 @@ def bench_case(x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool,
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
+    workload = f"model {meta['model']}, {meta['text']}" if "model" in meta else "synthetic"
     lines = [
         f"# Design 2's up/down (tile unions, Triton) against the op's forward: {meta['device']}\n",
-        f"commit `{meta['commit']}`, {meta['date']}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
+        f"commit `{meta['commit']}`, {meta['date']}; {workload}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
         "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
-        "| nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | tile kernels | "
-        "op forward | op forward less the gate | dense up/down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layer | nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | "
+        "tile kernels | op forward | op forward less the gate | dense up/down |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['block_n']} | {r['sorted']} | {r['union_mean']:.0f} | {r['err_tile']:.2e} | "
+            f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['block_n']} | {r['sorted']} | "
+            f"{r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
@@ -223,8 +229,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnz", type=float, nargs="+", default=[5.0, 30.0, 100.0])
+    p = model_parser(__doc__)  # --model, --inputs, --rows, --seq-len, --heavy-threshold, --json, --md
+    p.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="with --model: these layers (default all)"
+    )
+    p.add_argument(
+        "--nnz", type=float, nargs="+", default=[5.0, 30.0, 100.0], help="synthetic: non-zeros a token"
+    )
     p.add_argument("--M", type=int, default=16384)
     p.add_argument("--D", type=int, default=2048)
     p.add_argument("--H", type=int, default=5632)
@@ -235,26 +246,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-n", type=int, nargs="+", default=[128], help="output columns a block (y kernel)")
     p.add_argument("--sorted", action="store_true", help="also time each case with its tokens sorted")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--md", type=Path)
     args = p.parse_args(argv)
+    if args.tiny:
+        p.error("--tiny: the kernels need a CUDA device; give --model, or neither for the synthetic workload")
+    if (args.layers or args.inputs) and args.model is None:
+        p.error("--layers and --inputs go with --model")
     if triton is None or not torch.cuda.is_available():
         p.error("the kernels need Triton and a CUDA device")
     return args
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
-    rows = []
+Case = tuple[dict, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (labels, x, weights)
+
+
+def synthetic_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """`benchmarks/ffn.py`'s workload at each of --nnz, made when its turn comes."""
     for nnz in args.nnz:
         w = common.make_workload(args.M, args.D, args.H, nnz, seed=0, device="cuda")
+        yield {}, w.x, (w.wg, w.wu, w.wd)
+
+
+def layer_cases(args: argparse.Namespace, device: torch.device) -> tuple[str, list[Case]]:
+    """(what the text is, a case for each of --layers of --model): the layer's FFN input and weights."""
+    model, inputs, text, _ = model_inputs(args, device)
+    found = []
+    for layer in args.layers if args.layers is not None else range(len(inputs)):
+        mlp = model.model.layers[layer].mlp
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        bf16 = tuple(w.detach().to(torch.bfloat16).contiguous() for w in weights)
+        found.append(({"layer": layer}, inputs[layer].to(torch.bfloat16), bf16))
+    return text, found
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.model is None:
+        workload, todo = {}, synthetic_cases(args)
+    else:
+        text, todo = layer_cases(args, torch.device("cuda"))
+        workload = {"model": str(args.model), "text": text}
+    rows = []
+    for case, x, (wg, wu, wd) in todo:
         shapes = itertools.product(
             args.tile, args.block_u, args.block_n, (False, True) if args.sorted else (False,)
         )
         for tile, block_u, block_n, sort in shapes:
-            rows.append(bench_case(w.x, w.wg, w.wu, w.wd, tile, block_u, block_n, sort, args.reps))
+            row = bench_case(x, wg, wu, wd, tile, block_u, block_n, sort, args.reps, args.heavy_threshold)
+            rows.append(case | row)
             print(json.dumps(rows[-1]), flush=True)
-    meta = common.run_meta("cuda", M=args.M, D=args.D, H=args.H)
+    meta = common.run_meta("cuda", M=len(x), D=wu.shape[1], H=wu.shape[0], **workload)
     text = markdown(meta, rows)
     print(text)
     if args.json:

@@ -3,10 +3,12 @@ padded to whole blocks) and the tile computation it drives equal the dense up/do
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
-from benchmarks.tile_updown import tile_plan, tile_updown, tile_updown_reference
+from benchmarks.tile_updown import layer_cases, tile_plan, tile_updown, tile_updown_reference
 
 
 def _active(m: int, h: int, seed: int) -> torch.Tensor:
@@ -35,6 +37,15 @@ def test_the_plan_lists_each_tiles_union_in_order_padded_to_whole_blocks(block_u
 def test_the_plan_refuses_a_partial_tile():
     with pytest.raises(ValueError, match="not a multiple of the tile"):
         tile_plan(torch.zeros(10, 4, dtype=torch.bool), tile=8)
+
+
+def test_a_models_layers_are_cases_of_its_inputs_and_weights():
+    args = argparse.Namespace(model=None, tiny=True, inputs=None, rows=2, seq_len=64, layers=[1, 0])
+    text, cases = layer_cases(args, torch.device("cpu"))
+    assert text and [labels for labels, _, _ in cases] == [{"layer": 1}, {"layer": 0}]
+    _, x, (wg, wu, wd) = cases[0]
+    assert x.shape == (2 * 64, wg.shape[1]) and x.dtype == torch.bfloat16
+    assert wg.shape == wu.shape == wd.T.shape and wd.dtype == torch.bfloat16
 
 
 def test_the_tile_computation_equals_the_dense_up_down():
