@@ -7,8 +7,9 @@ at the next FSDP2 collective, and each rank pauses at its own moment, so every r
 rank's pause: the 1b whole runs on 2 and 4 GPUs lost 10-25% of a 20-step window about every 50 s,
 dense and sparse alike, where one GPU's did not (benchmarks/results/gc_windows_h100.md). A full
 collection every 50 steps instead took 0.04 s at step 60 and 0.3 s by step 800: it walks every
-live object, and those grew through the run (the compiled regions' wrapper added a ContextVar to
-the thread's context at every call, since fixed in model/compiling.py).
+live object, and those grew through the run (one cause found since, a ContextVar left in the
+thread's context at every call of a compiled region, is fixed in model/compiling.py; whether it
+was all of the growth is not measured).
 
 So while `ScheduledCollection` is installed (the trainer's `fit`), automatic collection is off and
 every `every` steps each rank collects the young generations (0 and 1: what the last steps made;
