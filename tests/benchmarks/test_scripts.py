@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 # Modules of the package that are not scripts: the package, the shared helpers, a trainer callback.
-NOT_SCRIPTS = {"__init__", "common", "memory_peak", "step_profile", "step_range"}
+NOT_SCRIPTS = {"__init__", "common", "memory_peak", "object_growth", "step_profile", "step_range"}
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 
 

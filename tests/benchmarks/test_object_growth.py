@@ -1,0 +1,35 @@
+"""benchmarks/object_growth.py: on a tiny CPU run, the callback names the type a run keeps making."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tiny import tiny_run_config
+
+from benchmarks.object_growth import ObjectGrowth
+from sparse_llm.training.callbacks import Callback
+from sparse_llm.training.trainer import Trainer
+
+
+class Kept:
+    """What the leaking callback keeps, one a step."""
+
+
+class KeepOneAStep(Callback):
+    def __init__(self) -> None:
+        self.kept: list[Kept] = []
+
+    def on_step_end(self, trainer, step, metrics) -> None:
+        self.kept.append(Kept())
+
+
+def test_the_type_a_run_keeps_making_grows_one_a_step(tmp_path: Path):
+    out = tmp_path / "objects"
+    cfg = tiny_run_config(tmp_path / "run", max_steps=5)
+    Trainer(cfg, tmp_path / "run", [KeepOneAStep(), ObjectGrowth(first=2, last=4, out=str(out))]).fit()
+    summary = json.loads((out / "object_growth_steps_2_4.json").read_text())
+    kept = next(row for row in summary["types"] if row["type"] == "Kept")
+    assert (kept["before"], kept["after"], kept["per_step"]) == (1, 4, 1.0)
+    assert summary["after"] > 0
+    assert "| Kept | 1 | 4 | +1.00 |" in (out / "object_growth_steps_2_4.md").read_text()
