@@ -52,6 +52,8 @@ from sparse_llm.config import (
     to_yaml,
     unknown_key,
 )
+from sparse_llm.data.errors import DataError
+from sparse_llm.data.file_check import check_files
 from sparse_llm.run_files import CONFIG_FILE, LOG_FILE
 from sparse_llm.training.preemption import EXIT_PREEMPTED, TrainingPreempted
 
@@ -92,26 +94,25 @@ def absolute(path: Path) -> Path:
     return Path(os.path.abspath(path))
 
 
-# A config error and its exit code: found before the trainer is needed, reported without importing
-# it (seconds of imports on a command that fails at once).
-_CONFIG_ERRORS: dict[type[BaseException], int] = {ConfigError: 2}
+# The errors found before the trainer is needed (the config, the data files) and their exit codes,
+# reported without importing it (seconds of imports on a command that fails at once).
+_EARLY_ERRORS: dict[type[BaseException], int] = {ConfigError: 2, DataError: 3}
 
 
 def _user_errors() -> dict[type[BaseException], int]:
     """The failures a user can fix, and their exit codes (see the module docstring). It imports the
     trainer."""
-    from sparse_llm.data import DataError
     from sparse_llm.training.checkpoint import CheckpointError
     from sparse_llm.training.trainer import TrainingDiverged
 
-    return {**_CONFIG_ERRORS, DataError: 3, FileNotFoundError: 3, CheckpointError: 4, TrainingDiverged: 5}
+    return {**_EARLY_ERRORS, FileNotFoundError: 3, CheckpointError: 4, TrainingDiverged: 5}
 
 
 def _report(err: BaseException, debug: bool = False) -> int:
     """Print `err` as one line on stderr (after its traceback with `debug`); its exit code."""
     if debug:
         traceback.print_exception(err)
-    errors = _CONFIG_ERRORS if isinstance(err, tuple(_CONFIG_ERRORS)) else _user_errors()
+    errors = _EARLY_ERRORS if isinstance(err, tuple(_EARLY_ERRORS)) else _user_errors()
     code = next(c for kind, c in errors.items() if isinstance(err, kind))
     message = " ".join(str(err).split()) or type(err).__name__
     print(f"error: {message}", file=sys.stderr)
@@ -191,12 +192,15 @@ def single_run(overrides: list[str], debug: bool = False) -> int:
     _setup_logging()
     try:
         raw = _compose(overrides)
-        run_dir = Path(load_config(raw).run_dir)  # validated before anything is written
+        cfg = load_config(raw)  # validated before anything is written
+        run_dir = Path(cfg.run_dir)
+        if cfg.data.source == "files":
+            check_files(cfg.data)  # the trainer checks them again: here, before its imports
         run(raw, run_dir, log_file=True)
     except TrainingPreempted:  # the trainer logged where its checkpoint is
         print(f"run_dir: {absolute(run_dir)}", flush=True)
         return EXIT_PREEMPTED
-    except tuple(_CONFIG_ERRORS) as err:  # before _user_errors, which imports the trainer
+    except tuple(_EARLY_ERRORS) as err:  # before _user_errors, which imports the trainer
         return _report(err, debug)
     except tuple(_user_errors()) as err:
         return _report(err, debug)

@@ -1,16 +1,18 @@
-"""Up-front checks of local data files: each one is the text its suffix claims.
+"""Up-front checks of local data files: they exist, and each one is the text its suffix claims.
 
 `datasets` reads a file only when the stream reaches it, and a binary, undecodable or
 unparseable file then fails deep inside it (a UnicodeDecodeError or pyarrow traceback, possibly
 after the run directory exists). `check_file` reads only a file's start (its first bytes, its
 first JSON lines, a parquet footer) and raises one DataError naming the file and what is wrong,
 before anything is built. A fault further into a file is caught where the stream reads it
-(sparse_llm.data.stream).
+(sparse_llm.data.stream). Neither torch nor `datasets` is imported here: the training command checks
+the files before it imports the trainer (a bad file is reported in a second, not after the imports).
 """
 
 from __future__ import annotations
 
 import codecs
+import glob
 import json
 from pathlib import Path
 from typing import TextIO
@@ -19,6 +21,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sparse_llm.config import DataConfig
 from sparse_llm.data.errors import DataError
 
 HEAD_BYTES = 1 << 16  # the start of a file read for the text checks
@@ -26,12 +29,53 @@ JSON_ROWS = 16  # the first rows of a JSON-lines file parsed, and searched for t
 MAX_LINE_CHARS = 1 << 24  # a first "line" longer than this is not parsed (a file of one huge line)
 MAX_FIELDS_SHOWN = 12
 TEXT_TYPES = ("string", "large_string", "string_view")  # arrow types of a parquet text column
-# fsspec's names of the compressions `sources.file_format` accepts.
+# fsspec's names of the compressions `file_format` accepts.
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def check_files(cfg: DataConfig) -> tuple[list[str], str]:
+    """The files of `data.paths` (source=files) and their `datasets` builder, each file checked with
+    `check_file`: DataError for no matching file, mixed types or a file that is not its type."""
+    files = resolve_paths(cfg.paths)
+    formats = {file_format(f) for f in files}
+    if len(formats) > 1:
+        raise DataError(f"data.paths mixes file types ({', '.join(sorted(formats))}); use one type per run")
+    fmt = formats.pop()
+    for path in files:  # before the stream reaches them: one clear error, not a parser's traceback
+        check_file(path, fmt, cfg.text_field)
+    return files, fmt
+
+
+def resolve_paths(patterns: list[str]) -> list[str]:
+    """Expand `data.paths` (files or globs, `**` allowed) into a de-duplicated ordered file list."""
+    if not patterns:
+        raise DataError("data.paths: none given; data.source=files needs at least one file or glob")
+    files: list[str] = []
+    for pattern in patterns:
+        expanded = str(Path(pattern).expanduser())
+        matches = sorted(p for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
+        if not matches:
+            glob_in_dir = f"{pattern.rstrip('/')}/*.jsonl"
+            hint = f" (a directory: use a glob such as {glob_in_dir!r})" if Path(expanded).is_dir() else ""
+            raise DataError(f"data.paths: no file matches {pattern!r}{hint}")
+        files.extend(str(Path(p).resolve()) for p in matches)
+    return list(dict.fromkeys(files))
+
+
+def file_format(path: str) -> str:
+    """The `datasets` builder for a file, from its suffix (compressed files allowed)."""
+    name = path.lower()
+    for suffix in COMPRESSIONS:
+        name = name.removesuffix(suffix)
+    fmt = _FORMATS.get(Path(name).suffix)
+    if fmt is None:
+        raise DataError(f"data.paths: unsupported file type {path!r} (use .jsonl, .json, .parquet or .txt)")
+    return fmt
 
 
 def check_file(path: str, fmt: str, text_field: str) -> None:
-    """Raise DataError when `path`, read as `fmt` ("text", "json" or "parquet", sources._FORMATS),
+    """Raise DataError when `path`, read as `fmt` ("text", "json" or "parquet", _FORMATS),
     is not what that format holds or (json, parquet) has no `text_field`."""
     suffix = Path(path).suffix.lower()
     compression = COMPRESSIONS.get(suffix)

@@ -9,7 +9,6 @@ document happens downstream. The order of rows is fixed (no shuffling), so
 from __future__ import annotations
 
 import functools
-import glob
 import os
 import random
 import sysconfig
@@ -21,13 +20,11 @@ from datasets.distributed import split_dataset_by_node
 
 from sparse_llm.config import DataConfig
 from sparse_llm.data.errors import READ_ERRORS, DataError
-from sparse_llm.data.file_check import check_file
+from sparse_llm.data.file_check import check_files
 
 EMBEDDED_SEED = 1234  # fixed permutation of the stdlib files, so documents of all packages mix
 EMBEDDED_TEXT_FIELD = "text"
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages"}  # third-party code, differs per machine
-_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,41 +61,8 @@ def _rows_of(dataset: datasets.IterableDataset) -> Iterator[dict]:
     yield from dataset
 
 
-def resolve_paths(patterns: list[str]) -> list[str]:
-    """Expand `data.paths` (files or globs, `**` allowed) into a de-duplicated ordered file list."""
-    if not patterns:
-        raise DataError("data.paths: none given; data.source=files needs at least one file or glob")
-    files: list[str] = []
-    for pattern in patterns:
-        expanded = str(Path(pattern).expanduser())
-        matches = sorted(p for p in glob.glob(expanded, recursive=True) if Path(p).is_file())
-        if not matches:
-            glob_in_dir = f"{pattern.rstrip('/')}/*.jsonl"
-            hint = f" (a directory: use a glob such as {glob_in_dir!r})" if Path(expanded).is_dir() else ""
-            raise DataError(f"data.paths: no file matches {pattern!r}{hint}")
-        files.extend(str(Path(p).resolve()) for p in matches)
-    return list(dict.fromkeys(files))
-
-
-def file_format(path: str) -> str:
-    """The `datasets` builder for a file, from its suffix (compressed files allowed)."""
-    name = path.lower()
-    for suffix in _COMPRESSION_SUFFIXES:
-        name = name.removesuffix(suffix)
-    fmt = _FORMATS.get(Path(name).suffix)
-    if fmt is None:
-        raise DataError(f"data.paths: unsupported file type {path!r} (use .jsonl, .json, .parquet or .txt)")
-    return fmt
-
-
 def _files_dataset(cfg: DataConfig) -> datasets.IterableDataset:
-    files = resolve_paths(cfg.paths)
-    formats = {file_format(f) for f in files}
-    if len(formats) > 1:
-        raise DataError(f"data.paths mixes file types ({', '.join(sorted(formats))}); use one type per run")
-    fmt = formats.pop()
-    for path in files:  # before the stream reaches them: one clear error, not a parser's traceback
-        check_file(path, fmt, cfg.text_field)
+    files, fmt = check_files(cfg)
     # A .txt file is one document (a book, a source file), not one document per line.
     extra = {"sample_by": "document"} if fmt == "text" else {}
     try:

@@ -14,8 +14,7 @@ from bad_files import BAD_FILES, write_bad_file
 
 from sparse_llm.config import DataConfig
 from sparse_llm.data import DataError, TokenStream, load_tokenizer
-from sparse_llm.data.file_check import HEAD_BYTES, check_file
-from sparse_llm.data.sources import file_format
+from sparse_llm.data.file_check import HEAD_BYTES, check_file, file_format
 
 
 def check(path: Path, text_field: str = "text") -> None:
