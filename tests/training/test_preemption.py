@@ -3,9 +3,9 @@ stops after the step in flight with a checkpoint (exit 75) that `train.resume=au
 bitwise; a second signal ends it at once. The signals come from a callback at a known step
 (callback_targets.SignalAt) or from outside, as a scheduler sends them. A fresh interpreter costs
 seconds of imports, so only what needs the process boundary runs in one (the exit status, the
-console, the second signal that ends the process); the other runs go through the command's entry
-point in this process (tests/in_process.py), where the trainer installs its handlers in the same
-way (pytest-xdist runs the tests in the main thread)."""
+console and its log, the second signal that ends the process); the other runs go through the
+command's entry point in this process (tests/in_process.py), where the trainer installs its
+handlers in the same way (pytest-xdist runs the tests in the main thread)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "sparse_llm.train", f"run_dir={run_dir}", *RUN, *overrides]
 
 
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def _start(run_dir: Path, *overrides: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen(
         _command(run_dir, *overrides),
-        cwd=REPO,
+        cwd=cwd,
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -76,21 +76,37 @@ def _stop_line(done: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.slow
 def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes_bitwise(tmp_path):
+    """The stopped process is also the test of the console: what a run logs (the run directory,
+    absolute, the FFN in words, the held-out losses, the stop) is on the console and in train.log,
+    other libraries' INFO lines are not, and the last line is the run directory."""
     run_dir = tmp_path / "preempted"
-    proc = _start(run_dir, _signal_at(3, "SIGTERM"))
-    assert run_module(_command(tmp_path / "straight")).returncode == 0  # while the process runs
+    evaluated = "train.eval_every=1"
+    # A relative run_dir (from the process's directory): the log and the last line name it absolute.
+    proc = _start(Path(run_dir.name), _signal_at(3, "SIGTERM"), evaluated, cwd=tmp_path)
+    assert run_module(_command(tmp_path / "straight", evaluated)).returncode == 0  # while the process runs
     stopped = _wait(proc)
     assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-2000:]
     assert "Traceback" not in stopped.stderr and "error" not in stopped.stderr
-    checkpoint = run_dir / "checkpoints" / "step_00000003"
-    assert _stop_line(stopped) == (
+    checkpoint = Path(run_dir.name) / "checkpoints" / "step_00000003"  # as the command named the run
+    stop = (
         f"SIGTERM: stopped after step 3 of {STEPS}, checkpoint {checkpoint}; continue with train.resume=auto"
     )
+    assert _stop_line(stopped) == stop
     assert stopped.stdout.splitlines()[-1] == f"run_dir: {run_dir}"
     assert _checkpoints(run_dir) == ["step_00000003"] and [r["step"] for r in _records(run_dir)] == [1, 2, 3]
-    # The stop is in train.log too, and the run made no export (it did not end).
-    assert _stop_line(stopped) in (run_dir / "train.log").read_text()
-    assert run_module(_command(run_dir, "train.resume=auto")).returncode == 0
+    logged = [line for line in stopped.stderr.splitlines() if line.startswith("[")]
+    assert all(re.match(r"\[[^]]+\]\[sparse_llm[.\w]*\]\[", line) for line in logged), logged
+    messages = [line.split(" - ", 1)[1] for line in logged]
+    assert messages[:2] == [
+        f"run directory: {run_dir}",
+        "FFN: dense (asked for); the sparse kernels need a Hopper GPU",
+    ]
+    evaluations = [re.fullmatch(r"step (\d): val_loss \d+\.\d{4}", m) for m in messages[2:-1]]
+    assert [m.group(1) for m in evaluations] == ["1", "2", "3"], messages
+    assert messages[-1] == stop
+    # The console's log is train.log, the stop included; the run made no export (it did not end).
+    assert (run_dir / "train.log").read_text().splitlines() == logged
+    assert run_module(_command(run_dir, evaluated, "train.resume=auto")).returncode == 0
     a, b = _records(tmp_path / "straight"), _records(run_dir)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b, strict=True):
