@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -142,6 +143,21 @@ def lm_eval_logging(verbose: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def machine_not_described() -> Iterator[None]:
+    """simple_evaluate ends by describing the machine in its output: torch's collect_env (~15
+    subprocesses: pip list, conda, nvidia-smi, gcc, ...; ~1.5 s of a core per evaluation, and every
+    in-loop evaluation of a training run) and the working directory's git hash. Nothing here reads
+    them: both are skipped while the block runs."""
+    import lm_eval.evaluator
+
+    with (
+        mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None),
+        mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None),
+    ):
+        yield
+
+
+@contextlib.contextmanager
 def preserved_rng(device: torch.device) -> Iterator[None]:
     """Python's, NumPy's and torch's global random states (the CPU's and `device`'s) restored on
     exit: lm-eval seeds all three, and a training run that evaluates must draw what it would have."""
@@ -166,10 +182,11 @@ def run_lm_eval(
     verbose: bool = False,
 ) -> dict[str, Any]:
     """lm-eval's `simple_evaluate` of the LM instance `lm` on `tasks`: its output as it gives it
-    (results per task; the per-request responses under "samples" with `log_samples`)."""
+    (results per task; the per-request responses under "samples" with `log_samples`), without the
+    machine's description (`machine_not_described`)."""
     from lm_eval import simple_evaluate
 
-    with lm_eval_logging(verbose):
+    with lm_eval_logging(verbose), machine_not_described():
         return simple_evaluate(
             model=lm,
             tasks=list(tasks),
