@@ -1,20 +1,15 @@
-"""benchmarks/ffn_bound.py: the threshold search of the lower bound, and the script end to end."""
+"""benchmarks/ffn_bound.py: the threshold search of the lower bound, and the script end to end (its
+main in this process; tests/benchmarks/test_scripts.py runs it as `python -m benchmarks.ffn_bound`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import ffn_bound as fb
 from benchmarks.common import make_workload
-
-REPO = Path(__file__).resolve().parents[2]
-MODULE = [sys.executable, "-m", "benchmarks.ffn_bound"]  # run from the repository root
 
 
 def test_bound_picks_the_cheapest_threshold_and_only_the_units_heavy_rows_use():
@@ -79,17 +74,7 @@ def test_ffn_bound_tiny_runs_end_to_end_with_measured_results(tmp_path):
     }
     measured.write_text(json.dumps({"results": [case]}))
     out, md = tmp_path / "bound.json", tmp_path / "bound.md"
-    cmd = [
-        *MODULE,
-        "--tiny",
-        "--measured",
-        str(measured),
-        "--json",
-        str(out),
-        "--md",
-        str(md),
-    ]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    fb.main(["--tiny", "--measured", str(measured), "--json", str(out), "--md", str(md)])
     rows = json.loads(out.read_text())["results"]
     assert [(r["nnz"], r["pass"]) for r in rows] == [
         (4, "forward"),
@@ -104,6 +89,7 @@ def test_ffn_bound_tiny_runs_end_to_end_with_measured_results(tmp_path):
 
 
 def test_ffn_bound_rejects_a_missing_results_file(tmp_path):
-    cmd = [*MODULE, "--tiny", "--measured", str(tmp_path / "none.json")]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert result.returncode != 0 and "no such results file" in result.stderr
+    # A SystemExit with a message: Python prints it on stderr and exits with status 1.
+    with pytest.raises(SystemExit) as done:
+        fb.main(["--tiny", "--measured", str(tmp_path / "none.json")])
+    assert isinstance(done.value.code, str) and "no such results file" in done.value.code
