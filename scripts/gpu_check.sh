@@ -29,6 +29,9 @@
 #                 PROFILE_STEPS (e.g. 700:702): every run profiles those steps on every rank
 #                 (benchmarks.step_profile: compute, exposed communication, idle) into
 #                 $OUT/profile_<run>; it slows them, so such runs' tokens/s are not figures of record.
+#                 OBJECT_STEPS (e.g. 100:380): the Python objects the run made between those steps, by
+#                 type (benchmarks.object_growth) into $OUT/objects_<run>. RUN_OVERRIDES: Hydra
+#                 overrides for every run (e.g. "train.fsdp_prefetch=2").
 #                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
@@ -180,8 +183,13 @@ whole_run() {
     names+=("$name")
     run=($PY -m benchmarks.whole_run --impl "$impl" --seed "$seed" --preset "$preset" --gpus "$gpus"
       --out-dir "$OUT" --run-dir "/tmp/$name" ${tag:+--tag "$tag"})
-    [ -z "${PROFILE_STEPS:-}" ] || run+=(--override "callbacks=[{_target_:benchmarks.step_profile.StepProfile,\
-first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}]")
+    local callbacks="" override
+    [ -z "${PROFILE_STEPS:-}" ] || callbacks="{_target_:benchmarks.step_profile.StepProfile,\
+first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}"
+    [ -z "${OBJECT_STEPS:-}" ] || callbacks="$callbacks${callbacks:+,}{_target_:benchmarks.object_growth.ObjectGrowth,\
+first:${OBJECT_STEPS%%:*},last:${OBJECT_STEPS##*:},out:$OUT/objects_$name}"
+    [ -z "$callbacks" ] || run+=(--override "callbacks=[$callbacks]")
+    for override in ${RUN_OVERRIDES:-}; do run+=(--override "$override"); done
     if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
       CUDA_VISIBLE_DEVICES=${visible[$gpu]} "${run[@]}" >"$OUT/$name.log" 2>&1 &
       gpu=$((gpu + 1))
