@@ -14,7 +14,7 @@ was all of the growth is not measured).
 So while `ScheduledCollection` is installed (the trainer's `fit`), automatic collection is off and
 every `every` steps each rank collects the young generations (0 and 1: what the last steps made;
 0.05-0.09 s on the 1b run, all ranks at once): garbage from a step is freed within `every` steps,
-and objects that outlive two collections (the model, compiled graphs) move to the oldest
+and objects that outlive a collection (the model, compiled graphs) move to the oldest
 generation, which is not walked again until the run ends and Python's automatic collection is back.
 """
 
