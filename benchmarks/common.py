@@ -542,6 +542,14 @@ def ffn_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
     return [torch.cat(rows) for rows in captured]
 
 
+def ffn_weights(mlp: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's FFN weights (gate [H, D], up [H, D], down [D, H]) as detached `dtype` tensors."""
+    return tuple(
+        w.detach().to(dtype).contiguous()
+        for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    )
+
+
 def gate_active(x: torch.Tensor, mlp: Any) -> torch.Tensor:
     """[M, H] bool: which of the layer's units fire (gate > 0) on each token of its FFN input x."""
     return x @ mlp.gate_proj.weight.to(x.dtype).T > 0

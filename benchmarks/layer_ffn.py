@@ -53,9 +53,7 @@ def time_layer(
     as a layer that falls back runs it) and ours, on its input x: the
     event-timed call from an idle GPU (`ms_*`) and, on a GPU, the time its kernels keep the GPU
     busy (`gpu_ms_*`; the difference is host-bound idle, which a model's step partly hides)."""
-    weights = [
-        w.detach().to(x.dtype) for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    ]
+    weights = common.ffn_weights(mlp, x.dtype)
     x = x.detach().requires_grad_(True)
     sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
     grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses

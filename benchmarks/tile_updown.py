@@ -271,10 +271,8 @@ def layer_cases(args: argparse.Namespace, device: torch.device) -> tuple[str, li
     model, inputs, text, _ = model_inputs(args, device)
     found = []
     for layer in args.layers if args.layers is not None else range(len(inputs)):
-        mlp = model.model.layers[layer].mlp
-        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        bf16 = tuple(w.detach().to(torch.bfloat16).contiguous() for w in weights)
-        found.append(({"layer": layer}, inputs[layer].to(torch.bfloat16), bf16))
+        weights = common.ffn_weights(model.model.layers[layer].mlp, torch.bfloat16)
+        found.append(({"layer": layer}, inputs[layer].to(torch.bfloat16), weights))
     return text, found
 
 
