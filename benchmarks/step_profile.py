@@ -11,13 +11,16 @@ phase on 2 GPUs:
 
 writes `<out>/step_profile_rank<r>_steps_<first>_<last>.txt` and `.json` (the split) and
 `trace_rank<r>_steps_<first>_<last>.json.gz`. Profiling slows the steps it covers; time runs
-without it. Profile steps between logging steps (e.g. 701-703 in a whole run, which logs every 20 steps): a logging
+without it. Kineto leaves CUPTI's callbacks installed after a profile unless TEARDOWN_CUPTI=1,
+which slowed every later step of a host-bound run by 12% (`benchmarks.profiler_teardown`), so the
+callback sets it where the environment does not. Profile steps between logging steps (e.g. 701-703 in a whole run, which logs every 20 steps): a logging
 step reads its scalars on the host, which drains the launch queue for the next step's start.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -40,6 +43,7 @@ class StepProfile(StepRangeCallback):
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize()
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")  # read by Kineto when the profile stops
         self._profiler = profile(activities=activities)
         self._profiler.start()
         self._started_at = time.perf_counter()

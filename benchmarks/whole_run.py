@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes (one GPU each); over 1: FSDP2 through accelerate launch, 8 sequences per GPU",
     )
     p.add_argument("--port", type=int, default=29500, help="with --gpus > 1: the launcher's rendezvous port")
+    p.add_argument(
+        "--launch-arg",
+        action="append",
+        default=[],
+        help="with --gpus > 1: an argument for accelerate launch, e.g. --launch-arg=--fsdp_reshard_after_forward=false",
+    )
     p.add_argument("--target-l0", type=float, default=30.0)
     p.add_argument(
         "--early-l0", type=float, default=60.0, help="the early phase ends when L0 first reaches this"
@@ -110,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.launch_arg and args.gpus == 1:
+        p.error("--launch-arg goes with --gpus > 1 (one GPU runs without accelerate launch)")
     if args.join is None and (args.impl is None or args.out_dir is None):
         p.error("give --impl and --out-dir for a run, or --join DENSE_JSON SPARSE_JSON")
     if args.aa is not None and args.join is None:
@@ -161,7 +169,7 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     if args.gpus == 1:
         return [sys.executable, "-m", "sparse_llm.train", *overrides]
     launch = ["--config_file", str(ACCELERATE_FSDP2), "--num_processes", str(args.gpus)]
-    launch += ["--main_process_port", str(args.port)]
+    launch += ["--main_process_port", str(args.port), *args.launch_arg]
     return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "sparse_llm.train", *overrides]
 
 

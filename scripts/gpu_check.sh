@@ -28,10 +28,13 @@
 #                 writing the blocks alive at the peak of each step range (benchmarks.memory_peak).
 #                 PROFILE_STEPS (e.g. 700:702): every run profiles those steps on every rank
 #                 (benchmarks.step_profile: compute, exposed communication, idle) into
-#                 $OUT/profile_<run>; it slows them, so such runs' tokens/s are not figures of record.
+#                 $OUT/profile_<run>; it slows them, and on a run bound by its host every step after them
+#                 (12% on 4 GPUs: profile the run's last steps, e.g. 783:785), so such runs' tokens/s are
+#                 not figures of record.
 #                 OBJECT_STEPS (e.g. 100:380): the Python objects the run made between those steps, by
 #                 type (benchmarks.object_growth) into $OUT/objects_<run>. RUN_OVERRIDES: Hydra
-#                 overrides for every run (e.g. "train.fsdp_prefetch=2").
+#                 overrides for every run (e.g. "train.fsdp_prefetch=2"). LAUNCH_ARGS: accelerate launch
+#                 arguments for every multi-GPU run (e.g. "--fsdp_reshard_after_forward=false").
 #                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
@@ -156,7 +159,7 @@ ab() {
 
 # ---- the whole run ------------------------------------------------------------------------------
 whole_run() {
-  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run visible suffix tag n
+  local rc=0 seed=${SEED:-0} preset=${PRESET:-1b} gpus=${GPUS:-1} gpu=0 impl name run visible suffix tag n launch_arg
   local -a names=()
   local -A runs=()  # the runs of each impl so far: a repeat is tagged run<N>
   # whole_run.py's run_name: the 1b preset, one GPU and seed 0 unmarked
@@ -190,6 +193,7 @@ first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}"
 first:${OBJECT_STEPS%%:*},last:${OBJECT_STEPS##*:},out:$OUT/objects_$name}"
     [ -z "$callbacks" ] || run+=(--override "callbacks=[$callbacks]")
     for override in ${RUN_OVERRIDES:-}; do run+=(--override "$override"); done
+    for launch_arg in ${LAUNCH_ARGS:-}; do run+=("--launch-arg=$launch_arg"); done
     if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
       CUDA_VISIBLE_DEVICES=${visible[$gpu]} "${run[@]}" >"$OUT/$name.log" 2>&1 &
       gpu=$((gpu + 1))

@@ -97,6 +97,23 @@ def test_multi_gpu_runs_launch_fsdp2_with_one_gpus_batch_on_each():
     config = Path(command[command.index("--config_file") + 1])
     assert config.is_file() and config.name == "fsdp2.yaml"
     assert command[command.index("--num_processes") + 1] == "2"
+    sharded = parse_args(
+        [
+            "--impl",
+            "auto",
+            "--gpus",
+            "4",
+            "--out-dir",
+            "/tmp/x",
+            "--launch-arg=--fsdp_reshard_after_forward=false",
+        ]
+    )
+    launched = train_command(sharded, overrides)
+    assert launched.index("--fsdp_reshard_after_forward=false") < launched.index("sparse_llm.train")
+    with pytest.raises(SystemExit):
+        parse_args(
+            ["--impl", "auto", "--out-dir", "/tmp/x", "--launch-arg=--fsdp_reshard_after_forward=false"]
+        )
     assert run_name(args) == "whole_run_auto_2b_2gpu"
     again = parse_args(["--impl", "dense", "--out-dir", "/tmp/x", "--tag", "run2"])
     assert run_name(again) == "whole_run_dense_run2"  # a repeat of an impl: the A/A pair's second run
