@@ -29,6 +29,7 @@ from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
 from sparse_llm.model.loss import linear_cross_entropy
 from sparse_llm.model.norm import RMSNorm
 from sparse_llm.model.rope import RotaryEmbedding
+from sparse_llm.ops.ffn.training import TrainCapacities
 from sparse_llm.ops.stack_layers import stack_layers
 
 
@@ -144,6 +145,13 @@ class SparseLlamaForCausalLM(nn.Module):
         """Per layer: whether its training FFN falls back to dense now (training state, saved in
         checkpoints; see model/ffn.py)."""
         return [bool(layer.ffn.dense_fallback) for layer in self.model.layers]
+
+    def ffn_capacity_overflows(self) -> int | None:
+        """Steps so far in which a layer's sparse training op overflowed a record capacity (summed over
+        layers; this process's own), or None where no layer takes the capacity path."""
+        states = [layer.ffn.train_capacities for layer in self.model.layers]
+        states = [s for s in states if s is not None]
+        return sum(TrainCapacities.overflows(s) for s in states) if states else None
 
     def set_ffn_dense_fallback(self, flags: Sequence[bool]) -> None:
         if len(flags) != len(self.model.layers):

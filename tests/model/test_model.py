@@ -444,3 +444,18 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
         wd_t = layer.mlp.down_t_cache.traced(torch.bfloat16, torch.device("cpu"))
         assert wd_t is not None and wd_t.dtype == torch.bfloat16 and wd_t.is_contiguous()
         assert torch.equal(wd_t, layer.mlp.down_proj.weight.t().to(torch.bfloat16))
+
+
+def test_capacity_overflows_sum_over_the_layers_on_the_capacity_path():
+    """The trainer's `ffn/capacity_overflows`: steps whose sparse op overflowed a record capacity, summed
+    over the layers that hold capacities (the CUDA training path); None where none does (CPU, dense)."""
+    from sparse_llm.ops.ffn.training import TrainCapacities
+
+    model = build_model(small_config())
+    assert model.ffn_capacity_overflows() is None
+    first, second = model.model.layers[0].ffn, model.model.layers[1].ffn
+    first.train_capacities, second.train_capacities = TrainCapacities.new(), TrainCapacities.new()
+    TrainCapacities.update(first.train_capacities, [100, 1, 100, 10])  # a fresh layer's first step
+    TrainCapacities.update(second.train_capacities, [100, 1, 100, 10])
+    TrainCapacities.update(second.train_capacities, [100, 90, 100, 10])  # heavy rows past the capacity
+    assert model.ffn_capacity_overflows() == 3

@@ -447,7 +447,7 @@ def test_capacity_block_matches_fp64_at_any_capacity(pattern, m, d, h, start):
     inputs = gpu_block_inputs(pattern, m, d, h, seed=m + d + h)
     capacities = TrainCapacities.new()
     if start == "small":
-        capacities[:] = torch.tensor([16, 1, 16])
+        TrainCapacities.capacities(capacities)[:] = torch.tensor([16, 1, 16])
     elif start == "roomy":
         r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
         outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
@@ -465,14 +465,16 @@ def test_capacity_path_sets_capacities_then_rebuilds_only_when_the_pattern_grows
     capacities = TrainCapacities.new()
     r = torch.randn(sparse[0].shape, device="cuda", dtype=torch.float64)
     outputs_and_grads(capacity_block(capacities), sparse, r, autocast_device="cuda")
-    assert len(rebuilds) == 1 and (capacities > 0).all()
+    assert len(rebuilds) == 1 and (TrainCapacities.capacities(capacities) > 0).all()
+    assert TrainCapacities.overflows(capacities) == 1
     fitted = capacities.clone()
     outputs_and_grads(capacity_block(capacities), sparse, r, autocast_device="cuda")
     assert len(rebuilds) == 1 and torch.equal(capacities, fitted)
     dense_rows = gpu_block_inputs("all_active", 1003, 256, 1000, seed=4)
     check_capacity_contract(dense_rows, capacities)
-    # Every row heavy now: the heavy capacities raised to fit (the light one, far too large, lowered).
+    # Every row heavy now: the heavy capacities raised to fit, the step counted as an overflow.
     assert len(rebuilds) == 2 and capacities[1] >= 1003 and capacities[2] > fitted[2]
+    assert TrainCapacities.overflows(capacities) == 2
 
 
 @pytest.mark.gpu

@@ -365,18 +365,36 @@ def test_capacity_ops_trace_under_fake_tensors():
 
 
 def test_train_capacities_grow_at_once_and_shrink_slowly():
-    """A layer's capacities fit the sizes just read with headroom, rounded to their granules, at
-    once; far larger ones come down a few percent a step, never below what the sizes need."""
-    capacities = TrainCapacities.new()
-    TrainCapacities.update(capacities, [10_000, 100, 20_000, 500])
-    assert capacities.tolist() == [16384, 128, 28672]
-    TrainCapacities.update(capacities, [12_000, 90, 19_000, 500])  # within the headroom: kept
-    assert capacities.tolist() == [16384, 128, 28672]
-    TrainCapacities.update(capacities, [13_200, 110, 30_000, 500])  # over: raised at once
-    assert capacities.tolist() == [20480, 192, 40960]
-    TrainCapacities.update(capacities, [100, 1, 100, 500])  # far too large: lowered a step
-    assert capacities.tolist() == [16384, 128, 36864]
+    """A layer's capacities fit the sizes just read with headroom, rounded up to their granules, at
+    once; when the sizes fall they come down a few percent a step, never below what the last step
+    needed; steps whose sizes were over a capacity are counted."""
+    state = TrainCapacities.new()
+    capacities = TrainCapacities.capacities
+    TrainCapacities.update(state, [10_000, 100, 20_000, 500])  # a fresh layer: every size overflows
+    assert capacities(state).tolist() == [16384, 128, 28672] and TrainCapacities.overflows(state) == 1
+    TrainCapacities.update(state, [12_000, 90, 19_000, 500])  # within the headroom: kept
+    assert capacities(state).tolist() == [16384, 128, 28672]
+    TrainCapacities.update(state, [13_200, 110, 30_000, 500])  # over: raised at once
+    assert capacities(state).tolist() == [20480, 192, 40960] and TrainCapacities.overflows(state) == 2
+    for _ in range(8):  # far too large: 3% lower a step (in whole granules)
+        TrainCapacities.update(state, [100, 1, 100, 500])
+    assert capacities(state).tolist() == [16384, 192, 32768]
     for _ in range(200):
-        TrainCapacities.update(capacities, [100, 1, 100, 500])
-    # Down to within twice what the sizes need (one granule each), no further.
-    assert capacities.tolist() == [8192, 128, 8192]
+        TrainCapacities.update(state, [100, 1, 100, 500])
+    # Down to one granule above what the sizes need, no further.
+    assert capacities(state).tolist() == [4096, 64, 4096] and TrainCapacities.overflows(state) == 2
+
+
+def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
+    """A sparse layer has a few heavy rows every 20 steps: after the first, none overflows; a
+    layer that stops having them drops their capacity to zero (no GEMMs to launch) within ~60 steps."""
+    state = TrainCapacities.new()
+    for step in range(200):
+        heavy = 12 if step % 20 == 0 else 0
+        TrainCapacities.update(state, [80_000, heavy, heavy * 300, 16384])
+        assert TrainCapacities.capacities(state)[1] == 64
+    assert TrainCapacities.overflows(state) == 1  # the fresh layer's first step
+    for _ in range(60):
+        TrainCapacities.update(state, [80_000, 0, 0, 16384])
+    # No heavy rows to compute (their entries' capacity the extension clamps to heavy rows x H).
+    assert TrainCapacities.capacities(state)[1] == 0
