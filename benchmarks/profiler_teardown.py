@@ -19,6 +19,9 @@ import subprocess
 import sys
 import time
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from benchmarks import common
 
 # How TEARDOWN_CUPTI is set: not at all, in the process's environment at its start, or by the
@@ -28,8 +31,6 @@ SETTINGS = ("not set", "at process start", "in process, before the profile")
 
 def launch_us(ops: int) -> float:
     """Host microseconds per launch of a small elementwise op (the GPU never the bound)."""
-    import torch
-
     x = torch.zeros(1024, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -42,9 +43,6 @@ def launch_us(ops: int) -> float:
 
 def measure_in_this_process(ops: int, repeats: int, set_teardown: bool) -> dict[str, float]:
     """Median launch time before a profile of a few ops and after it (the profile's own ops not timed)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     launch_us(ops)  # warm-up: CUDA context, caching allocator
     before = sorted(launch_us(ops) for _ in range(repeats))[repeats // 2]
     if set_teardown:
@@ -76,16 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
         if name == SETTINGS[1]:
             env["TEARDOWN_CUPTI"] = "1"
-        command = [
-            sys.executable,
-            "-m",
-            "benchmarks.profiler_teardown",
-            "--child",
-            name,
-            "--ops",
-            str(args.ops),
-        ]
-        command += ["--repeats", str(args.repeats)]
+        command = [sys.executable, "-m", "benchmarks.profiler_teardown", "--child", name]
+        command += ["--ops", str(args.ops), "--repeats", str(args.repeats)]
         out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         rows.append({"setting": name, **json.loads(out.strip().splitlines()[-1])})
     lines = [

@@ -18,6 +18,7 @@ layers' weights absorbs some).
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import re
@@ -54,11 +55,7 @@ def compute_stream_events(trace: dict) -> list[dict]:
     ]
     if not device:
         raise ValueError("the trace has no device events (was it recorded with CUDA activity?)")
-    counts: dict[object, int] = {}
-    for event in device:
-        stream = event.get("args", {}).get("stream")
-        counts[stream] = counts.get(stream, 0) + 1
-    busiest = max(counts, key=counts.__getitem__)
+    busiest = collections.Counter(e.get("args", {}).get("stream") for e in device).most_common(1)[0][0]
     return sorted((e for e in device if e.get("args", {}).get("stream") == busiest), key=lambda e: e["ts"])
 
 
@@ -67,11 +64,11 @@ def layer_segments(
 ) -> list[Segment]:
     """`events` cut at every attention kernel; what precedes the first mark is left out."""
     forward, backward, ffn = re.compile(forward_mark), re.compile(backward_mark), re.compile(FFN_KERNELS)
-    marks = [
-        (i, "F" if forward.search(e["name"]) else "B")
-        for i, e in enumerate(events)
-        if forward.search(e["name"]) or backward.search(e["name"])
-    ]
+
+    def pass_of(name: str) -> str | None:
+        return "F" if forward.search(name) else "B" if backward.search(name) else None
+
+    marks = [(i, kind) for i, e in enumerate(events) if (kind := pass_of(e["name"]))]
     segments = []
     for (start, first), (end, second) in itertools.pairwise(marks):
         inside = events[start:end]
