@@ -214,6 +214,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     "ce",
                     "peak_mem_gib",
                     "ffn_fallback/dense_layers",
+                    "ffn/capacity_overflows",
                     "gc_s",
                 )
             }
@@ -225,7 +226,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     path = args.out_dir / f"{run_name(args)}.json"
     path.write_text(json.dumps({"meta": meta, "results": [summary]}, indent=1) + "\n")
     print(
-        f"{args.impl}: {json.dumps({k: v for k, v in summary.items() if k not in ('series', 'overrides', 'heldout_layer_l0')})}"
+        f"{args.impl}: {json.dumps({k: v for k, v in summary.items() if k not in ('series', 'overrides', 'heldout_layer_l0', 'capacity_overflows_by')})}"
     )
     return summary
 
@@ -278,6 +279,12 @@ def summarize(
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in records),
         "flips": final.get("ffn_fallback/flips", 0.0),
         "capacity_overflows": final.get("ffn/capacity_overflows"),
+        # rank 0's, by size and by layer (which record runs out of room, where)
+        "capacity_overflows_by": {
+            k.removeprefix("ffn/capacity_overflows/"): v
+            for k, v in final.items()
+            if k.startswith("ffn/capacity_overflows/")
+        },
         "dense_layers_at_end": final.get("ffn_fallback/dense_layers", 0.0),
         "graphs": final.get("compile/graphs"),
         "recompiles": final.get("compile/recompiles"),

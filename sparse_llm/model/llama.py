@@ -146,12 +146,22 @@ class SparseLlamaForCausalLM(nn.Module):
         checkpoints; see model/ffn.py)."""
         return [bool(layer.ffn.dense_fallback) for layer in self.model.layers]
 
-    def ffn_capacity_overflows(self) -> int | None:
-        """Steps so far in which a layer's sparse training op overflowed a record capacity (summed over
-        layers; this process's own), or None where no layer takes the capacity path."""
-        states = [layer.ffn.train_capacities for layer in self.model.layers]
-        states = [s for s in states if s is not None]
-        return sum(TrainCapacities.overflows(s) for s in states) if states else None
+    def ffn_capacity_overflows(self) -> dict[str, float]:
+        """This process's steps so far in which a layer's sparse training op overflowed a record
+        capacity: `ffn/capacity_overflows` (summed over layers), then by size and by layer; empty
+        where no layer takes the capacity path."""
+        states = {i: layer.ffn.train_capacities for i, layer in enumerate(self.model.layers)}
+        states = {i: s for i, s in states.items() if s is not None}
+        if not states:
+            return {}
+        out = {"ffn/capacity_overflows": float(sum(TrainCapacities.overflows(s) for s in states.values()))}
+        for name in TrainCapacities.SIZE_NAMES:
+            count = sum(TrainCapacities.overflows_by_size(s)[name] for s in states.values())
+            out[f"ffn/capacity_overflows/{name}"] = float(count)
+        width = len(str(len(self.model.layers) - 1))
+        for i, s in states.items():
+            out[f"ffn/capacity_overflows/layer_{i:0{width}d}"] = float(TrainCapacities.overflows(s))
+        return out
 
     def set_ffn_dense_fallback(self, flags: Sequence[bool]) -> None:
         if len(flags) != len(self.model.layers):

@@ -318,9 +318,8 @@ class Trainer:
                 record.update(self.sparsity.summary())
                 if self.ffn_fallback is not None:
                     record.update(self.ffn_fallback.metrics())
-                overflows = self.model.ffn_capacity_overflows()
-                if overflows is not None:  # steps whose sparse op rebuilt a record (this rank's)
-                    record["ffn/capacity_overflows"] = float(overflows)
+                # Steps whose sparse op rebuilt a record (this rank's), by size and layer.
+                record.update(self.model.ffn_capacity_overflows())
                 window_start, window_tokens = time.perf_counter(), 0
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             self.callbacks.on_step_end(self, self.step, record)

@@ -448,14 +448,19 @@ def test_prepare_inference_makes_wd_t_only_where_the_kernels_run():
 
 def test_capacity_overflows_sum_over_the_layers_on_the_capacity_path():
     """The trainer's `ffn/capacity_overflows`: steps whose sparse op overflowed a record capacity, summed
-    over the layers that hold capacities (the CUDA training path); None where none does (CPU, dense)."""
+    over the layers that hold capacities (the CUDA training path), then by size and by layer; nothing
+    where none does (CPU, dense)."""
     from sparse_llm.ops.ffn.training import TrainCapacities
 
     model = build_model(small_config())
-    assert model.ffn_capacity_overflows() is None
+    assert model.ffn_capacity_overflows() == {}
     first, second = model.model.layers[0].ffn, model.model.layers[1].ffn
     first.train_capacities, second.train_capacities = TrainCapacities.new(), TrainCapacities.new()
     TrainCapacities.update(first.train_capacities, [100, 1, 100, 10])  # a fresh layer's first step
     TrainCapacities.update(second.train_capacities, [100, 1, 100, 10])
     TrainCapacities.update(second.train_capacities, [100, 90, 100, 10])  # heavy rows past the capacity
-    assert model.ffn_capacity_overflows() == 3
+    metrics = model.ffn_capacity_overflows()
+    assert metrics["ffn/capacity_overflows"] == 3
+    assert metrics["ffn/capacity_overflows/light_entries"] == 2
+    assert metrics["ffn/capacity_overflows/heavy_rows"] == 3
+    assert metrics["ffn/capacity_overflows/layer_0"] == 1 and metrics["ffn/capacity_overflows/layer_1"] == 2

@@ -378,27 +378,29 @@ class TrainCapacities:
     """A layer's record capacities for the capacity path, as host state: a CPU int64 tensor whose
     first three values are the capacities the forward op reads (light entries, heavy rows, heavy
     entries), then each capacity's envelope (the most a recent step needed, with headroom and
-    rounded up to the granule, forgotten by 3% a step), then the number of the layer's steps that
-    overflowed a capacity.
+    rounded up to the granule, forgotten by 1% a step), then the number of the layer's steps that
+    overflowed any capacity, then how many overflowed each one.
 
     The backward sets them from the sizes it read: an envelope rises at once to what the step
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
-    layer whose heavy rows come and go (a handful every few dozen steps) keeps room for them. (The
-    decayed capacity used to be rounded down to its granule, which took a one-granule heavy-row
-    capacity to zero at the first step without heavy rows: 5 overflows in 3 steps on one rank of a
-    4-GPU run, each 0.6-0.8 ms of the overflow kernel in the forward and an exact rebuild of the
-    records, with a host read, in the backward.) A fresh tensor is zero: the first step overflows
-    (its backward reads the sizes once, exactly)."""
+    layer whose heavy rows come and go keeps room for them. Room is cheap (the light record is cut
+    from a buffer of M x threshold entries, the heavy GEMMs are a few dozen rows) and an overflow is
+    not (the overflow kernel in the forward, an exact rebuild of the records with a host read in the
+    backward), so the headroom is wide and the decay slow: a size that peaks every 40 steps (light
+    entries) or every 69 (the heavy rows' sizes, which vary most) finds room each time. (With 25%
+    headroom and a 3% decay a 1b run on one H100 overflowed 692 layer-steps in 800.) A fresh tensor
+    is zero: the first step overflows (its backward reads the sizes once, exactly)."""
 
-    HEADROOM = 1.25
-    # Integer decay: an envelope of one heavy-row granule (64) reaches zero in ~55 steps without
+    SIZE_NAMES = ("light_entries", "heavy_rows", "heavy_entries")
+    HEADROOM = (1.5, 2.0, 2.0)
+    # Integer decay: an envelope of one heavy-row granule (64) reaches zero in 64 steps without
     # heavy rows, so a layer that never has them stops launching their GEMMs.
-    DECAY_PERCENT = 97
+    DECAY_PERCENT = 99
     GRANULES = (4096, 64, 4096)  # rounding of each capacity (64: the heavy GEMMs' row granule)
     SIZES = 3  # capacities, then as many envelopes
-    OVERFLOWS = 2 * SIZES  # the field counting overflowed steps
-    FIELDS = OVERFLOWS + 1
+    OVERFLOWS = 2 * SIZES  # steps that overflowed any capacity, then each capacity's count
+    FIELDS = OVERFLOWS + 1 + SIZES
 
     @classmethod
     def new(cls) -> torch.Tensor:
@@ -411,7 +413,14 @@ class TrainCapacities:
 
     @classmethod
     def overflows(cls, state: torch.Tensor) -> int:
+        """Steps in which some size was over its capacity."""
         return int(state[cls.OVERFLOWS])
+
+    @classmethod
+    def overflows_by_size(cls, state: torch.Tensor) -> dict[str, int]:
+        """Steps in which each size (SIZE_NAMES) was over its capacity."""
+        counts = state[cls.OVERFLOWS + 1 :].tolist()
+        return dict(zip(cls.SIZE_NAMES, counts, strict=True))
 
     @classmethod
     def update(cls, state: torch.Tensor, sizes: Sequence[int]) -> None:
@@ -419,10 +428,13 @@ class TrainCapacities:
         # Written through numpy: every forward saves this tensor for its backward, and a torch
         # in-place write would bump the version that a pending backward checks it against.
         values = state.numpy()
-        if any(int(size) > int(values[i]) for i, size in enumerate(sizes[: cls.SIZES])):
-            values[cls.OVERFLOWS] += 1
-        for i, (size, granule) in enumerate(zip(sizes[: cls.SIZES], cls.GRANULES, strict=True)):
-            need = -(-int(size * cls.HEADROOM) // granule) * granule
+        over = [int(size) > int(values[i]) for i, size in enumerate(sizes[: cls.SIZES])]
+        values[cls.OVERFLOWS] += any(over)
+        values[cls.OVERFLOWS + 1 :] += over
+        for i, (size, headroom, granule) in enumerate(
+            zip(sizes[: cls.SIZES], cls.HEADROOM, cls.GRANULES, strict=True)
+        ):
+            need = -(-int(size * headroom) // granule) * granule
             envelope = max(need, int(values[cls.SIZES + i]) * cls.DECAY_PERCENT // 100)
             values[cls.SIZES + i] = envelope
             values[i] = -(-envelope // granule) * granule

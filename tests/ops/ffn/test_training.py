@@ -365,36 +365,42 @@ def test_capacity_ops_trace_under_fake_tensors():
 
 
 def test_train_capacities_grow_at_once_and_shrink_slowly():
-    """A layer's capacities fit the sizes just read with headroom, rounded up to their granules, at
-    once; when the sizes fall they come down a few percent a step, never below what the last step
-    needed; steps whose sizes were over a capacity are counted."""
+    """A layer's capacities fit the sizes just read with headroom (1.5x light entries, 2x the heavy
+    rows' sizes), rounded up to their granules, at once; when the sizes fall they come down 1% a
+    step, never below what the last step needed; steps whose sizes were over a capacity are
+    counted, in all and by size."""
     state = TrainCapacities.new()
     capacities = TrainCapacities.capacities
     TrainCapacities.update(state, [10_000, 100, 20_000, 500])  # a fresh layer: every size overflows
-    assert capacities(state).tolist() == [16384, 128, 28672] and TrainCapacities.overflows(state) == 1
-    TrainCapacities.update(state, [12_000, 90, 19_000, 500])  # within the headroom: kept
-    assert capacities(state).tolist() == [16384, 128, 28672]
-    TrainCapacities.update(state, [13_200, 110, 30_000, 500])  # over: raised at once
-    assert capacities(state).tolist() == [20480, 192, 40960] and TrainCapacities.overflows(state) == 2
-    for _ in range(8):  # far too large: 3% lower a step (in whole granules)
+    assert capacities(state).tolist() == [16384, 256, 40960] and TrainCapacities.overflows(state) == 1
+    TrainCapacities.update(state, [10_500, 110, 19_000, 500])  # within the headroom: kept
+    assert capacities(state).tolist() == [16384, 256, 40960]
+    TrainCapacities.update(state, [17_000, 300, 30_000, 500])  # two sizes over: raised at once
+    assert capacities(state).tolist() == [28672, 640, 61440] and TrainCapacities.overflows(state) == 2
+    assert TrainCapacities.overflows_by_size(state) == {
+        "light_entries": 2,
+        "heavy_rows": 2,
+        "heavy_entries": 1,
+    }
+    for _ in range(30):  # far too large: 1% lower a step (in whole granules)
         TrainCapacities.update(state, [100, 1, 100, 500])
-    assert capacities(state).tolist() == [16384, 192, 32768]
-    for _ in range(200):
+    assert capacities(state).tolist() == [24576, 512, 49152]
+    for _ in range(1000):
         TrainCapacities.update(state, [100, 1, 100, 500])
     # Down to one granule above what the sizes need, no further.
     assert capacities(state).tolist() == [4096, 64, 4096] and TrainCapacities.overflows(state) == 2
 
 
 def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
-    """A sparse layer has a few heavy rows every 20 steps: after the first, none overflows; a
-    layer that stops having them drops their capacity to zero (no GEMMs to launch) within ~60 steps."""
+    """A sparse layer has a few heavy rows every 60 steps: after the first, none overflows; a
+    layer that stops having them drops their capacity to zero (no GEMMs to launch) within 64 steps."""
     state = TrainCapacities.new()
-    for step in range(200):
-        heavy = 12 if step % 20 == 0 else 0
+    for step in range(400):
+        heavy = 12 if step % 60 == 0 else 0
         TrainCapacities.update(state, [80_000, heavy, heavy * 300, 16384])
         assert TrainCapacities.capacities(state)[1] == 64
     assert TrainCapacities.overflows(state) == 1  # the fresh layer's first step
-    for _ in range(60):
+    for _ in range(64):
         TrainCapacities.update(state, [80_000, 0, 0, 16384])
     # No heavy rows to compute (their entries' capacity the extension clamps to heavy rows x H).
     assert TrainCapacities.capacities(state)[1] == 0
