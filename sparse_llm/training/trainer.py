@@ -182,8 +182,9 @@ class Trainer:
             set_fsdp2_prefetch(self.prepared_model, t.fsdp_prefetch)
         if t.compile:  # each decoder layer and the head, in place (model/compiling.py)
             compile_model(self.prepared_model)
-        # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints.
-        self.sharded = self.world_size > 1 and ckpt_io.is_sharded(self.model)
+        # FSDP2 (configs/accelerate/fsdp2.yaml): DTensor parameters, sharded checkpoints; on one
+        # process too (`accelerate launch --num_processes 1` keeps FSDP2's DTensors).
+        self.sharded = ckpt_io.is_sharded(self.model)
 
         self.sparsity = SparsityMonitor(
             num_layers=cfg.model.num_hidden_layers,
