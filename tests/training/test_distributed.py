@@ -729,7 +729,10 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
 
 
 if __name__ == "__main__":
-    _run_ranks(Path(sys.argv[1])) if os.environ["WORLD_SIZE"] == "2" else _run_one_rank(Path(sys.argv[1]))
+    if os.environ["WORLD_SIZE"] == "1":
+        _run_one_rank(Path(sys.argv[1]))
+    else:
+        _run_ranks(Path(sys.argv[1]))
     # Rank 0 ends as rank 1 does, without the interpreter's teardown (~2 s of a core after torch,
     # accelerate and a process group): everything the tests read is written.
     sys.stdout.flush()
