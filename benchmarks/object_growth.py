@@ -9,7 +9,8 @@ Added to any run from the command line (steps are 1-based, inclusive):
 
 writes `<out>/object_growth_steps_<first>_<last>.md` (and `.json`): the tracked objects at each end,
 and per type the count at each end and the growth a step, and for the types that grew the most,
-what holds one of them (its chain of referrers: which cache, list or object keeps them alive).
+what holds one of them (its chain of referrers: which cache, list or object keeps them alive; a
+tuple by the types it holds) and one of them as its repr shows it.
 Objects that outlive every step and accumulate are what a full garbage collection walks more of as
 a run goes on (training/garbage.py), and a run's host memory; each count runs a full collection
 first (a second or so on a 1b run), so time runs without it.
@@ -28,6 +29,8 @@ from benchmarks.step_range import StepRangeCallback
 TOP_TYPES = 25
 HELD_TYPES = 3  # the fastest-growing types whose holders are traced
 HOLDER_DEPTH = 8
+TUPLE_ITEMS = 4  # a tuple holder is described by the types of its first items
+SAMPLE_CHARS = 240  # of one object's repr
 
 
 def tracked_objects_by_type() -> collections.Counter[str]:
@@ -40,6 +43,9 @@ def _describe(holder: object, held: object) -> str:
     """A referrer by its type; a dict also by its owner (whose attributes it is) or the key that
     holds `held`."""
     name = type(holder).__qualname__
+    if isinstance(holder, tuple):  # a cache key's shape shows in what it holds
+        kinds = ", ".join(type(item).__qualname__ for item in holder[:TUPLE_ITEMS])
+        return f"tuple of {len(holder)} ({kinds}{', ...' if len(holder) > TUPLE_ITEMS else ''})"
     if isinstance(holder, dict):
         owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
         if owners:
@@ -50,13 +56,25 @@ def _describe(holder: object, held: object) -> str:
     return name
 
 
-def holder_chain(type_name: str, depth: int = HOLDER_DEPTH) -> str:
-    """What keeps an object of `type_name` alive: the last such object the collector tracks, then its
-    referrers one by one (the first that is neither a frame nor already on the chain), by type."""
+def _newest(type_name: str) -> object | None:
+    """The last object of `type_name` the collector tracks (among the newest made)."""
     target = None
     for obj in gc.get_objects():
         if type(obj).__qualname__ == type_name:
             target = obj
+    return target
+
+
+def sample(type_name: str) -> str:
+    """One object of `type_name`, as its repr shows it (its shape, its fields), cut short."""
+    target = _newest(type_name)
+    return "" if target is None else repr(target)[:SAMPLE_CHARS]
+
+
+def holder_chain(type_name: str, depth: int = HOLDER_DEPTH) -> str:
+    """What keeps an object of `type_name` alive: the last such object the collector tracks, then its
+    referrers one by one (the first that is neither a frame nor already on the chain), by type."""
+    target = _newest(type_name)
     if target is None:
         return ""
     chain, on_chain, current = [type_name], {id(target)}, target
@@ -100,7 +118,9 @@ class ObjectGrowth(StepRangeCallback):
             for name in grown
         ]
         for row in rows[:HELD_TYPES]:
-            row["held_by"] = holder_chain(row["type"]) if row["per_step"] > 0 else ""
+            grew = row["per_step"] > 0
+            row["held_by"] = holder_chain(row["type"]) if grew else ""
+            row["sample"] = sample(row["type"]) if grew else ""
         total_before, total_after = sum(self._before.values()), sum(after.values())
         lines = [
             f"# Python objects the collector tracks, before step {self.first} and after step {self.last}\n",
@@ -112,6 +132,10 @@ class ObjectGrowth(StepRangeCallback):
             "What holds one of each of the fastest-growing types (its referrers, nearest first):",
             "",
             *(f"- {r['held_by']}" for r in rows[:HELD_TYPES] if r.get("held_by")),
+            "",
+            "One of each (its repr):",
+            "",
+            *(f"- {r['type']}: `{r['sample']}`" for r in rows[:HELD_TYPES] if r.get("sample")),
         ]
         self.out.mkdir(parents=True, exist_ok=True)
         name = f"object_growth_steps_{self.first}_{self.last}"

@@ -15,6 +15,9 @@ from sparse_llm.training.trainer import Trainer
 class Kept:
     """What the leaking callback keeps, 50 a step (the run's fastest-growing type)."""
 
+    def __repr__(self) -> str:
+        return "Kept(by the callback)"
+
 
 class KeepOneAStep(Callback):
     def __init__(self) -> None:
@@ -38,3 +41,11 @@ def test_the_type_a_run_keeps_making_is_counted_and_traced_to_its_holder(tmp_pat
     chain = kept["held_by"].split(" <- ")
     assert chain[:2] == ["Kept", "list"] and chain[2] in ("KeepOneAStep", "dict (attributes of KeepOneAStep)")
     assert "- Kept <- list <- " in (out / "object_growth_steps_2_4.md").read_text()
+    assert kept["sample"] == "Kept(by the callback)"
+
+
+def test_a_tuple_holder_is_described_by_what_it_holds():
+    from benchmarks.object_growth import _describe
+
+    key = (Kept(), 1.5, "a", None, 7)
+    assert _describe(key, key[0]) == "tuple of 5 (Kept, float, str, NoneType, ...)"
