@@ -45,6 +45,7 @@ from sparse_llm.sparsity import L1Controller, SparsityMonitor, l1_coefficient, l
 from sparse_llm.training import checkpoint as ckpt_io
 from sparse_llm.training.callbacks import Callback, CallbackList, default_callbacks
 from sparse_llm.training.determinism import set_determinism
+from sparse_llm.training.dtensor_leak import fix_dtensor_op_schema_leak
 from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.garbage import ScheduledCollection
@@ -175,6 +176,8 @@ class Trainer:
         # `model` and `optimizer` are the plain objects (what callbacks and checkpoints see);
         # the prepared ones may be wrapped for data parallelism and mixed precision.
         self.model, self.optimizer = model, optimizer
+        if self.accelerator.is_fsdp2:
+            fix_dtensor_op_schema_leak()  # FSDP2's objects piling up a step on torch 2.10-2.12
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
