@@ -279,6 +279,11 @@ def summarize(
         "peak_mem_gib": max(r.get("peak_mem_gib", 0.0) for r in records),
         "flips": final.get("ffn_fallback/flips", 0.0),
         "capacity_overflows": final.get("ffn/capacity_overflows"),
+        "capacity_overflows_steady": (
+            final["ffn/capacity_overflows"] - by_step[steady_from]["ffn/capacity_overflows"]
+            if "ffn/capacity_overflows" in final and "ffn/capacity_overflows" in by_step[steady_from]
+            else None
+        ),
         # rank 0's, by size and by layer (which record runs out of room, where)
         "capacity_overflows_by": {
             k.removeprefix("ffn/capacity_overflows/"): v
@@ -440,6 +445,7 @@ TABLE_ROWS = (
     ("graphs compiled after the first step", "recompiles", ".0f", "", "", False),
     ("fallback flips", "flips", ".0f", "", "", False),
     ("steps a layer's record overflowed its capacity (rank 0)", "capacity_overflows", ".0f", "", "", False),
+    ("of them in the steady phase", "capacity_overflows_steady", ".0f", "", "", False),
     ("layers running dense at the end", "dense_layers_at_end", ".0f", "", "", False),
     ("final held-out loss", "final_val_loss", ".4f", "final_loss_ratio", ".4f", False),
     ("L0 of the final weights, held-out text", "heldout_l0", ".2f", "", "", False),

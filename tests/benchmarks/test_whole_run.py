@@ -18,8 +18,15 @@ def test_summarize_reads_phases_from_the_timed_records():
     tokens = 100
     records = [
         {"step": 1, "elapsed_s": 10.0, "l0/mean": 500.0, "peak_mem_gib": 3.0},
-        {"step": 5, "elapsed_s": 14.0, "l0/mean": 80.0, "peak_mem_gib": 5.0},
-        {"step": 9, "elapsed_s": 16.0, "l0/mean": 50.0, "peak_mem_gib": 4.0, "compile/recompiles": 1.0},
+        {"step": 5, "elapsed_s": 14.0, "l0/mean": 80.0, "peak_mem_gib": 5.0, "ffn/capacity_overflows": 18.0},
+        {
+            "step": 9,
+            "elapsed_s": 16.0,
+            "l0/mean": 50.0,
+            "peak_mem_gib": 4.0,
+            "compile/recompiles": 1.0,
+            "ffn/capacity_overflows": 19.0,
+        },
         {
             "step": 13,
             "elapsed_s": 17.0,
@@ -28,6 +35,8 @@ def test_summarize_reads_phases_from_the_timed_records():
             "val_loss": 2.5,
             "ffn_fallback/flips": 3.0,
             "compile/recompiles": 1.0,
+            "ffn/capacity_overflows": 20.0,
+            "ffn/capacity_overflows/heavy_rows": 2.0,
         },
     ]
     got = summarize(records, early_l0=60, steady_steps=8, tokens_per_step=tokens)
@@ -36,6 +45,9 @@ def test_summarize_reads_phases_from_the_timed_records():
     assert got["steady_tokens_per_s"] == pytest.approx(8 * tokens / 3.0)
     assert got["peak_mem_gib"] == 5.0 and got["flips"] == 3.0 and got["recompiles"] == 1.0
     assert got["final_val_loss"] == 2.5
+    # Overflowed layer-steps: in all, in the steady phase (steps 5-13), and by size.
+    assert got["capacity_overflows"] == 20.0 and got["capacity_overflows_steady"] == 2.0
+    assert got["capacity_overflows_by"] == {"heavy_rows": 2.0}
     with pytest.raises(ValueError, match=r"multiple of train\.log_every"):
         summarize(records, early_l0=60, steady_steps=7, tokens_per_step=tokens)
 
