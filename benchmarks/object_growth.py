@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import reprlib
 import types
 from typing import Any
 
@@ -65,19 +66,20 @@ def _newest(type_name: str) -> object | None:
     return target
 
 
-def sample(type_name: str) -> str:
-    """One object of `type_name`, as its repr shows it (its shape, its fields), cut short."""
-    target = _newest(type_name)
-    return "" if target is None else repr(target)[:SAMPLE_CHARS]
+def sample(target: object) -> str:
+    """An object as its repr shows it (its shape, its fields), bounded as it is built."""
+    shown = reprlib.Repr()  # (its limits set one by one: Python 3.11 takes none in the constructor)
+    shown.maxstring = shown.maxother = SAMPLE_CHARS
+    try:
+        return shown.repr(target)[:SAMPLE_CHARS]
+    except Exception as err:  # a broken __repr__ must not end the run's callback
+        return f"<repr failed: {err!r}>"
 
 
-def holder_chain(type_name: str, depth: int = HOLDER_DEPTH) -> str:
-    """What keeps an object of `type_name` alive: the last such object the collector tracks, then its
-    referrers one by one (the first that is neither a frame nor already on the chain), by type."""
-    target = _newest(type_name)
-    if target is None:
-        return ""
-    chain, on_chain, current = [type_name], {id(target)}, target
+def holder_chain(target: object, depth: int = HOLDER_DEPTH) -> str:
+    """What keeps `target` alive: its referrers one by one (the first that is neither a frame nor
+    already on the chain), by type."""
+    chain, on_chain, current = [type(target).__qualname__], {id(target)}, target
     for _ in range(depth):
         referrers = [
             r
@@ -118,9 +120,10 @@ class ObjectGrowth(StepRangeCallback):
             for name in grown
         ]
         for row in rows[:HELD_TYPES]:
-            grew = row["per_step"] > 0
-            row["held_by"] = holder_chain(row["type"]) if grew else ""
-            row["sample"] = sample(row["type"]) if grew else ""
+            target = _newest(row["type"]) if row["per_step"] > 0 else None
+            row["held_by"] = holder_chain(target) if target is not None else ""
+            row["sample"] = sample(target) if target is not None else ""
+            del target  # not a referrer of the next type's objects
         total_before, total_after = sum(self._before.values()), sum(after.values())
         lines = [
             f"# Python objects the collector tracks, before step {self.first} and after step {self.last}\n",

@@ -14,6 +14,7 @@ eager decode runs uncaptured.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -155,9 +156,12 @@ class SparseLlamaForCausalLM(nn.Module):
         if not states:
             return {}
         out = {"ffn/capacity_overflows": float(sum(TrainCapacities.overflows(s) for s in states.values()))}
-        for name in TrainCapacities.SIZE_NAMES:
-            count = sum(TrainCapacities.overflows_by_size(s)[name] for s in states.values())
-            out[f"ffn/capacity_overflows/{name}"] = float(count)
+        by_size = collections.Counter()
+        for s in states.values():
+            by_size.update(TrainCapacities.overflows_by_size(s))
+        out.update(
+            {f"ffn/capacity_overflows/{name}": float(by_size[name]) for name in TrainCapacities.SIZE_NAMES}
+        )
         width = len(str(len(self.model.layers) - 1))
         for i, s in states.items():
             out[f"ffn/capacity_overflows/layer_{i:0{width}d}"] = float(TrainCapacities.overflows(s))

@@ -109,6 +109,11 @@ def set_fsdp2_prefetch(model: torch.nn.Module, ahead: int) -> None:
 
 
 class Trainer:
+    """One training run: its model, data, optimizer, sparsity control, checkpoints and logs.
+
+    Under FSDP2 on torch 2.11-2.12 building one also patches torch for the rest of the process
+    (training/dtensor_leak.py: DTensor's operator keys computed in Python, where torch's leak)."""
+
     def __init__(self, cfg: RunConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> None:
         t = cfg.train
         device = _select_device(t.device)
@@ -177,7 +182,7 @@ class Trainer:
         # the prepared ones may be wrapped for data parallelism and mixed precision.
         self.model, self.optimizer = model, optimizer
         if self.accelerator.is_fsdp2:
-            fix_dtensor_op_schema_leak()  # FSDP2's objects piling up a step on torch 2.10-2.12
+            fix_dtensor_op_schema_leak()  # FSDP2's objects piling up a step on torch 2.11-2.12
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)

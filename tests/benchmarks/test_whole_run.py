@@ -45,7 +45,8 @@ def test_summarize_reads_phases_from_the_timed_records():
     assert got["steady_tokens_per_s"] == pytest.approx(8 * tokens / 3.0)
     assert got["peak_mem_gib"] == 5.0 and got["flips"] == 3.0 and got["recompiles"] == 1.0
     assert got["final_val_loss"] == 2.5
-    # Overflowed layer-steps: in all, in the steady phase (steps 5-13), and by size.
+    # Overflowed layer-steps: in all, in the steady phase (steps 6-13: step 5's record holds step 5),
+    # and by size.
     assert got["capacity_overflows"] == 20.0 and got["capacity_overflows_steady"] == 2.0
     assert got["capacity_overflows_by"] == {"heavy_rows": 2.0}
     with pytest.raises(ValueError, match=r"multiple of train\.log_every"):

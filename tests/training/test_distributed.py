@@ -404,12 +404,17 @@ def _run_ranks(out: Path) -> None:
 
 def _run_one_rank(out: Path) -> None:
     """The trainer under FSDP2 in a process group of one (`accelerate launch --num_processes 1`
-    keeps FSDP2's DTensor parameters): a run killed after its checkpoint and resumed."""
+    keeps FSDP2's DTensor parameters): an uninterrupted run, and one killed after its checkpoint and
+    resumed."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     _force_accelerate_fsdp2()
-    torch.save(record_killed_and_resumed(out / "resumed", fsdp2_run_config), out / "fsdp2_one_rank.pt")
+    results = {
+        "straight": record_run(fsdp2_run_config(out / "straight")),
+        "resumed": record_killed_and_resumed(out / "resumed", fsdp2_run_config),
+    }
+    torch.save(results, out / "fsdp2_one_rank.pt")
     dist.destroy_process_group()
 
 
@@ -432,6 +437,7 @@ def _launch(script_args: list[str], timeout: float = 600, world_size: int = 2) -
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
+        # One rank's own; _run_ranks sets each of its two ranks' after the fork.
         **({"RANK": "0", "LOCAL_RANK": "0"} if world_size == 1 else {}),
     }
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
@@ -728,6 +734,29 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
     assert resumed_alone["data_state"] == straight["data_state"]
 
 
+@pytest.mark.slow
+def test_trainer_under_fsdp2_on_one_process_checkpoints_and_resumes(tmp_path):
+    """FSDP2 on one process (DTensor parameters, a group of one) writes sharded checkpoints and
+    resumes them bitwise; its steps are the plain single-process run's to round-off. (Its checkpoint
+    once took the unsharded path and failed on the DTensors.)"""
+    _launch([str(tmp_path)], world_size=1)
+    runs = torch.load(tmp_path / "fsdp2_one_rank.pt", weights_only=True)
+    straight, resumed = runs["straight"], runs["resumed"]
+    step_dir = tmp_path / "resumed" / "checkpoints" / f"step_{MAX_STEPS:08d}"
+    assert sorted(p.name for p in (step_dir / "sharded").glob("*.distcp")) == ["__0_0.distcp"]
+    assert resumed["steps"] == straight["steps"][KILL_AT:]
+    for part in ("model", "optimizer"):
+        for name, tensor in straight[part].items():
+            assert torch.equal(resumed[part][name], tensor), (part, name)
+    single = record_run(fsdp2_run_config(tmp_path / "single"))
+    for r1, r2 in zip(straight["steps"], single["steps"], strict=True):
+        for key in ("ce", "l1", "loss", "val_loss"):
+            if key in r2:
+                assert _close(r1[key], r2[key]), (r2["step"], key, r1[key], r2[key])
+    for name, tensor in single["model"].items():
+        torch.testing.assert_close(straight["model"][name], tensor, **TOL, msg=name)
+
+
 if __name__ == "__main__":
     if os.environ["WORLD_SIZE"] == "1":
         _run_one_rank(Path(sys.argv[1]))
@@ -738,22 +767,3 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-@pytest.mark.slow
-def test_trainer_under_fsdp2_on_one_process_checkpoints_and_resumes(tmp_path):
-    """FSDP2 on one process (DTensor parameters, a group of one) writes sharded checkpoints and
-    resumes them bitwise; its steps are the plain single-process run's to round-off. (Its checkpoint
-    once took the unsharded path and failed on the DTensors: the run's last checkpoint lost.)"""
-    _launch([str(tmp_path)], world_size=1)
-    resumed = torch.load(tmp_path / "fsdp2_one_rank.pt", weights_only=True)
-    step_dir = tmp_path / "resumed" / "checkpoints" / f"step_{MAX_STEPS:08d}"
-    assert sorted(p.name for p in (step_dir / "sharded").glob("*.distcp")) == ["__0_0.distcp"]
-    single = record_run(fsdp2_run_config(tmp_path / "single"))
-    assert [r["step"] for r in resumed["steps"]] == list(range(KILL_AT + 1, MAX_STEPS + 1))
-    for r1, r2 in zip(resumed["steps"], single["steps"][KILL_AT:], strict=True):
-        for key in ("ce", "l1", "loss", "val_loss"):
-            if key in r2:
-                assert _close(r1[key], r2[key]), (r2["step"], key, r1[key], r2[key])
-    for name, tensor in single["model"].items():
-        torch.testing.assert_close(resumed["model"][name], tensor, **TOL, msg=name)

@@ -387,10 +387,12 @@ class TrainCapacities:
     layer whose heavy rows come and go keeps room for them. Room is cheap (the light record is cut
     from a buffer of M x threshold entries, the heavy GEMMs are a few dozen rows) and an overflow is
     not (the overflow kernel in the forward, an exact rebuild of the records with a host read in the
-    backward), so the headroom is wide and the decay slow: a size that peaks every 40 steps (light
-    entries) or every 69 (the heavy rows' sizes, which vary most) finds room each time. (With 25%
-    headroom and a 3% decay a 1b run on one H100 overflowed 692 layer-steps in 800.) A fresh tensor
-    is zero: the first step overflows (its backward reads the sizes once, exactly)."""
+    backward), so the headroom is wide and the decay slow: a size that peaks every ~40 steps (light
+    entries) or every 64 (a handful of heavy rows: one granule, its envelope down by one a step)
+    finds room each time. (With 25% headroom and a 3% decay a 1b run on one H100 overflowed 692
+    layer-steps in 800.) A fresh tensor is zero: the first step overflows (its backward reads the
+    sizes once, exactly). A "step" here is one backward of the layer, a micro-batch where a step
+    accumulates several; the state is not checkpointed (a resumed run starts from zero)."""
 
     SIZE_NAMES = ("light_entries", "heavy_rows", "heavy_entries")
     HEADROOM = (1.5, 2.0, 2.0)
@@ -427,6 +429,8 @@ class TrainCapacities:
         """Set the next step's capacities from the sizes a step's forward wrote (the first three)."""
         # Written through numpy: every forward saves this tensor for its backward, and a torch
         # in-place write would bump the version that a pending backward checks it against.
+        if len(sizes) < cls.SIZES:
+            raise ValueError(f"need the forward's {cls.SIZES} record sizes, got {list(sizes)}")
         values = state.numpy()
         over = [int(size) > int(values[i]) for i, size in enumerate(sizes[: cls.SIZES])]
         values[cls.OVERFLOWS] += any(over)
