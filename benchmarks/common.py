@@ -308,12 +308,19 @@ def memory_peak_table(trace: list[dict[str, Any]], rows: int = 25) -> str:
 
 
 def write_report(
-    text: str, meta: dict[str, Any], rows: list[dict], json_path: Path | None, md_path: Path | None
+    text: str,
+    meta: dict[str, Any],
+    rows: list[dict],
+    json_path: Path | None,
+    md_path: Path | None,
+    headline: dict[str, Any] | None = None,
 ) -> None:
-    """Print the Markdown `text`; write {"meta", "results"} as JSON and the text as Markdown where asked."""
+    """Print the Markdown `text`; write {**headline, "meta", "results"} as JSON (`headline`: the
+    figures a reader looks up first, at the top level) and the text as Markdown where asked."""
     print(text)
     if json_path:
-        json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+        report = {**(headline or {}), "meta": meta, "results": rows}
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
     if md_path:
         md_path.write_text(text)
 

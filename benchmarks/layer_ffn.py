@@ -15,6 +15,14 @@ step's FFNs cost and where the trainer's dense fallback (`model.ffn_dense_above`
 the totals give the sum over layers with every layer sparse, with the trainer's rule, and with
 the faster of the two in each layer. Every timed call reads the next of `--sets` copies of the
 layer's weights, as in a model with many layers (no call finds them in L2).
+
+`--synthetic 30 60 120` adds `benchmarks/ffn.py`'s synthetic workload at those non-zeros a token,
+at the model's sizes and token count, timed the same way: the real layers beside the synthetic
+patterns in one report. The JSON's top level holds `busy_speedup` (on a GPU: the GPU busy time
+summed over the model's layers, dense over ours in every layer) and `speedup` (the same with
+event-timed calls), the figures of issue 50; `synthetic` holds the synthetic rows.
+
+    python -m benchmarks.layer_ffn --model runs/sparse_1b --synthetic 30 60 120 --json ffn_layer_mix_h100.json
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sets", type=int, default=3, help="copies of a layer's weights the timed calls rotate")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--synthetic",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also the synthetic workload at these non-zeros a token",
+    )
     return parse_model_args(p, argv)
 
 
@@ -47,13 +62,16 @@ def rotating(fn: Callable, sets: list[tuple[torch.Tensor, ...]]) -> Callable[[],
 
 
 def time_layer(
-    x: torch.Tensor, mlp: Any, args: argparse.Namespace, dense: Callable, ours: Callable
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    args: argparse.Namespace,
+    dense: Callable,
+    ours: Callable,
 ) -> dict[str, float]:
-    """Milliseconds of one training call of the layer's FFN, dense (also recomputed in the backward,
-    as a layer that falls back runs it) and ours, on its input x: the
+    """Milliseconds of one training call of an FFN with `weights` (Wg, Wu, Wd), dense (also
+    recomputed in the backward, as a layer that falls back runs it) and ours, on its input x: the
     event-timed call from an idle GPU (`ms_*`) and, on a GPU, the time its kernels keep the GPU
     busy (`gpu_ms_*`; the difference is host-bound idle, which a model's step partly hides)."""
-    weights = common.ffn_weights(mlp, x.dtype)
     x = x.detach().requires_grad_(True)
     sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
     grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses
@@ -108,7 +126,7 @@ def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
         if f"{prefix}_ours" in sums:
             lines.append(
                 f"Sum over layers, {what} ms: dense {sums[f'{prefix}_dense']:.2f}; ours in every layer "
-                f"{sums[f'{prefix}_ours']:.2f}; the trainer's rule (dense recomputed over "
+                f"{sums[f'{prefix}_ours']:.2f} (dense / ours {sums[f'{prefix}_dense'] / sums[f'{prefix}_ours']:.2f}x); the trainer's rule (dense recomputed over "
                 f"{meta['dense_above_units']:g} units, model.ffn_dense_above) {sums[f'{prefix}_trainer_rule']:.2f}; "
                 f"the faster of those in each layer {sums[f'{prefix}_best_per_layer']:.2f}."
             )
@@ -128,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dense = torch.compile(dense_train, dynamic=False) if device.type == "cuda" else dense_train
     ours = train_ours(impl, args.heavy_threshold)
     for row, x, mlp in zip(rows, inputs, mlps, strict=True):
-        row.update(time_layer(x, mlp, args, dense, ours))
+        row.update(time_layer(x, common.ffn_weights(mlp, x.dtype), args, dense, ours))
+    synthetic = [synthetic_row(nnz, inputs[0], model.config, args, dense, ours) for nnz in args.synthetic]
     cfg = model.config
     meta = common.run_meta(
         device,
@@ -146,8 +165,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda":
         sums |= totals(rows, cfg.intermediate_size, cfg.ffn_dense_above, prefix="gpu_ms")
     meta["totals"] = sums
-    common.write_report(markdown(meta, rows, sums), meta, rows, args.json, args.md)
+    headline = {"speedup": sums["ms_dense"] / sums["ms_ours"]}
+    if "gpu_ms_ours" in sums:
+        headline["busy_speedup"] = sums["gpu_ms_dense"] / sums["gpu_ms_ours"]
+    text = markdown(meta, rows, sums) + synthetic_markdown(synthetic)
+    common.write_report(text, meta, rows, args.json, args.md, headline | {"synthetic": synthetic})
     return rows
+
+
+def synthetic_row(
+    nnz: float, like: torch.Tensor, cfg: Any, args: argparse.Namespace, dense: Callable, ours: Callable
+) -> dict[str, float]:
+    """`benchmarks/ffn.py`'s workload at `nnz` non-zeros a token, at the model's sizes and `like`'s
+    token count and dtype, timed as a layer is; with the L0 it has."""
+    w = common.make_workload(
+        like.shape[0], cfg.hidden_size, cfg.intermediate_size, nnz, device=like.device, dtype=like.dtype
+    )
+    l0 = (w.x @ w.wg.T > 0).sum(-1).float().mean().item()
+    return {"nnz": nnz, "l0": l0, **time_layer(w.x, (w.wg, w.wu, w.wd), args, dense, ours)}
+
+
+def synthetic_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    gpu = "gpu_ms_ours" in rows[0]
+    lines = [
+        "",
+        "The synthetic workload (`benchmarks/ffn.py`) at the model's sizes and token count:",
+        "",
+        "| non-zeros a token | L0 | dense ms | ours ms | dense / ours |"
+        + (" dense GPU busy ms | ours GPU busy ms | busy dense / ours |" if gpu else ""),
+        "|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['nnz']:g} | {r['l0']:.1f} | {r['ms_dense']:.3f} | {r['ms_ours']:.3f} | "
+            f"{r['ms_dense'] / r['ms_ours']:.2f}x |"
+            + (
+                f" {r['gpu_ms_dense']:.3f} | {r['gpu_ms_ours']:.3f} | {r['gpu_ms_dense'] / r['gpu_ms_ours']:.2f}x |"
+                if gpu
+                else ""
+            )
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

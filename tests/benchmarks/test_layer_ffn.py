@@ -41,7 +41,8 @@ def test_totals_apply_the_trainers_rule_and_the_best_per_layer():
 
 @pytest.mark.slow
 def test_tiny_end_to_end(tmp_path):
-    rows = main(["--tiny", "--warmup", "1", "--reps", "1", "--sets", "2", "--json", str(tmp_path / "r.json")])
+    args = ["--tiny", "--warmup", "1", "--reps", "1", "--sets", "2", "--synthetic", "8", "30"]
+    rows = main([*args, "--json", str(tmp_path / "r.json"), "--md", str(tmp_path / "r.md")])
     assert [r["layer"] for r in rows] == list(range(RANDOM_TINY["num_hidden_layers"]))
     assert all(
         r["ms_dense"] > 0 and r["ms_dense_recomputed"] > 0 and r["ms_ours"] > 0 and r["l0"] > 0 for r in rows
@@ -49,3 +50,12 @@ def test_tiny_end_to_end(tmp_path):
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["meta"]["impl"] == "reference" and written["meta"]["totals"]["ms_dense"] > 0
     assert "gpu_ms_ours" not in rows[0]  # GPU busy time is measured on a GPU only
+    # The headline at the top level (busy_speedup on a GPU only), and the synthetic rows at the
+    # asked non-zeros (the workload's calibration lands near them).
+    totals_ = written["meta"]["totals"]
+    assert written["speedup"] == pytest.approx(totals_["ms_dense"] / totals_["ms_ours"])
+    assert "busy_speedup" not in written
+    synthetic = written["synthetic"]
+    assert [r["nnz"] for r in synthetic] == [8, 30] and synthetic[0]["l0"] < synthetic[1]["l0"]
+    assert all(r["ms_dense"] > 0 and r["ms_ours"] > 0 for r in synthetic)
+    assert "| 30 |" in (tmp_path / "r.md").read_text()
