@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.config import ModelConfig
+from sparse_llm.metric_keys import layer_metric
 from sparse_llm.model.attention import Attention
 from sparse_llm.model.ffn import FFNBlock, FFNPlan, FFNStats, GatedMLP
 from sparse_llm.model.kv_cache import ColumnWriteCache, KVCache
@@ -162,9 +163,9 @@ class SparseLlamaForCausalLM(nn.Module):
         out.update(
             {f"ffn/capacity_overflows/{name}": float(by_size[name]) for name in TrainCapacities.SIZE_NAMES}
         )
-        width = len(str(len(self.model.layers) - 1))
+        num_layers = len(self.model.layers)
         for i, s in states.items():
-            out[f"ffn/capacity_overflows/layer_{i:0{width}d}"] = float(TrainCapacities.overflows(s))
+            out[layer_metric("ffn/capacity_overflows", i, num_layers)] = float(TrainCapacities.overflows(s))
         return out
 
     def set_ffn_dense_fallback(self, flags: Sequence[bool]) -> None:

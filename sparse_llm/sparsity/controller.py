@@ -66,6 +66,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparse_llm.config import SparsityConfig
+from sparse_llm.metric_keys import layer_metric
 from sparse_llm.sparsity.penalty import l1_coefficient
 
 EPS_FRACTION = 0.01  # eps of the update rule, as a share of the target
@@ -115,8 +116,9 @@ class L1Controller:
         """`l1_coeff/layer_NN` for every layer (per_layer only; named like the sparsity metrics)."""
         if not self.per_layer:
             return {}
-        width = max(2, len(str(self.num_layers - 1)))
-        return {f"l1_coeff/layer_{i:0{width}d}": c for i, c in enumerate(self.coefficients(step))}
+        return {
+            layer_metric("l1_coeff", i, self.num_layers): c for i, c in enumerate(self.coefficients(step))
+        }
 
     def reinit_revived_units(self, completed_steps: int) -> None:
         """A dead-unit reinit after `completed_steps` optimizer steps revived units: their burst of

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_llm.metric_keys import layer_metric
 from sparse_llm.model import FFNStats
 from sparse_llm.run_files import NNZ_HIST_FILE
 from sparse_llm.sparsity.dead import DeadUnitTracker
@@ -159,10 +160,9 @@ class SparsityMonitor:
         for name in ("sparsity", "l0", "l1", "dead", "nnz_p50", "nnz_p99"):
             metrics[f"{name}/mean"] = per_layer[name].mean().item()
         metrics["nnz_max/max"] = per_layer["nnz_max"].max().item()
-        width = max(2, len(str(self.num_layers - 1)))
         for name, values in per_layer.items():
             for layer, value in enumerate(values.tolist()):
-                metrics[f"{name}/layer_{layer:0{width}d}"] = value
+                metrics[layer_metric(name, layer, self.num_layers)] = value
 
         self._last_window_hist = hist
         self._window_l1.zero_()

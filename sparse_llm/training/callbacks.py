@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_llm.config import ConfigError, DownstreamEvalConfig, RunConfig
+from sparse_llm.metric_keys import layer_metric
 from sparse_llm.sparsity.reinit import reinit_dead_units
 
 
@@ -101,9 +102,8 @@ class DeadUnitReinitCallback(Callback):
         if revived and trainer.l1_controller is not None:  # the controller holds through the burst
             trainer.l1_controller.reinit_revived_units(step)
         metrics["reinit/revived"] = float(revived)
-        width = max(2, len(str(dead.shape[0] - 1)))
         for layer, count in enumerate(dead.sum(-1).tolist()):
-            metrics[f"reinit/revived/layer_{layer:0{width}d}"] = float(count)
+            metrics[layer_metric("reinit/revived", layer, dead.shape[0])] = float(count)
 
 
 class DownstreamEvalCallback(Callback):

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Sequence
 
 from sparse_llm.config import ModelConfig
+from sparse_llm.metric_keys import layer_metric
 from sparse_llm.model import SparseLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,7 @@ class DensityFallback:
         `ffn_fallback/switches` (since the last call) and `ffn_fallback/flips` (since the process
         started); starts a new window."""
         flags = self.model.ffn_dense_fallback()
-        width = max(2, len(str(len(flags) - 1)))
-        out = {f"ffn_fallback/layer_{i:0{width}d}": float(f) for i, f in enumerate(flags)}
+        out = {layer_metric("ffn_fallback", i, len(flags)): float(f) for i, f in enumerate(flags)}
         out["ffn_fallback/dense_layers"] = float(sum(flags))
         out["ffn_fallback/switches"] = float(self._window_flips)
         out["ffn_fallback/flips"] = float(self.flips)

@@ -463,4 +463,4 @@ def test_capacity_overflows_sum_over_the_layers_on_the_capacity_path():
     assert metrics["ffn/capacity_overflows"] == 3
     assert metrics["ffn/capacity_overflows/light_entries"] == 2
     assert metrics["ffn/capacity_overflows/heavy_rows"] == 3
-    assert metrics["ffn/capacity_overflows/layer_0"] == 1 and metrics["ffn/capacity_overflows/layer_1"] == 2
+    assert metrics["ffn/capacity_overflows/layer_00"] == 1 and metrics["ffn/capacity_overflows/layer_01"] == 2
