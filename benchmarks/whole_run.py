@@ -124,6 +124,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--aa goes with --join")
     if args.tiny:
         args.steady_steps = min(args.steady_steps, 4)
+    if args.join is None:
+        # The steady phase starts at a logged step, or the summary has no record to start from.
+        shape = TINY if args.tiny else FULL
+        steps, log_every = args.steps or shape["steps"], shape["log_every"]
+        if not 0 < args.steady_steps < steps or (steps - args.steady_steps) % log_every:
+            p.error(
+                f"--steps {steps} minus --steady-steps {args.steady_steps} must be a positive multiple "
+                f"of the runs' log_every ({log_every}), where the steady phase starts"
+            )
     return args
 
 

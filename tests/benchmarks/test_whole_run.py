@@ -134,6 +134,16 @@ def test_multi_gpu_runs_launch_fsdp2_with_one_gpus_batch_on_each():
     assert train_command(one, [])[1:] == ["-m", "sparse_llm.train"] and run_name(one) == "whole_run_dense"
 
 
+def test_a_steady_phase_that_starts_between_logged_steps_is_refused_before_the_run(capsys):
+    # 450 steps logged every 20: step 350 has no record, which the summary found only after the run.
+    with pytest.raises(SystemExit):
+        parse_args(["--impl", "auto", "--out-dir", "/tmp/x", "--steps", "450", "--steady-steps", "100"])
+    assert "multiple of the runs' log_every (20)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--impl", "auto", "--out-dir", "/tmp/x", "--steps", "400", "--steady-steps", "400"])
+    assert parse_args(["--impl", "auto", "--out-dir", "/tmp/x", "--steps", "450", "--steady-steps", "50"])
+
+
 def test_scaling_against_one_gpu_uses_the_medians_of_each_side():
     def pair(dense: float, sparse: float, gpus: int) -> dict:
         return {
