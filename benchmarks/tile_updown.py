@@ -15,7 +15,9 @@ the per-entry reads the op pays at every density.
 On the synthetic workload of `benchmarks/ffn.py`, or with `--model` on a trained model's layers
 (their FFN inputs from one forward over held-out text, or those `row_density.py --save-inputs`
 kept: `--inputs`), per case: the error of y against float64 next to the dense bf16 path's, and the
-GPU time of the plan (the tiles' unions, with torch ops), the two kernels, the op's whole forward
+GPU time of the plan (the tiles' unions, with torch ops), the two kernels, the package's plan on the
+device (`ops.ffn.tile_plan`: two CUDA kernels, no host read) and the two kernels driven by it (a
+slot of H units a tile; the y it gives must equal the other plan's), the op's whole forward
 (`ffn_forward_train`) and its forward less the gate GEMM, and the dense up/down.
 """
 
@@ -31,6 +33,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
+from sparse_llm.ops.ffn.tile_plan import tile_union_plan
 
 try:
     import triton
@@ -55,6 +58,20 @@ class TilePlan:
     starts: torch.Tensor  # int32 [tiles + 1], multiples of block_u
     counts: torch.Tensor  # int32 [tiles]
     max_blocks: int  # the most blocks a tile has (the launch grid's second dimension)
+
+
+def slot_plan(g: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
+    """The plan of the package's `tile_union_plan` (on the device, no host read): tile t's units in
+    a slot of H entries, so its blocks start at t * H and the grid covers H / block_u blocks a tile,
+    those past the tile's count returning at once."""
+    m, hidden = g.shape
+    if m % tile or hidden % block_u:
+        raise ValueError(
+            f"M = {m} and H = {hidden} must be multiples of the tile ({tile}) and block ({block_u})"
+        )
+    units, counts = tile_union_plan(g, tile)
+    starts = torch.arange(0, (len(counts) + 1) * hidden, hidden, dtype=torch.int32, device=g.device)
+    return TilePlan(tile, block_u, units.view(-1), starts, counts, hidden // block_u)
 
 
 def tile_plan(active: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
@@ -182,6 +199,8 @@ def bench_case(
     wdt = wd.T.contiguous()
     plan = tile_plan(gs > 0, tile, block_u)
     y = tile_updown(xs, wu, wdt, gs, plan, block_n)
+    slots = slot_plan(gs, tile, block_u)
+    same_units_y = torch.equal(tile_updown(xs, wu, wdt, gs, slots, block_n), y)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
     ours = train_ours("cuda", heavy_threshold)
@@ -197,6 +216,11 @@ def bench_case(
         "err_dense_bf16": rel_err64(ops.ffn_forward_reference(x, wg, wu, wd), x, wg, wu, wd),
         "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile, block_u), reps),
         "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan, block_n), reps),
+        "ms_plan_kernels": common.gpu_busy_ms(lambda: tile_union_plan(gs, tile), reps),
+        "ms_tile_kernels_slots": common.gpu_busy_ms(
+            lambda: tile_updown(xs, wu, wdt, gs, slots, block_n), reps
+        ),
+        "slot_plan_same_y": same_units_y,
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
         "ms_dense_updown": common.gpu_busy_ms(lambda: (torch.relu(g) * (x @ wu.T)) @ wd.T, reps),
         "ms_op_forward": common.gpu_busy_ms(lambda: ours(x, wg, wu, wd), reps),
@@ -214,15 +238,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"commit `{meta['commit']}`, {meta['date']}; {workload}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
         "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
         "| layer | nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | "
-        "tile kernels | op forward | op forward less the gate | dense up/down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tile kernels | plan, kernels | tile kernels, slots | op forward | op forward less the gate | "
+        "dense up/down |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['block_n']} | {r['sorted']} | "
             f"{r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
-            f"{r['ms_tile_kernels']:.3f} | {r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
+            f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
+            f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | "
+            f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
         )
     return "\n".join(lines) + "\n"

@@ -268,11 +268,12 @@ void kv_cache_write_rope_columns(at::Tensor& k_cache, at::Tensor& v_cache, int64
 }  // namespace
 
 // The training ops (train_bindings.cpp), the loss's (loss_bindings.cpp), the activation counts
-// (counts_bindings.cpp) and the decode FFN (decode_bindings.cpp).
+// (counts_bindings.cpp), the decode FFN (decode_bindings.cpp) and design 2's tile plan (tile_bindings.cpp).
 void register_train_ops(pybind11::module_& m);
 void register_decode_ops(pybind11::module_& m);
 void register_loss_ops(pybind11::module_& m);
 void register_count_ops(pybind11::module_& m);
+void register_tile_ops(pybind11::module_& m);
 
 // Every function goes through guarded (errors.h): a failed check raises a Python exception.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -297,4 +298,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_loss_ops(m);
   register_count_ops(m);
   register_decode_ops(m);
+  register_tile_ops(m);
 }

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from benchmarks.tile_updown import layer_cases, tile_plan, tile_updown, tile_updown_reference
+from benchmarks.tile_updown import layer_cases, slot_plan, tile_plan, tile_updown, tile_updown_reference
 
 
 def _active(m: int, h: int, seed: int) -> torch.Tensor:
@@ -60,15 +60,26 @@ def test_the_tile_computation_equals_the_dense_up_down():
     torch.testing.assert_close(tile_updown_reference(x, wu, wd, g, plan), want)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize(("tile", "block_u", "block_n"), [(64, 64, 128), (128, 64, 128), (128, 128, 64)])
-def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n):
-    """The Triton kernels against the PyTorch tile computation on fresh inputs: tiles with no unit,
-    with every unit, with one, and random ones (bf16, the same roundings: equal up to the float32
-    sums' order)."""
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    m, d, h = 4 * tile, 256, 300
+def test_the_devices_slot_plan_holds_the_same_units_as_the_packed_plan():
+    gen = torch.Generator().manual_seed(2)
+    m, d, h = 32, 16, 128
+    x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    g = x @ wg.T - 1.0
+    g[:8] = -1.0
+    slots, packed = slot_plan(g, tile=8, block_u=64), tile_plan(g > 0, tile=8, block_u=64)
+    assert slots.starts.tolist() == [0, 128, 256, 384, 512] and slots.max_blocks == 2
+    assert torch.equal(slots.counts, packed.counts)
+    assert torch.equal(
+        tile_updown_reference(x, wu, wd, g, slots), tile_updown_reference(x, wu, wd, g, packed)
+    )
+    with pytest.raises(ValueError, match="multiples of the tile"):
+        slot_plan(g[:, :96], tile=8, block_u=64)
+
+
+def _patterned_inputs(tile: int, h: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    m, d = 4 * tile, 256
     x, wg, wu = (torch.randn(*s, generator=gen, device="cuda") for s in ((m, d), (h, d), (h, d)))
     wd = torch.randn(d, h, generator=gen, device="cuda") / h**0.5
     x, wg, wu, wd = (t.to(torch.bfloat16) for t in (x, wg / d**0.5, wu / d**0.5, wd))
@@ -77,6 +88,30 @@ def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n
     g[tile : 2 * tile] = g[tile : 2 * tile].abs() + 0.1  # every unit
     g[2 * tile : 3 * tile] = -1.0
     g[2 * tile + 5, 17] = 1.0  # one unit, one token
+    return x, wu, wd, g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the device plan's CUDA kernels need a Hopper GPU",
+)
+@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
+def test_the_devices_slot_plan_drives_the_kernels_to_the_same_y(tile, block_u):
+    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
+    wdt = wd.T.contiguous()
+    packed = tile_updown(x, wu, wdt, g, tile_plan(g > 0, tile, block_u))
+    assert torch.equal(tile_updown(x, wu, wdt, g, slot_plan(g, tile, block_u)), packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("tile", "block_u", "block_n"), [(64, 64, 128), (128, 64, 128), (128, 128, 64)])
+def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n):
+    """The Triton kernels against the PyTorch tile computation on fresh inputs: tiles with no unit,
+    with every unit, with one, and random ones (bf16, the same roundings: equal up to the float32
+    sums' order)."""
+    x, wu, wd, g = _patterned_inputs(tile, h=300, seed=torch.seed() % 2**31)
     plan = tile_plan(g > 0, tile, block_u)
     got = tile_updown(x, wu, wd.T.contiguous(), g, plan, block_n)
     want = tile_updown_reference(x, wu, wd, g, plan)

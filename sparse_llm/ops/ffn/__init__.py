@@ -9,4 +9,5 @@ reference   the pure-PyTorch reference of both: the CPU path and the test oracle
 twell       the TwELL activation format in PyTorch
 checks      the input checks every implementation shares
 relu_gate   the dense FFN's gate product with its sparsity statistics, in one pass
+tile_plan   design 2's plan: each token tile's union of active units, on the device
 """

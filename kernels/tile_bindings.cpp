@@ -1,0 +1,42 @@
+// Torch binding of design 2's plan (tile_plan.cuh): each tile's union of active units, from g.
+#include <tuple>
+
+#include "tile_plan.cuh"
+#include "torch_glue.h"
+
+namespace {
+
+// (units [tiles, H] int32: tile t's active units ascending in its first counts[t] entries,
+//  counts [tiles] int32) of g: [M, H] bf16, tiles of `tile` rows (the last possibly short).
+std::tuple<at::Tensor, at::Tensor> tile_union_plan(const at::Tensor& g, int64_t tile) {
+  sparse_llm_glue::check_matrix(g, "g");
+  const int64_t rows = g.size(0), hidden = g.size(1);
+  SL_CHECK_ARG(hidden % 32 == 0 && hidden <= sparse_llm::kTilePlanMaxHidden,
+               "g must have a multiple of 32 columns, at most ", sparse_llm::kTilePlanMaxHidden, ", got ", hidden);
+  SL_CHECK_ARG(tile > 0 && tile % sparse_llm::kTilePlanRowsPerCta == 0,
+               "tile must be a positive multiple of ", sparse_llm::kTilePlanRowsPerCta, ", got ", tile);
+  const c10::cuda::CUDAGuard guard(g.device());
+  const int64_t tiles = (rows + tile - 1) / tile;
+  at::Tensor bits = at::zeros({tiles, hidden / 32}, g.options().dtype(at::kInt));
+  at::Tensor units = at::empty({tiles, hidden}, g.options().dtype(at::kInt));
+  at::Tensor counts = at::empty({tiles}, g.options().dtype(at::kInt));
+  uint32_t* bit_words = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
+  const cudaStream_t stream = sparse_llm_glue::current_stream();
+  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_bits(sparse_llm_glue::bf16_ptr(g), rows,
+                                                                 static_cast<int>(hidden), static_cast<int>(tile),
+                                                                 bit_words, stream),
+                              "tile_union_bits");
+  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_compact(bit_words, tiles, static_cast<int>(hidden),
+                                                                    units.data_ptr<int32_t>(),
+                                                                    counts.data_ptr<int32_t>(), stream),
+                              "tile_union_compact");
+  return {units, counts};
+}
+
+}  // namespace
+
+void register_tile_ops(pybind11::module_& m) {
+  m.def("tile_union_plan", sparse_llm_glue::guarded<&tile_union_plan>,
+        "(units [tiles, H] int32, counts [tiles] int32): each tile of `tile` rows' units with g > 0 on any "
+        "of its rows, ascending, on the device");
+}

@@ -1,0 +1,31 @@
+// Design 2's plan (docs/kernels.md, design review part 3): for every tile of `tile` consecutive rows of
+// g, the union of the units active (g > 0) on any of its rows, built on the device in two launches
+// with no host read. Plain CUDA C++: no torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace sparse_llm {
+
+// Rows a CTA of the bits kernel reads (a warp a row): a tile must be a multiple of it, so that a
+// CTA's rows lie in one tile and it ORs its words into global memory once.
+constexpr int kTilePlanRowsPerCta = 8;
+// The widest g: one 32-unit word a unit group in shared memory (6 KiB).
+constexpr int kTilePlanMaxHidden = 49152;
+
+// bits[t, w] |= bit u % 32 of every unit u = 32 w + b active on a row of tile t (rows t * tile ...
+// (t + 1) * tile - 1, the last tile possibly short). g: [rows, hidden] bf16 row-major, 16-byte
+// aligned; hidden % 32 == 0, hidden <= kTilePlanMaxHidden; tile % kTilePlanRowsPerCta == 0; bits:
+// [ceil(rows / tile), hidden / 32] uint32, zeroed by the caller. NaN is not active.
+cudaError_t launch_tile_union_bits(const __nv_bfloat16* g, int64_t rows, int hidden, int tile, uint32_t* bits,
+                                   cudaStream_t stream);
+
+// From those bits: units[t * hidden + i] for i < counts[t] = tile t's active units, ascending (the
+// rest of its slot unwritten). units: [tiles, hidden] int32; counts: [tiles] int32.
+cudaError_t launch_tile_union_compact(const uint32_t* bits, int64_t tiles, int hidden, int32_t* units,
+                                      int32_t* counts, cudaStream_t stream);
+
+}  // namespace sparse_llm

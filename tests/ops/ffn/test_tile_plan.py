@@ -1,0 +1,98 @@
+"""Design 2's plan (sparse_llm.ops.ffn.tile_plan): each token tile's union of active units. The
+reference against a plain reading of the definition on CPU; the CUDA kernels against the reference,
+bitwise, on the GPU, on patterns that stress them (empty and full tiles, a short last tile, NaN and
+-0.0, one hot unit, the widest g)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ffn_patterns import needs_hopper
+
+from sparse_llm.ops.ffn.tile_plan import (
+    KERNEL_MAX_HIDDEN,
+    runs_on_kernel,
+    tile_union_plan,
+    tile_union_plan_reference,
+)
+
+
+def _expected_units(g: torch.Tensor, tile: int) -> list[list[int]]:
+    m = g.shape[0]
+    return [
+        sorted(
+            {
+                unit
+                for row in range(start, min(start + tile, m))
+                for unit in (g[row] > 0).nonzero().flatten().tolist()
+            }
+        )
+        for start in range(0, m, tile)
+    ]
+
+
+def _check_plan(units: torch.Tensor, counts: torch.Tensor, expected: list[list[int]], hidden: int) -> None:
+    assert units.dtype == counts.dtype == torch.int32
+    assert tuple(units.shape) == (len(expected), hidden) and tuple(counts.shape) == (len(expected),)
+    for t, want in enumerate(expected):
+        assert int(counts[t]) == len(want)
+        assert units[t, : len(want)].tolist() == want
+
+
+def _patterned_g(m: int, hidden: int, seed: int, device: str = "cpu", dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(m, hidden, generator=gen) - 2.0  # ~2% of entries active
+    g[:8] = -1.0  # the first tile of 8: no active unit
+    g[8:16] = 1.0  # the second: every unit
+    g[16:24] = -1.0
+    g[16:24, 5] = 3.0  # the third: one hot unit
+    g[24, :4] = torch.tensor([float("nan"), -0.0, 0.0, 1e-30])  # only the last is active
+    return g.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("m, tile", [(64, 8), (61, 8), (100, 32), (7, 8)])
+def test_the_reference_lists_each_tiles_active_units_in_order(m, tile):
+    g = _patterned_g(max(m, 32), 96, seed=m)[:m]
+    units, counts = tile_union_plan(g, tile)
+    _check_plan(units, counts, _expected_units(g, tile), hidden=96)
+
+
+def test_bad_inputs_are_refused_before_any_compute():
+    g = torch.zeros(16, 32)
+    for tile in (0, 12, -8, 8.0, True):
+        with pytest.raises(ValueError, match="tile must be a positive multiple of 8"):
+            tile_union_plan(g, tile)
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        tile_union_plan(torch.zeros(16, 32, dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        tile_union_plan(torch.zeros(32), 8)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "m, hidden, tile",
+    [(16384, 5632, 64), (16384, 5632, 128), (1000, 5632, 64), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16)],
+)
+def test_the_kernels_give_the_references_plan(m, hidden, tile):
+    g = _patterned_g(m, hidden, seed=hidden + m, device="cuda", dtype=torch.bfloat16)
+    assert runs_on_kernel(g)
+    torch.cuda.synchronize()
+    units, counts = tile_union_plan(g, tile)
+    ref_units, ref_counts = tile_union_plan_reference(g, tile)
+    assert torch.equal(counts, ref_counts)
+    for t in range(len(counts)):  # past a tile's count its slot is unspecified
+        assert torch.equal(units[t, : counts[t]], ref_units[t, : counts[t]])
+    # Every unit listed once per tile and active there (a bit set twice or lost would show).
+    if m <= 1000:
+        _check_plan(units.cpu(), counts.cpu(), _expected_units(g.float().cpu(), tile), hidden)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_a_g_the_kernels_cannot_take_falls_back_to_the_reference():
+    g = torch.randn(64, 40, device="cuda", dtype=torch.bfloat16)  # 40 units: not whole 32-unit words
+    assert not runs_on_kernel(g)
+    units, counts = tile_union_plan(g, 8)
+    ref_units, ref_counts = tile_union_plan_reference(g, 8)
+    assert torch.equal(units, ref_units) and torch.equal(counts, ref_counts)
