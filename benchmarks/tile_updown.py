@@ -17,7 +17,10 @@ On the synthetic workload of `benchmarks/ffn.py`, or with `--model` on a trained
 kept: `--inputs`), per case: the error of y against float64 next to the dense bf16 path's, and the
 GPU time of the plan (the tiles' unions, with torch ops), the two kernels, the package's plan on the
 device (`ops.ffn.tile_plan`: two CUDA kernels, no host read) and the two kernels driven by it (a
-slot of H units a tile; the y it gives must equal the other plan's), the op's whole forward
+slot of H units a tile; the y it gives must equal the other plan's), the forward's kernels as the
+training op needs them (the h kernel also writing u at the active entries into the op's record and
+its share of L1; the record's layout by torch ops, timed apart: the count pass would write it; u's
+error against the reference's), the op's whole forward
 (`ffn_forward_train`) and its forward less the gate GEMM, and the dense up/down.
 """
 
@@ -110,6 +113,45 @@ def tile_updown_reference(
     return y
 
 
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where the forward writes u for the backward: the training op's record, CSR over the rows
+    (entries of a row ascending by unit, row r's at row_ptr[r] ...), and what finds an entry's place
+    from its (row, unit): each row's active units as 32-unit words and each word's first rank in the
+    row. Built here by torch ops; the count pass, which reads g anyway, would write them."""
+
+    words: torch.Tensor  # int64 [M, H / 32]: bit b of word w set where unit 32 w + b is active
+    prefix: torch.Tensor  # int32 [M, H / 32]: the row's active units before word w
+    row_ptr: torch.Tensor  # int64 [M + 1]: the record's row offsets
+
+    @classmethod
+    def of(cls, active: torch.Tensor) -> RecordLayout:
+        m, h = active.shape
+        if h % 32:
+            raise ValueError(f"H = {h} is not a multiple of 32")
+        groups = active.view(m, h // 32, 32)
+        bit = torch.ones(32, dtype=torch.int64, device=active.device) << torch.arange(
+            32, device=active.device
+        )
+        counts = groups.sum(dim=2)
+        row_ptr = torch.zeros(m + 1, dtype=torch.int64, device=active.device)
+        torch.cumsum(counts.sum(dim=1), 0, out=row_ptr[1:])
+        return cls(
+            (groups.to(torch.int64) * bit).sum(dim=2), (counts.cumsum(1) - counts).to(torch.int32), row_ptr
+        )
+
+
+def tile_forward_reference(
+    x: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, plan: TilePlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, L1 summed over the rows, u at the active entries in the record's order): what the
+    training forward's up/down owes the op, y by the tile computation, u rounded to x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    u = (x.to(acc) @ wu.to(acc).T).to(x.dtype)
+    l1 = (torch.relu(g).to(acc) * u.to(acc)).abs().sum()
+    return tile_updown_reference(x, wu, wd, g, plan), l1, u[g > 0]
+
+
 if triton is not None:
 
     @triton.jit
@@ -140,6 +182,55 @@ if triton is not None:
         h = tl.maximum(g, 0.0) * u
         out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
         tl.store(out, h.to(h_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _popcount32(v):
+        # Bits set in the low 32 bits of int64 v (SWAR: pairs, nibbles, bytes, then their sum).
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) & 0xFFFFFFFF) >> 24
+
+    @triton.jit
+    def _tile_h_record_kernel(
+        x_ptr, wu_ptr, g_ptr, units_ptr, starts_ptr, counts_ptr, h_ptr,
+        words_ptr, prefix_ptr, row_ptr_ptr, u_rec_ptr, l1_ptr, D, H, MAX_BLOCKS,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # _tile_h_kernel's block of h, and what the training forward owes its backward: u at the
+        # block's active entries, stored at their places in the record (the row's offset plus the
+        # unit's rank in the row), and the block's sum of |h| (added in a fixed order afterwards).
+        t = tl.program_id(0)
+        block = tl.program_id(1)
+        count = tl.load(counts_ptr + t)
+        if block * BLOCK_U >= count:
+            return
+        start = tl.load(starts_ptr + t) + block * BLOCK_U
+        cols = tl.arange(0, BLOCK_U)
+        live = block * BLOCK_U + cols < count
+        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            xa = tl.load(x_ptr + rows[:, None] * D + k0 + k[None, :])
+            wb = tl.load(wu_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
+            acc = tl.dot(xa, wb, acc)
+        u_stored = acc.to(h_ptr.dtype.element_ty)
+        u = u_stored.to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        h = tl.maximum(g, 0.0) * u
+        out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        tl.store(out, h.to(h_ptr.dtype.element_ty))
+        tl.store(l1_ptr + t * MAX_BLOCKS + block, tl.sum(tl.sum(tl.abs(h), axis=1), axis=0))
+        active = (g > 0.0) & live[None, :]
+        words = H // 32
+        word_at = rows[:, None] * words + (units // 32)[None, :]
+        word = tl.load(words_ptr + word_at, mask=active, other=0)
+        below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
+        rank = tl.load(prefix_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
+        place = tl.load(row_ptr_ptr + rows)[:, None] + rank
+        tl.store(u_rec_ptr + place, u_stored, mask=active)
 
     @triton.jit
     def _tile_y_kernel(
@@ -186,6 +277,35 @@ def tile_updown(
     return y
 
 
+def tile_forward(
+    x: torch.Tensor,
+    wu: torch.Tensor,
+    wdt: torch.Tensor,
+    g: torch.Tensor,
+    plan: TilePlan,
+    layout: RecordLayout,
+    block_n: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, L1 summed over the rows, u of the record) by the record-writing h kernel and the y kernel:
+    what `tile_forward_reference` computes; inputs as `tile_updown`'s."""
+    m, d = x.shape
+    h_blocks = torch.empty(int(plan.starts[-1]) * plan.tile, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, d, device=x.device, dtype=x.dtype)
+    u_record = torch.empty(int(layout.row_ptr[-1]), device=x.device, dtype=x.dtype)
+    tiles = len(plan.counts)
+    l1_blocks = torch.zeros(tiles * plan.max_blocks, device=x.device, dtype=torch.float32)
+    _tile_h_record_kernel[(tiles, plan.max_blocks)](
+        x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, layout.words, layout.prefix,
+        layout.row_ptr, u_record, l1_blocks, d, wu.shape[0], plan.max_blocks,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
+    )  # fmt: skip
+    _tile_y_kernel[(tiles, d // block_n)](
+        h_blocks, wdt, plan.units, plan.starts, plan.counts, y, d,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
+    )  # fmt: skip
+    return y, l1_blocks.sum(), u_record
+
+
 def bench_case(
     x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int, heavy_threshold: int
 ) -> dict:
@@ -201,6 +321,9 @@ def bench_case(
     y = tile_updown(xs, wu, wdt, gs, plan, block_n)
     slots = slot_plan(gs, tile, block_u)
     same_units_y = torch.equal(tile_updown(xs, wu, wdt, gs, slots, block_n), y)
+    layout = RecordLayout.of(gs > 0)
+    y_fwd, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n)
+    _, l1_ref, u_ref = tile_forward_reference(xs, wu, wd, gs, slots)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
     ours = train_ours("cuda", heavy_threshold)
@@ -221,6 +344,15 @@ def bench_case(
             lambda: tile_updown(xs, wu, wdt, gs, slots, block_n), reps
         ),
         "slot_plan_same_y": same_units_y,
+        "ms_record_layout": common.gpu_busy_ms(lambda: RecordLayout.of(gs > 0), reps),
+        "ms_tile_forward_kernels": common.gpu_busy_ms(
+            lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n), reps
+        ),
+        "tile_forward_same_y": torch.equal(y_fwd, y),
+        "u_record_err": (
+            (u_record.double() - u_ref.double()).norm() / u_ref.double().norm().clamp_min(1e-30)
+        ).item(),
+        "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
         "ms_dense_updown": common.gpu_busy_ms(lambda: (torch.relu(g) * (x @ wu.T)) @ wd.T, reps),
         "ms_op_forward": common.gpu_busy_ms(lambda: ours(x, wg, wu, wd), reps),
@@ -238,9 +370,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"commit `{meta['commit']}`, {meta['date']}; {workload}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
         "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
         "| layer | nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | "
-        "tile kernels | plan, kernels | tile kernels, slots | op forward | op forward less the gate | "
-        "dense up/down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | u record err | "
+        "op forward | op forward less the gate | dense up/down |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -248,7 +380,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
-            f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | "
+            f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f}"
+            f"{'' if r['tile_forward_same_y'] else ' (y differs)'} | {r['u_record_err']:.1e} | "
             f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
         )

@@ -8,7 +8,16 @@ import argparse
 import pytest
 import torch
 
-from benchmarks.tile_updown import layer_cases, slot_plan, tile_plan, tile_updown, tile_updown_reference
+from benchmarks.tile_updown import (
+    RecordLayout,
+    layer_cases,
+    slot_plan,
+    tile_forward,
+    tile_forward_reference,
+    tile_plan,
+    tile_updown,
+    tile_updown_reference,
+)
 
 
 def _active(m: int, h: int, seed: int) -> torch.Tensor:
@@ -77,6 +86,39 @@ def test_the_devices_slot_plan_holds_the_same_units_as_the_packed_plan():
         slot_plan(g[:, :96], tile=8, block_u=64)
 
 
+def test_the_record_layout_places_each_active_entry_where_the_record_holds_it():
+    """The arithmetic of the record-writing kernel, in Python: row offset + the word's first rank +
+    the set bits below the unit in its word is the entry's index in the record (row-major, units
+    ascending), for every active entry."""
+    gen = torch.Generator().manual_seed(3)
+    active = torch.rand(24, 96, generator=gen) < 0.2
+    active[0] = False
+    active[1] = True
+    active[2, [0, 31, 32, 95]] = True
+    layout = RecordLayout.of(active)
+    rows, units = active.nonzero(as_tuple=True)
+    assert layout.row_ptr[-1] == len(rows) and layout.row_ptr[0] == 0
+    for index, (row, unit) in enumerate(zip(rows.tolist(), units.tolist(), strict=True)):
+        word = int(layout.words[row, unit // 32])
+        below = bin(word & ((1 << (unit % 32)) - 1)).count("1")
+        assert int(layout.row_ptr[row]) + int(layout.prefix[row, unit // 32]) + below == index
+        assert word >> (unit % 32) & 1
+    with pytest.raises(ValueError, match="multiple of 32"):
+        RecordLayout.of(active[:, :40])
+
+
+def test_the_forwards_reference_owes_y_l1_and_u_at_the_active_entries():
+    gen = torch.Generator().manual_seed(4)
+    m, d, h = 16, 8, 64
+    x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    g = x @ wg.T
+    y, l1, u_record = tile_forward_reference(x, wu, wd, g, tile_plan(g > 0, tile=8))
+    torch.testing.assert_close(y, (torch.relu(g) * (x @ wu.T)) @ wd.T)
+    torch.testing.assert_close(l1, (torch.relu(g) * (x @ wu.T)).abs().sum())
+    torch.testing.assert_close(u_record, (x @ wu.T)[g > 0])
+
+
 def _patterned_inputs(tile: int, h: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     m, d = 4 * tile, 256
@@ -117,3 +159,23 @@ def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n
     want = tile_updown_reference(x, wu, wd, g, plan)
     assert torch.equal(got[:tile], torch.zeros_like(got[:tile]))
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the device plan's CUDA kernels need a Hopper GPU",
+)
+@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
+def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, block_u):
+    """The record-writing h kernel: y bitwise the plain kernels', every active entry's u in its place
+    (a roundoff of the reference's at most: the GEMMs sum in different orders), L1 to float32 sums."""
+    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
+    wdt = wd.T.contiguous()
+    plan = slot_plan(g, tile, block_u)
+    y, l1, u_record = tile_forward(x, wu, wdt, g, plan, RecordLayout.of(g > 0))
+    _, l1_ref, u_ref = tile_forward_reference(x, wu, wd, g, plan)
+    assert torch.equal(y, tile_updown(x, wu, wdt, g, plan))
+    assert u_record.shape == u_ref.shape
+    torch.testing.assert_close(u_record.float(), u_ref.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(l1, l1_ref.float(), rtol=1e-3, atol=1e-3)
