@@ -1,8 +1,8 @@
-"""Design 2 of issue 50 (docs/kernels.md, design review part 2), its first kernel, as a measured
-prototype: the training forward's up/down, h = relu(g) * (x Wu^T) and y = h Wd^T, computed per
-tile of T consecutive tokens over the union of the units active in that tile, as two tensor-core
-GEMMs whose weight operand is a panel of gathered rows (Triton), instead of the op's per-entry
-kernel (`csr_updown`: a weight row read per active entry) and its heavy rows' GEMMs over all H.
+"""Design 2 of issue 50 (docs/kernels.md, design review parts 2 and 3) as a measured prototype: the
+training op's up/down and its backward's dh and dx, computed per tile of T consecutive tokens over
+the union of the units active in that tile, as tensor-core GEMMs whose weight operand is a panel of
+gathered rows (Triton), instead of the op's per-entry kernels (`csr_updown`, the backward's rows
+kernel: a weight row read per active entry) and its heavy rows' GEMMs over all H.
 
 Every row takes the one path: a tile whose union is all of H is a dense GEMM, a tile with few
 units a thin one. Its matmul work is `row_density.py`'s tile bound; what this measures is whether
@@ -14,14 +14,16 @@ the per-entry reads the op pays at every density.
 
 On the synthetic workload of `benchmarks/ffn.py`, or with `--model` on a trained model's layers
 (their FFN inputs from one forward over held-out text, or those `row_density.py --save-inputs`
-kept: `--inputs`), per case: the error of y against float64 next to the dense bf16 path's, and the
-GPU time of the plan (the tiles' unions, with torch ops), the two kernels, the package's plan on the
-device (`ops.ffn.tile_plan`: two CUDA kernels, no host read) and the two kernels driven by it (a
-slot of H units a tile; the y it gives must equal the other plan's), the forward's kernels as the
-training op needs them (the h kernel also writing u at the active entries into the op's record and
-its share of L1; the record's layout by torch ops, timed apart: the count pass would write it; u's
-error against the reference's), the op's whole forward
-(`ffn_forward_train`) and its forward less the gate GEMM, and the dense up/down.
+kept: `--inputs`), per case: the error of y against float64 next to the dense bf16 path's; the GPU
+time of the plan (the tiles' unions, with torch ops) and of the two up/down kernels; the package's
+plan on the device (`ops.ffn.tile_plan`: two CUDA kernels, no host read) and the kernels driven by
+it (a slot of H units a tile; the y it gives must equal the other plan's); the kernels as the
+training op would run them: the forward's (the h kernel also writing u at the active entries into
+the op's record and its share of L1) and the backward's (dh over the union, dg and du at the
+record's entries, for the per-unit weight gradients, then dx), with their errors against the
+references (the record's layout, each row's active units as words and their ranks, by torch ops,
+timed apart: the count pass would write it); the op's forward, its forward less the gate GEMM and
+its backward (`ffn_forward_train`); and the dense up/down.
 """
 
 from __future__ import annotations
@@ -152,6 +154,28 @@ def tile_forward_reference(
     return tile_updown_reference(x, wu, wd, g, plan), l1, u[g > 0]
 
 
+def tile_backward_reference(
+    grad_y: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    active: torch.Tensor,
+    a_record: torch.Tensor,
+    u_record: torch.Tensor,
+    l1_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dg and du at the active entries in the record's order) of the training backward from the
+    record (a = relu(g) and u at the active entries): dh = grad_y Wd + l1_scale sign(h) there,
+    dg = dh u, du = dh a, dx = dg Wg + du Wu, in float32 (or wider)."""
+    acc = torch.promote_types(grad_y.dtype, torch.float32)
+    a = torch.zeros(active.shape, dtype=acc, device=active.device)
+    u = torch.zeros_like(a)
+    a[active], u[active] = a_record.to(acc), u_record.to(acc)
+    dh = grad_y.to(acc) @ wd.to(acc) + l1_scale * torch.sign(u) * active
+    dg, du = dh * u, dh * a
+    return dg @ wg.to(acc) + du @ wu.to(acc), dg[active], du[active]
+
+
 if triton is not None:
 
     @triton.jit
@@ -233,6 +257,76 @@ if triton is not None:
         tl.store(u_rec_ptr + place, u_stored, mask=active)
 
     @triton.jit
+    def _tile_dgdu_kernel(
+        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, words_ptr, prefix_ptr, row_ptr_ptr,
+        a_rec_ptr, u_rec_ptr, dg_rec_ptr, du_rec_ptr, dg_ptr, du_ptr, l1_scale, D, H,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, block): dh[tile rows, the block's units] = grad_y_tile Wd[:, units] (one
+        # GEMM over D), then at the active entries (the row's words say which; the record holds a and
+        # u there) dh + l1_scale sign(h), dg = dh u and du = dh a: written at their places in the
+        # record (float32, for the per-unit weight gradients) and as the tile's blocks (for dx).
+        t = tl.program_id(0)
+        block = tl.program_id(1)
+        count = tl.load(counts_ptr + t)
+        if block * BLOCK_U >= count:
+            return
+        start = tl.load(starts_ptr + t) + block * BLOCK_U
+        cols = tl.arange(0, BLOCK_U)
+        live = block * BLOCK_U + cols < count
+        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        k = tl.arange(0, BLOCK_K)
+        dh = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            gy = tl.load(gy_ptr + rows[:, None] * D + k0 + k[None, :])
+            wb = tl.load(wdt_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
+            dh = tl.dot(gy, wb, dh)
+        words = H // 32
+        word_at = rows[:, None] * words + (units // 32)[None, :]
+        word = tl.load(words_ptr + word_at, mask=live[None, :], other=0)
+        active = (((word >> (units % 32)[None, :]) & 1) == 1) & live[None, :]
+        below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
+        rank = tl.load(prefix_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
+        place = tl.load(row_ptr_ptr + rows)[:, None] + rank
+        a = tl.load(a_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
+        u = tl.load(u_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
+        sign = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+        dh = tl.where(active, dh + l1_scale * sign, 0.0)
+        dg = dh * u
+        du = dh * a
+        tl.store(dg_rec_ptr + place, dg, mask=active)
+        tl.store(du_rec_ptr + place, du, mask=active)
+        out = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty))
+        tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _tile_dx_kernel(
+        dg_ptr, du_ptr, wg_ptr, wu_ptr, units_ptr, starts_ptr, counts_ptr, dx_ptr, D,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, column block): dx[tile rows, columns] = dg_tile Wg[units, columns] +
+        # du_tile Wu[units, columns], over the tile's union a block of gathered rows at a time.
+        t = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        count = tl.load(counts_ptr + t)
+        start = tl.load(starts_ptr + t)
+        cols = tl.arange(0, BLOCK_U)
+        n = n0 + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, TILE)
+        acc = tl.zeros((TILE, BLOCK_N), dtype=tl.float32)
+        for u0 in range(0, count, BLOCK_U):
+            live = u0 + cols < count
+            units = tl.load(units_ptr + start + u0 + cols).to(tl.int64)
+            at = (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :]
+            rows_of = units[:, None] * D + n[None, :]
+            acc = tl.dot(tl.load(dg_ptr + at), tl.load(wg_ptr + rows_of, mask=live[:, None], other=0.0), acc)
+            acc = tl.dot(tl.load(du_ptr + at), tl.load(wu_ptr + rows_of, mask=live[:, None], other=0.0), acc)
+        rows = (t * TILE + r).to(tl.int64)
+        tl.store(dx_ptr + rows[:, None] * D + n[None, :], acc.to(dx_ptr.dtype.element_ty))
+
+    @triton.jit
     def _tile_y_kernel(
         h_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, y_ptr, D,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -306,6 +400,41 @@ def tile_forward(
     return y, l1_blocks.sum(), u_record
 
 
+def tile_backward(
+    grad_y: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wdt: torch.Tensor,
+    plan: TilePlan,
+    layout: RecordLayout,
+    a_record: torch.Tensor,
+    u_record: torch.Tensor,
+    l1_scale: float,
+    block_n: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dg and du at the record's entries) by the two backward kernels: what
+    `tile_backward_reference` computes, dx from bf16 blocks of dg and du (as a dense bf16 backward
+    rounds them); grad_y [M, D], the weights [H, D] (wdt = Wd^T), contiguous, one 16-bit dtype."""
+    m, d = grad_y.shape
+    blocks = int(plan.starts[-1]) * plan.tile
+    dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
+    du_blocks = torch.empty_like(dg_blocks)
+    dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
+    du_record = torch.empty_like(dg_record)
+    dx = torch.empty(m, d, device=grad_y.device, dtype=grad_y.dtype)
+    tiles = len(plan.counts)
+    _tile_dgdu_kernel[(tiles, plan.max_blocks)](
+        grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.prefix, layout.row_ptr,
+        a_record, u_record, dg_record, du_record, dg_blocks, du_blocks, l1_scale, d, wg.shape[0],
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
+    )  # fmt: skip
+    _tile_dx_kernel[(tiles, d // block_n)](
+        dg_blocks, du_blocks, wg, wu, plan.units, plan.starts, plan.counts, dx, d,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
+    )  # fmt: skip
+    return dx, dg_record, du_record
+
+
 def bench_case(
     x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int, heavy_threshold: int
 ) -> dict:
@@ -321,9 +450,6 @@ def bench_case(
     y = tile_updown(xs, wu, wdt, gs, plan, block_n)
     slots = slot_plan(gs, tile, block_u)
     same_units_y = torch.equal(tile_updown(xs, wu, wdt, gs, slots, block_n), y)
-    layout = RecordLayout.of(gs > 0)
-    y_fwd, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n)
-    _, l1_ref, u_ref = tile_forward_reference(xs, wu, wd, gs, slots)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
     ours = train_ours("cuda", heavy_threshold)
@@ -344,15 +470,6 @@ def bench_case(
             lambda: tile_updown(xs, wu, wdt, gs, slots, block_n), reps
         ),
         "slot_plan_same_y": same_units_y,
-        "ms_record_layout": common.gpu_busy_ms(lambda: RecordLayout.of(gs > 0), reps),
-        "ms_tile_forward_kernels": common.gpu_busy_ms(
-            lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n), reps
-        ),
-        "tile_forward_same_y": torch.equal(y_fwd, y),
-        "u_record_err": (
-            (u_record.double() - u_ref.double()).norm() / u_ref.double().norm().clamp_min(1e-30)
-        ).item(),
-        "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
         "ms_dense_updown": common.gpu_busy_ms(lambda: (torch.relu(g) * (x @ wu.T)) @ wd.T, reps),
         "ms_op_forward": common.gpu_busy_ms(lambda: ours(x, wg, wu, wd), reps),
@@ -360,19 +477,67 @@ def bench_case(
     if sort:
         row["ms_sort"] = common.gpu_busy_ms(lambda: (lowest_unit_order(g > 0), x[order], g[order]), reps)
     row["ms_op_forward_after_gate"] = row["ms_op_forward"] - row["ms_gate"]
+    row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps)
+    row["ms_op_backward"] = op_backward_ms(x, wg, wu, wd, heavy_threshold, reps) - row["ms_op_forward"]
     return row
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def training_parts(xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int) -> dict:
+    """The kernels of design 2 as the training op would run them on one case (its tokens as the
+    plan has them): the forward's (y, the record's u, L1) and the backward's (dg and du at the
+    record's entries, dx), their GPU times, the record layout's by torch ops, and the errors
+    against the references."""
+    wdt = wd.T.contiguous()
+    active = gs > 0
+    layout = RecordLayout.of(active)
+    y, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n)
+    y_ref, l1_ref, u_ref = tile_forward_reference(xs, wu, wd, gs, slots)
+    gen = torch.Generator(device=xs.device).manual_seed(0)
+    grad_y = torch.randn(xs.shape, generator=gen, device=xs.device).to(xs.dtype)
+    a_record, l1_scale = torch.relu(gs)[active], 1e-3 / len(xs)
+    dx, dg, du = tile_backward(grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n)
+    dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
+    return {
+        "ms_record_layout": common.gpu_busy_ms(lambda: RecordLayout.of(gs > 0), reps),
+        "ms_tile_forward_kernels": common.gpu_busy_ms(
+            lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n), reps
+        ),
+        "ms_tile_backward_kernels": common.gpu_busy_ms(
+            lambda: tile_backward(grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n),
+            reps,
+        ),
+        "y_err_vs_tile_reference": relative(y, y_ref),
+        "u_record_err": relative(u_record, u_ref),
+        "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),
+        "dx_err": relative(dx, dx_ref),
+        "dg_du_record_err": max(relative(dg, dg_ref), relative(du, du_ref)),
+    }
+
+
+def op_backward_ms(x, wg, wu, wd, heavy_threshold: int, reps: int) -> float:
+    """GPU busy ms of the op's forward and backward (the L1 term's gradient included)."""
+    from benchmarks.ffn import forward_backward, train_ours
+
+    inputs = [t.detach().clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    step = forward_backward(train_ours("cuda", heavy_threshold), torch.tensor(2e-5, device=x.device))
+    return common.gpu_busy_ms(lambda: step(*inputs), reps)
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     workload = f"model {meta['model']}, {meta['text']}" if "model" in meta else "synthetic"
     lines = [
-        f"# Design 2's up/down (tile unions, Triton) against the op's forward: {meta['device']}\n",
+        f"# Design 2's kernels (tile unions, Triton) against the op's: {meta['device']}\n",
         f"commit `{meta['commit']}`, {meta['date']}; {workload}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
-        "GPU busy ms a call (`common.gpu_busy_ms`); errors: relative to float64 (y).\n",
+        "GPU busy ms a call (`common.gpu_busy_ms`); errors: y relative to float64, dx to the float32 "
+        "backward from the same record.\n",
         "| layer | nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | "
-        "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | u record err | "
-        "op forward | op forward less the gate | dense up/down |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | backward kernels "
+        "(dg, du, dx) | dx err | op forward | op forward less the gate | op backward | dense up/down |",
+        "|" + "---|" * 21,
     ]
     for r in rows:
         lines.append(
@@ -380,9 +545,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
-            f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f}"
-            f"{'' if r['tile_forward_same_y'] else ' (y differs)'} | {r['u_record_err']:.1e} | "
-            f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | "
+            f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f} | "
+            f"{r['ms_tile_backward_kernels']:.3f} | {r['dx_err']:.1e} | "
+            f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | {r['ms_op_backward']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
         )
     return "\n".join(lines) + "\n"

@@ -12,6 +12,8 @@ from benchmarks.tile_updown import (
     RecordLayout,
     layer_cases,
     slot_plan,
+    tile_backward,
+    tile_backward_reference,
     tile_forward,
     tile_forward_reference,
     tile_plan,
@@ -119,6 +121,30 @@ def test_the_forwards_reference_owes_y_l1_and_u_at_the_active_entries():
     torch.testing.assert_close(u_record, (x @ wu.T)[g > 0])
 
 
+def test_the_backwards_reference_is_autograds_gradient_with_the_l1_term():
+    """dx from the record (a and u at the active entries) equals autograd's through the dense FFN for
+    the loss <grad_y, y> + l1_scale sum |h|; dg and du at the entries are its gate and up gradients."""
+    gen = torch.Generator().manual_seed(5)
+    m, d, h = 12, 8, 32
+    x = torch.randn(m, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    wg, wu = (torch.randn(h, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    grad_y = torch.randn(m, d, generator=gen, dtype=torch.float64)
+    g, u = x @ wg.T, x @ wu.T
+    g.retain_grad()
+    u.retain_grad()
+    hidden = torch.relu(g) * u
+    l1_scale = 0.3
+    ((hidden @ wd.T) * grad_y).sum().add(l1_scale * hidden.abs().sum()).backward()
+    active = g.detach() > 0
+    dx, dg, du = tile_backward_reference(
+        grad_y, wg, wu, wd, active, torch.relu(g.detach())[active], u.detach()[active], l1_scale
+    )
+    torch.testing.assert_close(dx, x.grad)
+    torch.testing.assert_close(dg, g.grad[active])
+    torch.testing.assert_close(du, u.grad[active])
+
+
 def _patterned_inputs(tile: int, h: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     m, d = 4 * tile, 256
@@ -179,3 +205,26 @@ def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, bl
     assert u_record.shape == u_ref.shape
     torch.testing.assert_close(u_record.float(), u_ref.float(), rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(l1, l1_ref.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the device plan's CUDA kernels need a Hopper GPU",
+)
+@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
+def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
+    """dg and du at every active entry (float32, to the sums' order), dx within the bf16 rounding of
+    dg and du that a dense bf16 backward makes too."""
+    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
+    wg = torch.randn(wu.shape, device="cuda").to(wu.dtype)  # any Wg: g is given
+    active = g > 0
+    layout = RecordLayout.of(active)
+    a_record, u_record = torch.relu(g)[active], (x.float() @ wu.float().T).to(x.dtype)[active]
+    grad_y = torch.randn(x.shape, device="cuda").to(x.dtype)
+    plan = slot_plan(g, tile, block_u)
+    dx, dg, du = tile_backward(grad_y, wg, wu, wd.T.contiguous(), plan, layout, a_record, u_record, 1e-2)
+    dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, 1e-2)
+    torch.testing.assert_close(dg, dg_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(du, du_ref, rtol=1e-4, atol=1e-4)
+    assert ((dx.double() - dx_ref.double()).norm() / dx_ref.double().norm()).item() < 1e-2
