@@ -21,8 +21,8 @@ it (a slot of H units a tile; the y it gives must equal the other plan's); the k
 training op would run them: the forward's (the h kernel also writing u at the active entries into
 the op's record and its share of L1) and the backward's (dh over the union, dg and du at the
 record's entries, for the per-unit weight gradients, then dx), with their errors against the
-references (the record's layout, each row's active units as words and their ranks, by torch ops,
-timed apart: the count pass would write it); the op's forward, its forward less the gate GEMM and
+references (the record's layout, each row's active units as words and their ranks, from the plan's
+kernels, timed with the plan: the count pass would write it); the op's forward, its forward less the gate GEMM and
 its backward (`ffn_forward_train`); and the dense up/down.
 """
 
@@ -74,7 +74,7 @@ def slot_plan(g: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> Til
         raise ValueError(
             f"M = {m} and H = {hidden} must be multiples of the tile ({tile}) and block ({block_u})"
         )
-    units, counts = tile_union_plan(g, tile)
+    units, counts, *_ = tile_union_plan(g, tile)
     starts = torch.arange(0, (len(counts) + 1) * hidden, hidden, dtype=torch.int32, device=g.device)
     return TilePlan(tile, block_u, units.view(-1), starts, counts, hidden // block_u)
 
@@ -119,28 +119,22 @@ def tile_updown_reference(
 class RecordLayout:
     """Where the forward writes u for the backward: the training op's record, CSR over the rows
     (entries of a row ascending by unit, row r's at row_ptr[r] ...), and what finds an entry's place
-    from its (row, unit): each row's active units as 32-unit words and each word's first rank in the
-    row. Built here by torch ops; the count pass, which reads g anyway, would write them."""
+    from its (row, unit): each row's active units as 32-unit words and each word's rank in the row
+    (`ops.ffn.tile_plan`'s row layout)."""
 
-    words: torch.Tensor  # int64 [M, H / 32]: bit b of word w set where unit 32 w + b is active
-    prefix: torch.Tensor  # int32 [M, H / 32]: the row's active units before word w
+    words: torch.Tensor  # int32 [M, H / 32]: bit b of word w set where unit 32 w + b is active
+    ranks: torch.Tensor  # int32 [M, H / 32]: the row's active units before word w
     row_ptr: torch.Tensor  # int64 [M + 1]: the record's row offsets
 
     @classmethod
-    def of(cls, active: torch.Tensor) -> RecordLayout:
-        m, h = active.shape
-        if h % 32:
-            raise ValueError(f"H = {h} is not a multiple of 32")
-        groups = active.view(m, h // 32, 32)
-        bit = torch.ones(32, dtype=torch.int64, device=active.device) << torch.arange(
-            32, device=active.device
-        )
-        counts = groups.sum(dim=2)
-        row_ptr = torch.zeros(m + 1, dtype=torch.int64, device=active.device)
-        torch.cumsum(counts.sum(dim=1), 0, out=row_ptr[1:])
-        return cls(
-            (groups.to(torch.int64) * bit).sum(dim=2), (counts.cumsum(1) - counts).to(torch.int32), row_ptr
-        )
+    def of(cls, g: torch.Tensor, tile: int = 64) -> RecordLayout:
+        """The layout of g's active entries, by the package's plan (CUDA kernels on a GPU)."""
+        if g.shape[1] % 32:
+            raise ValueError(f"H = {g.shape[1]} is not a multiple of 32")
+        plan = tile_union_plan(g, tile, row_layout=True)
+        row_ptr = torch.zeros(len(g) + 1, dtype=torch.int64, device=g.device)
+        torch.cumsum((g > 0).sum(dim=1), 0, out=row_ptr[1:])
+        return cls(plan.row_words, plan.row_ranks, row_ptr)
 
 
 def tile_forward_reference(
@@ -218,7 +212,7 @@ if triton is not None:
     @triton.jit
     def _tile_h_record_kernel(
         x_ptr, wu_ptr, g_ptr, units_ptr, starts_ptr, counts_ptr, h_ptr,
-        words_ptr, prefix_ptr, row_ptr_ptr, u_rec_ptr, l1_ptr, D, H, MAX_BLOCKS,
+        words_ptr, ranks_ptr, row_ptr_ptr, u_rec_ptr, l1_ptr, D, H, MAX_BLOCKS,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # _tile_h_kernel's block of h, and what the training forward owes its backward: u at the
@@ -250,15 +244,15 @@ if triton is not None:
         active = (g > 0.0) & live[None, :]
         words = H // 32
         word_at = rows[:, None] * words + (units // 32)[None, :]
-        word = tl.load(words_ptr + word_at, mask=active, other=0)
+        word = tl.load(words_ptr + word_at, mask=active, other=0).to(tl.int64) & 0xFFFFFFFF
         below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
-        rank = tl.load(prefix_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
+        rank = tl.load(ranks_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
         place = tl.load(row_ptr_ptr + rows)[:, None] + rank
         tl.store(u_rec_ptr + place, u_stored, mask=active)
 
     @triton.jit
     def _tile_dgdu_kernel(
-        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, words_ptr, prefix_ptr, row_ptr_ptr,
+        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, words_ptr, ranks_ptr, row_ptr_ptr,
         a_rec_ptr, u_rec_ptr, dg_rec_ptr, du_rec_ptr, dg_ptr, du_ptr, l1_scale, D, H,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
@@ -284,10 +278,10 @@ if triton is not None:
             dh = tl.dot(gy, wb, dh)
         words = H // 32
         word_at = rows[:, None] * words + (units // 32)[None, :]
-        word = tl.load(words_ptr + word_at, mask=live[None, :], other=0)
+        word = tl.load(words_ptr + word_at, mask=live[None, :], other=0).to(tl.int64) & 0xFFFFFFFF
         active = (((word >> (units % 32)[None, :]) & 1) == 1) & live[None, :]
         below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
-        rank = tl.load(prefix_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
+        rank = tl.load(ranks_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
         place = tl.load(row_ptr_ptr + rows)[:, None] + rank
         a = tl.load(a_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
         u = tl.load(u_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
@@ -389,7 +383,7 @@ def tile_forward(
     tiles = len(plan.counts)
     l1_blocks = torch.zeros(tiles * plan.max_blocks, device=x.device, dtype=torch.float32)
     _tile_h_record_kernel[(tiles, plan.max_blocks)](
-        x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, layout.words, layout.prefix,
+        x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, layout.words, layout.ranks,
         layout.row_ptr, u_record, l1_blocks, d, wu.shape[0], plan.max_blocks,
         TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
     )  # fmt: skip
@@ -424,7 +418,7 @@ def tile_backward(
     dx = torch.empty(m, d, device=grad_y.device, dtype=grad_y.dtype)
     tiles = len(plan.counts)
     _tile_dgdu_kernel[(tiles, plan.max_blocks)](
-        grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.prefix, layout.row_ptr,
+        grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.ranks, layout.row_ptr,
         a_record, u_record, dg_record, du_record, dg_blocks, du_blocks, l1_scale, d, wg.shape[0],
         TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
     )  # fmt: skip
@@ -493,7 +487,7 @@ def training_parts(xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int)
     against the references."""
     wdt = wd.T.contiguous()
     active = gs > 0
-    layout = RecordLayout.of(active)
+    layout = RecordLayout.of(gs, slots.tile)
     y, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n)
     y_ref, l1_ref, u_ref = tile_forward_reference(xs, wu, wd, gs, slots)
     gen = torch.Generator(device=xs.device).manual_seed(0)
@@ -502,7 +496,9 @@ def training_parts(xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int)
     dx, dg, du = tile_backward(grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n)
     dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
     return {
-        "ms_record_layout": common.gpu_busy_ms(lambda: RecordLayout.of(gs > 0), reps),
+        "ms_plan_with_layout_kernels": common.gpu_busy_ms(
+            lambda: tile_union_plan(gs, slots.tile, True), reps
+        ),
         "ms_tile_forward_kernels": common.gpu_busy_ms(
             lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n), reps
         ),

@@ -7,8 +7,11 @@
 namespace {
 
 // (units [tiles, H] int32: tile t's active units ascending in its first counts[t] entries,
-//  counts [tiles] int32) of g: [M, H] bf16, tiles of `tile` rows (the last possibly short).
-std::tuple<at::Tensor, at::Tensor> tile_union_plan(const at::Tensor& g, int64_t tile) {
+//  counts [tiles] int32, then with row_layout the rows' words [M, H / 32] and their ranks (int32,
+//  tile_plan.cuh), else two empty tensors) of g: [M, H] bf16, tiles of `tile` rows (the last
+//  possibly short).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const at::Tensor& g, int64_t tile,
+                                                                           bool row_layout) {
   sparse_llm_glue::check_matrix(g, "g");
   const int64_t rows = g.size(0), hidden = g.size(1);
   SL_CHECK_ARG(hidden % 32 == 0 && hidden <= sparse_llm::kTilePlanMaxHidden,
@@ -17,26 +20,32 @@ std::tuple<at::Tensor, at::Tensor> tile_union_plan(const at::Tensor& g, int64_t 
                "tile must be a positive multiple of ", sparse_llm::kTilePlanRowsPerCta, ", got ", tile);
   const c10::cuda::CUDAGuard guard(g.device());
   const int64_t tiles = (rows + tile - 1) / tile;
-  at::Tensor bits = at::zeros({tiles, hidden / 32}, g.options().dtype(at::kInt));
-  at::Tensor units = at::empty({tiles, hidden}, g.options().dtype(at::kInt));
-  at::Tensor counts = at::empty({tiles}, g.options().dtype(at::kInt));
+  const at::TensorOptions ints = g.options().dtype(at::kInt);
+  at::Tensor bits = at::zeros({tiles, hidden / 32}, ints);
+  at::Tensor units = at::empty({tiles, hidden}, ints);
+  at::Tensor counts = at::empty({tiles}, ints);
+  at::Tensor row_words = at::empty({row_layout ? rows : 0, hidden / 32}, ints);
+  at::Tensor row_ranks = at::empty({row_layout ? rows : 0, hidden / 32}, ints);
   uint32_t* bit_words = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
   const cudaStream_t stream = sparse_llm_glue::current_stream();
-  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_bits(sparse_llm_glue::bf16_ptr(g), rows,
-                                                                 static_cast<int>(hidden), static_cast<int>(tile),
-                                                                 bit_words, stream),
-                              "tile_union_bits");
+  sparse_llm_glue::check_cuda(
+      sparse_llm::launch_tile_union_bits(
+          sparse_llm_glue::bf16_ptr(g), rows, static_cast<int>(hidden), static_cast<int>(tile), bit_words,
+          row_layout ? reinterpret_cast<uint32_t*>(row_words.data_ptr<int32_t>()) : nullptr,
+          row_layout ? row_ranks.data_ptr<int32_t>() : nullptr, stream),
+      "tile_union_bits");
   sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_compact(bit_words, tiles, static_cast<int>(hidden),
                                                                     units.data_ptr<int32_t>(),
                                                                     counts.data_ptr<int32_t>(), stream),
                               "tile_union_compact");
-  return {units, counts};
+  return {units, counts, row_words, row_ranks};
 }
 
 }  // namespace
 
 void register_tile_ops(pybind11::module_& m) {
   m.def("tile_union_plan", sparse_llm_glue::guarded<&tile_union_plan>,
-        "(units [tiles, H] int32, counts [tiles] int32): each tile of `tile` rows' units with g > 0 on any "
-        "of its rows, ascending, on the device");
+        "(units [tiles, H] int32, counts [tiles] int32, row words, row ranks): each tile of `tile` rows' units "
+        "with g > 0 on any of its rows, ascending, on the device; with row_layout also each row's active units "
+        "as 32-unit words and each word's rank in the row (else empty)");
 }

@@ -1,7 +1,8 @@
 // The tiles' unions of active units (tile_plan.cuh). The bits kernel reads g once, a warp a row as
 // the count pass does (8 units a lane a step), folds each lane's 8-unit mask into 32-unit words
 // across groups of 4 lanes, ORs them into the CTA's words in shared memory, then ORs the CTA's
-// non-zero words into its tile's. The compact kernel, a CTA a tile, lists each tile's set bits in
+// non-zero words into its tile's; where asked, it also writes each row's words and their ranks
+// (a warp scan of the words' popcounts), the record layout of the row's entries. The compact kernel, a CTA a tile, lists each tile's set bits in
 // order through a block-wide scan of the words' popcounts.
 #include <cub/block/block_scan.cuh>
 
@@ -16,7 +17,8 @@ constexpr int kCompactThreads = 256;
 
 __global__ void __launch_bounds__(kBitsThreads)
     tile_union_bits_kernel(const __nv_bfloat16* __restrict__ g, int64_t rows, int hidden, int tile,
-                           uint32_t* __restrict__ bits) {
+                           uint32_t* __restrict__ bits, uint32_t* __restrict__ row_words,
+                           int32_t* __restrict__ row_ranks) {
   __shared__ uint32_t cta_words[kTilePlanMaxHidden / 32];
   const int words = hidden / 32;
   for (int w = threadIdx.x; w < words; w += kBitsThreads) cta_words[w] = 0;
@@ -28,6 +30,7 @@ __global__ void __launch_bounds__(kBitsThreads)
   if (row < rows) {
     const uint4* src = reinterpret_cast<const uint4*>(g + row * hidden);
     const int vecs = hidden / kChunk;
+    int rank = 0;  // the row's active units before this step's words
     for (int v0 = 0; v0 < vecs; v0 += 32) {
       const int v = v0 + lane;  // units 8v ... 8v + 7: byte v % 4 of word v / 4
       unsigned word = 0;
@@ -40,6 +43,17 @@ __global__ void __launch_bounds__(kBitsThreads)
       word |= __shfl_xor_sync(kFullMask, word, 1);
       word |= __shfl_xor_sync(kFullMask, word, 2);
       if (lane % 4 == 0 && word != 0) atomicOr(&cta_words[v / 4], word);
+      if (row_words != nullptr) {
+        // Each group of 4 lanes holds one word: its popcount, scanned over the warp's 8 groups.
+        const int count = lane % 4 == 0 ? __popc(word) : 0;
+        const int inclusive = warp_inclusive_scan(count, lane);
+        if (lane % 4 == 0 && v < vecs) {
+          const int64_t at = row * (hidden / 32) + v / 4;
+          row_words[at] = word;
+          row_ranks[at] = rank + inclusive - count;
+        }
+        rank += __shfl_sync(kFullMask, inclusive, 31);
+      }
     }
   }
   __syncthreads();
@@ -78,12 +92,14 @@ __global__ void __launch_bounds__(kCompactThreads)
 }  // namespace
 
 cudaError_t launch_tile_union_bits(const __nv_bfloat16* g, int64_t rows, int hidden, int tile, uint32_t* bits,
-                                   cudaStream_t stream) {
-  if (hidden % 32 != 0 || hidden > kTilePlanMaxHidden || tile <= 0 || tile % kTilePlanRowsPerCta != 0)
+                                   uint32_t* row_words, int32_t* row_ranks, cudaStream_t stream) {
+  if (hidden % 32 != 0 || hidden > kTilePlanMaxHidden || tile <= 0 || tile % kTilePlanRowsPerCta != 0 ||
+      (row_words == nullptr) != (row_ranks == nullptr))
     return cudaErrorInvalidValue;
   if (rows == 0 || hidden == 0) return cudaSuccess;
   const int64_t blocks = (rows + kTilePlanRowsPerCta - 1) / kTilePlanRowsPerCta;
-  tile_union_bits_kernel<<<static_cast<unsigned>(blocks), kBitsThreads, 0, stream>>>(g, rows, hidden, tile, bits);
+  tile_union_bits_kernel<<<static_cast<unsigned>(blocks), kBitsThreads, 0, stream>>>(g, rows, hidden, tile, bits,
+                                                                                     row_words, row_ranks);
   return cudaGetLastError();
 }
 

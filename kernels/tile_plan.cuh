@@ -20,8 +20,12 @@ constexpr int kTilePlanMaxHidden = 49152;
 // (t + 1) * tile - 1, the last tile possibly short). g: [rows, hidden] bf16 row-major, 16-byte
 // aligned; hidden % 32 == 0, hidden <= kTilePlanMaxHidden; tile % kTilePlanRowsPerCta == 0; bits:
 // [ceil(rows / tile), hidden / 32] uint32, zeroed by the caller. NaN is not active.
+// Optional (both or neither): the rows' own words, row_words[r, w] (uint32 [rows, hidden / 32]), and
+// row_ranks[r, w] = the active units of row r below unit 32 w (int32, same shape): where an entry
+// (r, u) sits in a record of the rows' active entries, ascending by unit, is the row's offset +
+// row_ranks[r, u / 32] + the set bits of row_words[r, u / 32] below bit u % 32.
 cudaError_t launch_tile_union_bits(const __nv_bfloat16* g, int64_t rows, int hidden, int tile, uint32_t* bits,
-                                   cudaStream_t stream);
+                                   uint32_t* row_words, int32_t* row_ranks, cudaStream_t stream);
 
 // From those bits: units[t * hidden + i] for i < counts[t] = tile t's active units, ascending (the
 // rest of its slot unwritten). units: [tiles, hidden] int32; counts: [tiles] int32.

@@ -97,16 +97,16 @@ def test_the_record_layout_places_each_active_entry_where_the_record_holds_it():
     active[0] = False
     active[1] = True
     active[2, [0, 31, 32, 95]] = True
-    layout = RecordLayout.of(active)
+    layout = RecordLayout.of(active.float(), tile=8)
     rows, units = active.nonzero(as_tuple=True)
     assert layout.row_ptr[-1] == len(rows) and layout.row_ptr[0] == 0
     for index, (row, unit) in enumerate(zip(rows.tolist(), units.tolist(), strict=True)):
-        word = int(layout.words[row, unit // 32])
+        word = int(layout.words[row, unit // 32]) & 0xFFFFFFFF  # int32 holding 32 bits
         below = bin(word & ((1 << (unit % 32)) - 1)).count("1")
-        assert int(layout.row_ptr[row]) + int(layout.prefix[row, unit // 32]) + below == index
+        assert int(layout.row_ptr[row]) + int(layout.ranks[row, unit // 32]) + below == index
         assert word >> (unit % 32) & 1
     with pytest.raises(ValueError, match="multiple of 32"):
-        RecordLayout.of(active[:, :40])
+        RecordLayout.of(active[:, :40].float())
 
 
 def test_the_forwards_reference_owes_y_l1_and_u_at_the_active_entries():
@@ -199,7 +199,7 @@ def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, bl
     x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
     wdt = wd.T.contiguous()
     plan = slot_plan(g, tile, block_u)
-    y, l1, u_record = tile_forward(x, wu, wdt, g, plan, RecordLayout.of(g > 0))
+    y, l1, u_record = tile_forward(x, wu, wdt, g, plan, RecordLayout.of(g, tile))
     _, l1_ref, u_ref = tile_forward_reference(x, wu, wd, g, plan)
     assert torch.equal(y, tile_updown(x, wu, wdt, g, plan))
     assert u_record.shape == u_ref.shape
@@ -219,7 +219,7 @@ def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
     x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
     wg = torch.randn(wu.shape, device="cuda").to(wu.dtype)  # any Wg: g is given
     active = g > 0
-    layout = RecordLayout.of(active)
+    layout = RecordLayout.of(g, tile)
     a_record, u_record = torch.relu(g)[active], (x.float() @ wu.float().T).to(x.dtype)[active]
     grad_y = torch.randn(x.shape, device="cuda").to(x.dtype)
     plan = slot_plan(g, tile, block_u)

@@ -2,17 +2,25 @@
 tokens, the union of the FFN units active (g > 0) on any of its tokens, on the device with no host
 read, so that a tile's up/down can run as GEMMs over a panel of its units' weight rows.
 
-    units, counts = tile_union_plan(g, tile)
-    units   [tiles, H] int32  tile t's units, ascending, in units[t, :counts[t]] (the rest of its
-                              row unspecified: each tile has a slot of H entries, so no size is read)
-    counts  [tiles]    int32
+    plan = tile_union_plan(g, tile, row_layout=False)
+    plan.units       [tiles, H] int32  tile t's units, ascending, in units[t, :counts[t]] (the rest of
+                                       its row unspecified: each tile has a slot of H entries, so no
+                                       size is read)
+    plan.counts      [tiles]    int32
+    plan.row_words   [M, H/32]  int32  with row_layout: bit b of row_words[r, w] set where unit
+                                       32 w + b is active on row r (else None)
+    plan.row_ranks   [M, H/32]  int32  with row_layout: row r's active units below unit 32 w
 
-tiles = ceil(M / tile), the last tile possibly short; tile a multiple of 8. bf16 g on a GPU where the
-kernels run takes two CUDA kernels (kernels/tile_plan.cu: one read of g, then a CTA a tile); any
-other g takes torch ops (the reference, the same answer).
+The row layout places an entry (r, u) in a record of the rows' active entries (ascending by unit
+within a row): at the row's offset + row_ranks[r, u // 32] + the set bits of row_words[r, u // 32]
+below bit u % 32. tiles = ceil(M / tile), the last tile possibly short; tile a multiple of 8. bf16 g
+on a GPU where the kernels run takes two CUDA kernels (kernels/tile_plan.cu: one read of g, then a
+CTA a tile); any other g takes torch ops (the reference, the same answer).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -25,11 +33,20 @@ KERNEL_UNIT_WORD = 32
 KERNEL_MAX_HIDDEN = 49152
 
 
-def check_plan_inputs(g: torch.Tensor, tile: int) -> None:
+class TileUnionPlan(NamedTuple):
+    units: torch.Tensor
+    counts: torch.Tensor
+    row_words: torch.Tensor | None = None
+    row_ranks: torch.Tensor | None = None
+
+
+def check_plan_inputs(g: torch.Tensor, tile: int, row_layout: bool = False) -> None:
     if not isinstance(g, torch.Tensor) or g.dim() != 2 or not g.is_floating_point():
         raise ValueError(f"g must be a 2-D floating-point tensor [M, H], got {getattr(g, 'shape', type(g))}")
     if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % TILE_MULTIPLE:
         raise ValueError(f"tile must be a positive multiple of {TILE_MULTIPLE}, got {tile!r}")
+    if row_layout and g.shape[1] % KERNEL_UNIT_WORD:
+        raise ValueError(f"the row layout needs H a multiple of {KERNEL_UNIT_WORD}, got {g.shape[1]}")
 
 
 def runs_on_kernel(g: torch.Tensor) -> bool:
@@ -45,10 +62,23 @@ def runs_on_kernel(g: torch.Tensor) -> bool:
     )
 
 
-def tile_union_plan_reference(g: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_layout_reference(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_words, row_ranks) of active [M, H] (bool; H a multiple of 32) by torch ops."""
+    m, hidden = active.shape
+    groups = active.view(m, hidden // KERNEL_UNIT_WORD, KERNEL_UNIT_WORD)
+    bit = torch.ones(KERNEL_UNIT_WORD, dtype=torch.int64, device=active.device) << torch.arange(
+        KERNEL_UNIT_WORD, device=active.device
+    )
+    counts = groups.sum(dim=2, dtype=torch.int32)
+    # Words above 2^31 wrap to negative int32: the same 32 bits.
+    words = (groups.to(torch.int64) * bit).sum(dim=2).to(torch.int32)
+    return words, counts.cumsum(dim=1, dtype=torch.int32) - counts
+
+
+def tile_union_plan_reference(g: torch.Tensor, tile: int, row_layout: bool = False) -> TileUnionPlan:
     """The plan by torch ops (any device and float dtype); a tile's slot holds its units first,
     then the units it lacks, each ascending."""
-    check_plan_inputs(g, tile)
+    check_plan_inputs(g, tile, row_layout)
     m, hidden = g.shape
     tiles = -(-m // tile)
     active = torch.zeros(tiles * tile, hidden, dtype=torch.bool, device=g.device)
@@ -56,12 +86,16 @@ def tile_union_plan_reference(g: torch.Tensor, tile: int) -> tuple[torch.Tensor,
     union = active.view(tiles, tile, hidden).any(dim=1)
     # A stable sort on "not in the union" puts the tile's units first, in ascending order.
     units = torch.sort((~union).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
-    return units, union.sum(dim=1, dtype=torch.int32)
+    counts = union.sum(dim=1, dtype=torch.int32)
+    if not row_layout:
+        return TileUnionPlan(units, counts)
+    return TileUnionPlan(units, counts, *row_layout_reference(active[:m]))
 
 
-def tile_union_plan(g: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(units, counts) of g: [M, H] (see the module doc), on g's device."""
-    check_plan_inputs(g, tile)
-    if runs_on_kernel(g):
-        return extension().tile_union_plan(g, tile)
-    return tile_union_plan_reference(g, tile)
+def tile_union_plan(g: torch.Tensor, tile: int, row_layout: bool = False) -> TileUnionPlan:
+    """The plan of g: [M, H] (see the module doc), on g's device."""
+    check_plan_inputs(g, tile, row_layout)
+    if not runs_on_kernel(g):
+        return tile_union_plan_reference(g, tile, row_layout)
+    units, counts, row_words, row_ranks = extension().tile_union_plan(g, tile, row_layout)
+    return TileUnionPlan(units, counts, row_words, row_ranks) if row_layout else TileUnionPlan(units, counts)

@@ -16,6 +16,8 @@ from sparse_llm.ops.ffn.tile_plan import (
     tile_union_plan_reference,
 )
 
+UNSIGNED = 0xFFFFFFFF  # a row word is an int32 holding 32 bits
+
 
 def _expected_units(g: torch.Tensor, tile: int) -> list[list[int]]:
     m = g.shape[0]
@@ -53,8 +55,26 @@ def _patterned_g(m: int, hidden: int, seed: int, device: str = "cpu", dtype=torc
 @pytest.mark.parametrize("m, tile", [(64, 8), (61, 8), (100, 32), (7, 8)])
 def test_the_reference_lists_each_tiles_active_units_in_order(m, tile):
     g = _patterned_g(max(m, 32), 96, seed=m)[:m]
-    units, counts = tile_union_plan(g, tile)
-    _check_plan(units, counts, _expected_units(g, tile), hidden=96)
+    plan = tile_union_plan(g, tile)
+    _check_plan(plan.units, plan.counts, _expected_units(g, tile), hidden=96)
+    assert plan.row_words is None and plan.row_ranks is None
+
+
+def test_the_row_layout_places_each_entry_at_its_rank_in_its_row():
+    g = _patterned_g(40, 96, seed=1)
+    plan = tile_union_plan(g, 8, row_layout=True)
+    assert plan.row_words.dtype == plan.row_ranks.dtype == torch.int32
+    assert tuple(plan.row_words.shape) == tuple(plan.row_ranks.shape) == (40, 3)
+    for row in range(40):
+        active = (g[row] > 0).nonzero().flatten().tolist()
+        for rank, unit in enumerate(active):
+            word = int(plan.row_words[row, unit // 32]) & UNSIGNED
+            assert word >> (unit % 32) & 1
+            assert (
+                int(plan.row_ranks[row, unit // 32]) + bin(word & ((1 << (unit % 32)) - 1)).count("1") == rank
+            )
+        words = [int(w) & UNSIGNED for w in plan.row_words[row].tolist()]
+        assert sum(bin(w).count("1") for w in words) == len(active)
 
 
 def test_bad_inputs_are_refused_before_any_compute():
@@ -66,6 +86,8 @@ def test_bad_inputs_are_refused_before_any_compute():
         tile_union_plan(torch.zeros(16, 32, dtype=torch.int32), 8)
     with pytest.raises(ValueError, match="2-D floating-point"):
         tile_union_plan(torch.zeros(32), 8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tile_union_plan(torch.zeros(16, 40), 8, row_layout=True)
 
 
 @pytest.mark.gpu
@@ -78,14 +100,18 @@ def test_the_kernels_give_the_references_plan(m, hidden, tile):
     g = _patterned_g(m, hidden, seed=hidden + m, device="cuda", dtype=torch.bfloat16)
     assert runs_on_kernel(g)
     torch.cuda.synchronize()
-    units, counts = tile_union_plan(g, tile)
-    ref_units, ref_counts = tile_union_plan_reference(g, tile)
-    assert torch.equal(counts, ref_counts)
-    for t in range(len(counts)):  # past a tile's count its slot is unspecified
-        assert torch.equal(units[t, : counts[t]], ref_units[t, : counts[t]])
+    plan = tile_union_plan(g, tile, row_layout=True)
+    ref = tile_union_plan_reference(g, tile, row_layout=True)
+    assert torch.equal(plan.counts, ref.counts)
+    for t in range(len(plan.counts)):  # past a tile's count its slot is unspecified
+        assert torch.equal(plan.units[t, : plan.counts[t]], ref.units[t, : plan.counts[t]])
+    assert torch.equal(plan.row_words, ref.row_words) and torch.equal(plan.row_ranks, ref.row_ranks)
+    # Without the row layout: the same plan.
+    plain = tile_union_plan(g, tile)
+    assert plain.row_words is None and torch.equal(plain.counts, plan.counts)
     # Every unit listed once per tile and active there (a bit set twice or lost would show).
     if m <= 1000:
-        _check_plan(units.cpu(), counts.cpu(), _expected_units(g.float().cpu(), tile), hidden)
+        _check_plan(plan.units.cpu(), plan.counts.cpu(), _expected_units(g.float().cpu(), tile), hidden)
 
 
 @pytest.mark.gpu
@@ -93,6 +119,5 @@ def test_the_kernels_give_the_references_plan(m, hidden, tile):
 def test_a_g_the_kernels_cannot_take_falls_back_to_the_reference():
     g = torch.randn(64, 40, device="cuda", dtype=torch.bfloat16)  # 40 units: not whole 32-unit words
     assert not runs_on_kernel(g)
-    units, counts = tile_union_plan(g, 8)
-    ref_units, ref_counts = tile_union_plan_reference(g, 8)
-    assert torch.equal(units, ref_units) and torch.equal(counts, ref_counts)
+    plan, ref = tile_union_plan(g, 8), tile_union_plan_reference(g, 8)
+    assert torch.equal(plan.units, ref.units) and torch.equal(plan.counts, ref.counts)
