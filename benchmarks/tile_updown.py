@@ -65,6 +65,18 @@ class TilePlan:
     max_blocks: int  # the most blocks a tile has (the launch grid's second dimension)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the Triton kernels are launched: warps a program and software-pipeline stages of their
+    K loops (Triton's own defaults: 4 and 3)."""
+
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def kwargs(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
 def slot_plan(g: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
     """The plan of the package's `tile_union_plan` (on the device, no host read): tile t's units in
     a slot of H entries, so its blocks start at t * H and the grid covers H / block_u blocks a tile,
@@ -346,7 +358,13 @@ if triton is not None:
 
 
 def tile_updown(
-    x: torch.Tensor, wu: torch.Tensor, wdt: torch.Tensor, g: torch.Tensor, plan: TilePlan, block_n: int = 128
+    x: torch.Tensor,
+    wu: torch.Tensor,
+    wdt: torch.Tensor,
+    g: torch.Tensor,
+    plan: TilePlan,
+    block_n: int = 128,
+    launch: Launch = Launch(),
 ) -> torch.Tensor:
     """y [M, D] by the two kernels: x [M, D], wu [H, D], wdt = Wd^T [H, D], g = x Wg^T [M, H], all
     contiguous in one 16-bit dtype on a CUDA device; D a multiple of 64 and of block_n."""
@@ -356,11 +374,11 @@ def tile_updown(
     tiles = len(plan.counts)
     _tile_h_kernel[(tiles, plan.max_blocks)](
         x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, d, wu.shape[0],
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
     )  # fmt: skip
     _tile_y_kernel[(tiles, d // block_n)](
         h_blocks, wdt, plan.units, plan.starts, plan.counts, y, d,
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
     )  # fmt: skip
     return y
 
@@ -373,6 +391,7 @@ def tile_forward(
     plan: TilePlan,
     layout: RecordLayout,
     block_n: int = 128,
+    launch: Launch = Launch(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, L1 summed over the rows, u of the record) by the record-writing h kernel and the y kernel:
     what `tile_forward_reference` computes; inputs as `tile_updown`'s."""
@@ -385,11 +404,11 @@ def tile_forward(
     _tile_h_record_kernel[(tiles, plan.max_blocks)](
         x, wu, g, plan.units, plan.starts, plan.counts, h_blocks, layout.words, layout.ranks,
         layout.row_ptr, u_record, l1_blocks, d, wu.shape[0], plan.max_blocks,
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
     )  # fmt: skip
     _tile_y_kernel[(tiles, d // block_n)](
         h_blocks, wdt, plan.units, plan.starts, plan.counts, y, d,
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
     )  # fmt: skip
     return y, l1_blocks.sum(), u_record
 
@@ -405,6 +424,7 @@ def tile_backward(
     u_record: torch.Tensor,
     l1_scale: float,
     block_n: int = 128,
+    launch: Launch = Launch(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dg and du at the record's entries) by the two backward kernels: what
     `tile_backward_reference` computes, dx from bf16 blocks of dg and du (as a dense bf16 backward
@@ -420,17 +440,27 @@ def tile_backward(
     _tile_dgdu_kernel[(tiles, plan.max_blocks)](
         grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.ranks, layout.row_ptr,
         a_record, u_record, dg_record, du_record, dg_blocks, du_blocks, l1_scale, d, wg.shape[0],
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
     )  # fmt: skip
     _tile_dx_kernel[(tiles, d // block_n)](
         dg_blocks, du_blocks, wg, wu, plan.units, plan.starts, plan.counts, dx, d,
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
     )  # fmt: skip
     return dx, dg_record, du_record
 
 
 def bench_case(
-    x, wg, wu, wd, tile: int, block_u: int, block_n: int, sort: bool, reps: int, heavy_threshold: int
+    x,
+    wg,
+    wu,
+    wd,
+    tile: int,
+    block_u: int,
+    block_n: int,
+    sort: bool,
+    reps: int,
+    heavy_threshold: int,
+    launch: Launch = Launch(),
 ) -> dict:
     """One case on the GPU: errors against float64, GPU times (ms) of every part."""
     from benchmarks.ffn import rel_err64, train_ours
@@ -441,9 +471,9 @@ def bench_case(
     xs, gs = (x[order].contiguous(), g[order].contiguous()) if sort else (x, g)
     wdt = wd.T.contiguous()
     plan = tile_plan(gs > 0, tile, block_u)
-    y = tile_updown(xs, wu, wdt, gs, plan, block_n)
+    y = tile_updown(xs, wu, wdt, gs, plan, block_n, launch)
     slots = slot_plan(gs, tile, block_u)
-    same_units_y = torch.equal(tile_updown(xs, wu, wdt, gs, slots, block_n), y)
+    same_units_y = torch.equal(tile_updown(xs, wu, wdt, gs, slots, block_n, launch), y)
     if sort:
         y = torch.empty_like(y).index_copy_(0, order, y)
     ours = train_ours("cuda", heavy_threshold)
@@ -458,10 +488,12 @@ def bench_case(
         "err_tile": rel_err64(y, x, wg, wu, wd),
         "err_dense_bf16": rel_err64(ops.ffn_forward_reference(x, wg, wu, wd), x, wg, wu, wd),
         "ms_plan": common.gpu_busy_ms(lambda: tile_plan(gs > 0, tile, block_u), reps),
-        "ms_tile_kernels": common.gpu_busy_ms(lambda: tile_updown(xs, wu, wdt, gs, plan, block_n), reps),
+        "ms_tile_kernels": common.gpu_busy_ms(
+            lambda: tile_updown(xs, wu, wdt, gs, plan, block_n, launch), reps
+        ),
         "ms_plan_kernels": common.gpu_busy_ms(lambda: tile_union_plan(gs, tile), reps),
         "ms_tile_kernels_slots": common.gpu_busy_ms(
-            lambda: tile_updown(xs, wu, wdt, gs, slots, block_n), reps
+            lambda: tile_updown(xs, wu, wdt, gs, slots, block_n, launch), reps
         ),
         "slot_plan_same_y": same_units_y,
         "ms_gate": common.gpu_busy_ms(lambda: x @ wg.T, reps),
@@ -471,7 +503,7 @@ def bench_case(
     if sort:
         row["ms_sort"] = common.gpu_busy_ms(lambda: (lowest_unit_order(g > 0), x[order], g[order]), reps)
     row["ms_op_forward_after_gate"] = row["ms_op_forward"] - row["ms_gate"]
-    row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps)
+    row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps, launch)
     row["ms_op_backward"] = op_backward_ms(x, wg, wu, wd, heavy_threshold, reps) - row["ms_op_forward"]
     return row
 
@@ -480,7 +512,9 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
-def training_parts(xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int) -> dict:
+def training_parts(
+    xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int, launch: Launch = Launch()
+) -> dict:
     """The kernels of design 2 as the training op would run them on one case (its tokens as the
     plan has them): the forward's (y, the record's u, L1) and the backward's (dg and du at the
     record's entries, dx), their GPU times, the record layout's by torch ops, and the errors
@@ -488,24 +522,22 @@ def training_parts(xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int)
     wdt = wd.T.contiguous()
     active = gs > 0
     layout = RecordLayout.of(gs, slots.tile)
-    y, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n)
+    y, l1, u_record = tile_forward(xs, wu, wdt, gs, slots, layout, block_n, launch)
     y_ref, l1_ref, u_ref = tile_forward_reference(xs, wu, wd, gs, slots)
     gen = torch.Generator(device=xs.device).manual_seed(0)
     grad_y = torch.randn(xs.shape, generator=gen, device=xs.device).to(xs.dtype)
     a_record, l1_scale = torch.relu(gs)[active], 1e-3 / len(xs)
-    dx, dg, du = tile_backward(grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n)
+    backward_args = (grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n, launch)
+    dx, dg, du = tile_backward(*backward_args)
     dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
     return {
         "ms_plan_with_layout_kernels": common.gpu_busy_ms(
             lambda: tile_union_plan(gs, slots.tile, True), reps
         ),
         "ms_tile_forward_kernels": common.gpu_busy_ms(
-            lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n), reps
+            lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n, launch), reps
         ),
-        "ms_tile_backward_kernels": common.gpu_busy_ms(
-            lambda: tile_backward(grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n),
-            reps,
-        ),
+        "ms_tile_backward_kernels": common.gpu_busy_ms(lambda: tile_backward(*backward_args), reps),
         "y_err_vs_tile_reference": relative(y, y_ref),
         "u_record_err": relative(u_record, u_ref),
         "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),
@@ -530,14 +562,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"commit `{meta['commit']}`, {meta['date']}; {workload}; M {meta['M']}, D {meta['D']}, H {meta['H']}; "
         "GPU busy ms a call (`common.gpu_busy_ms`); errors: y relative to float64, dx to the float32 "
         "backward from the same record.\n",
-        "| layer | nnz | tile | block u | block n | sorted | union | err tile | err dense bf16 | plan | sort | "
+        "| layer | nnz | tile | block u | block n | sorted | warps, stages | union | err tile | err dense bf16 | "
+        "plan | sort | "
         "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | backward kernels "
         "(dg, du, dx) | dx err | op forward | op forward less the gate | op backward | dense up/down |",
-        "|" + "---|" * 21,
+        "|" + "---|" * 22,
     ]
     for r in rows:
         lines.append(
             f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['block_n']} | {r['sorted']} | "
+            f"{r.get('num_warps', 4)}, {r.get('num_stages', 3)} | "
             f"{r['union_mean']:.0f} | {r['err_tile']:.2e} | "
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
@@ -566,6 +600,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--block-n", type=int, nargs="+", default=[128], help="output columns a block (y kernel)")
     p.add_argument("--sorted", action="store_true", help="also time each case with its tokens sorted")
+    p.add_argument("--warps", type=int, nargs="+", default=[Launch.num_warps], help="warps a Triton program")
+    p.add_argument(
+        "--stages", type=int, nargs="+", default=[Launch.num_stages], help="pipeline stages of the K loops"
+    )
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
     if args.tiny:
@@ -607,11 +645,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for case, x, (wg, wu, wd) in todo:
         shapes = itertools.product(
-            args.tile, args.block_u, args.block_n, (False, True) if args.sorted else (False,)
+            args.tile,
+            args.block_u,
+            args.block_n,
+            (False, True) if args.sorted else (False,),
+            args.warps,
+            args.stages,
         )
-        for tile, block_u, block_n, sort in shapes:
-            row = bench_case(x, wg, wu, wd, tile, block_u, block_n, sort, args.reps, args.heavy_threshold)
-            rows.append(case | row)
+        for tile, block_u, block_n, sort, warps, stages in shapes:
+            launch = Launch(warps, stages)
+            row = bench_case(
+                x, wg, wu, wd, tile, block_u, block_n, sort, args.reps, args.heavy_threshold, launch
+            )
+            rows.append(case | row | {"num_warps": warps, "num_stages": stages})
             print(json.dumps(rows[-1]), flush=True)
     meta = common.run_meta("cuda", M=len(x), D=wu.shape[1], H=wu.shape[0], **workload)
     text = markdown(meta, rows)
