@@ -13,7 +13,7 @@ namespace sparse_llm {
 // Rows a CTA of the bits kernel reads (a warp a row): a tile must be a multiple of it, so that a
 // CTA's rows lie in one tile and it ORs its words into global memory once.
 constexpr int kTilePlanRowsPerCta = 8;
-// The widest g: one 32-unit word a unit group in shared memory (6 KiB).
+// The widest g: a CTA holds a row's 32-unit words in shared memory (6 KiB at this width).
 constexpr int kTilePlanMaxHidden = 49152;
 
 // bits[t, w] |= bit u % 32 of every unit u = 32 w + b active on a row of tile t (rows t * tile ...
