@@ -1,8 +1,8 @@
 """The package's import graph: no cycles, and no module imports a layer above its own.
 
 Layers, lowest first (a module may import its own subpackage and any lower layer):
-  0  ops, run_files                     kernels' Python front and references (torch alone);
-                                        the names in a run directory
+  0  ops, run_files, metric_keys        kernels' Python front and references (torch alone);
+                                        the names in a run directory and of its metrics
   1  config                             the schema (it takes the FFN implementations' names from ops)
   2  model                              the model, built from ops
   3  data, sparsity, analysis           the recipe and the readers, each on its own
@@ -24,6 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sparse_llm"
 LAYERS = {
     "ops": 0,
     "run_files": 0,
+    "metric_keys": 0,
     "config": 1,
     "model": 2,
     "data": 3,
