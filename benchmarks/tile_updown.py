@@ -38,7 +38,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
-from sparse_llm.ops.ffn.tile_plan import tile_union_plan
+from sparse_llm.ops.ffn.tile_plan import tile_union_plan, tile_union_plan_from_record
 
 try:
     import triton
@@ -529,6 +529,9 @@ def training_parts(
     a_record, l1_scale = torch.relu(gs)[active], 1e-3 / len(xs)
     backward_args = (grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n, launch)
     dx, dg, du = tile_backward(*backward_args)
+    # The backward keeps the record, not g: its plan and layout come from the record's columns.
+    cols = active.nonzero()[:, 1].to(torch.int32)
+    hidden = gs.shape[1]
     dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
     return {
         "ms_plan_with_layout_kernels": common.gpu_busy_ms(
@@ -538,6 +541,9 @@ def training_parts(
             lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n, launch), reps
         ),
         "ms_tile_backward_kernels": common.gpu_busy_ms(lambda: tile_backward(*backward_args), reps),
+        "ms_backward_plan_kernels": common.gpu_busy_ms(
+            lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
+        ),
         "y_err_vs_tile_reference": relative(y, y_ref),
         "u_record_err": relative(u_record, u_ref),
         "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),

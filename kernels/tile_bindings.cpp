@@ -41,6 +41,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const
   return {units, counts, row_words, row_ranks};
 }
 
+// The same from a record of every row's active entries (row_ptr [M + 1] int64, cols int32 ascending
+// within a row) of an [M, hidden] activation: a row's ranks only at its words with an entry.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan_from_record(const at::Tensor& row_ptr,
+                                                                                       const at::Tensor& cols,
+                                                                                       int64_t hidden, int64_t tile) {
+  SL_CHECK_ARG(row_ptr.is_cuda() && row_ptr.scalar_type() == at::kLong && row_ptr.dim() == 1 &&
+                   row_ptr.numel() >= 1 && row_ptr.is_contiguous(),
+               "row_ptr must be a contiguous 1-D CUDA int64 tensor of M + 1 offsets");
+  SL_CHECK_ARG(cols.is_cuda() && cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
+               "cols must be a contiguous 1-D CUDA int32 tensor");
+  SL_CHECK_ARG(row_ptr.device() == cols.device(), "row_ptr and cols must be on one device");
+  SL_CHECK_ARG(hidden > 0 && hidden % 32 == 0 && hidden <= sparse_llm::kTilePlanMaxHidden,
+               "hidden must be a positive multiple of 32, at most ", sparse_llm::kTilePlanMaxHidden, ", got ", hidden);
+  SL_CHECK_ARG(tile > 0, "tile must be positive, got ", tile);
+  const c10::cuda::CUDAGuard guard(row_ptr.device());
+  const int64_t rows = row_ptr.numel() - 1, tiles = (rows + tile - 1) / tile;
+  const at::TensorOptions ints = cols.options();
+  at::Tensor bits = at::empty({tiles, hidden / 32}, ints);
+  at::Tensor row_words = at::zeros({rows, hidden / 32}, ints);
+  at::Tensor row_ranks = at::empty({rows, hidden / 32}, ints);
+  at::Tensor units = at::empty({tiles, hidden}, ints);
+  at::Tensor counts = at::empty({tiles}, ints);
+  uint32_t* bit_words = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
+  const cudaStream_t stream = sparse_llm_glue::current_stream();
+  sparse_llm_glue::check_cuda(
+      sparse_llm::launch_tile_layout_from_record(
+          row_ptr.data_ptr<int64_t>(), cols.data_ptr<int32_t>(), rows, static_cast<int>(hidden),
+          static_cast<int>(tile), bit_words, reinterpret_cast<uint32_t*>(row_words.data_ptr<int32_t>()),
+          row_ranks.data_ptr<int32_t>(), stream),
+      "tile_layout_from_record");
+  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_compact(bit_words, tiles, static_cast<int>(hidden),
+                                                                    units.data_ptr<int32_t>(),
+                                                                    counts.data_ptr<int32_t>(), stream),
+                              "tile_union_compact");
+  return {units, counts, row_words, row_ranks};
+}
+
 }  // namespace
 
 void register_tile_ops(pybind11::module_& m) {
@@ -48,4 +85,7 @@ void register_tile_ops(pybind11::module_& m) {
         "(units [tiles, H] int32, counts [tiles] int32, row words, row ranks): each tile of `tile` rows' units "
         "with g > 0 on any of its rows, ascending, on the device; with row_layout also each row's active units "
         "as 32-unit words and each word's rank in the row (else empty)");
+  m.def("tile_union_plan_from_record", sparse_llm_glue::guarded<&tile_union_plan_from_record>,
+        "the same plan and row layout from a record (row_ptr, cols) of an [M, hidden] activation; a row's "
+        "ranks only at its words with an entry");
 }

@@ -89,7 +89,55 @@ __global__ void __launch_bounds__(kCompactThreads)
   if (threadIdx.x == 0) counts[t] = carry;
 }
 
+// A warp a row of the record: each entry sets its bit in the row's word, and the first entry of a
+// word (cols ascending) writes the word's rank.
+__global__ void __launch_bounds__(kBitsThreads)
+    tile_row_words_from_record_kernel(const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
+                                      int64_t rows, int words, uint32_t* __restrict__ row_words,
+                                      int32_t* __restrict__ row_ranks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTilePlanRowsPerCta + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t begin = row_ptr[row], end = row_ptr[row + 1];
+  uint32_t* out_words = row_words + row * words;
+  int32_t* out_ranks = row_ranks + row * words;
+  for (int64_t e = begin + lane; e < end; e += 32) {
+    const int unit = cols[e];
+    atomicOr(out_words + unit / 32, 1u << (unit % 32));
+    if (e == begin || cols[e - 1] / 32 != unit / 32) out_ranks[unit / 32] = static_cast<int32_t>(e - begin);
+  }
+}
+
+// A thread a (tile, word): the OR of the tile's rows' words.
+__global__ void tile_bits_from_rows_kernel(const uint32_t* __restrict__ row_words, int64_t rows, int words, int tile,
+                                           int64_t tiles, uint32_t* __restrict__ bits) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tiles * words) return;
+  const int64_t t = i / words, w = i % words;
+  const int64_t last = t * tile + tile < rows ? t * tile + tile : rows;
+  uint32_t word = 0;
+  for (int64_t r = t * tile; r < last; ++r) word |= row_words[r * words + w];
+  bits[i] = word;
+}
+
 }  // namespace
+
+cudaError_t launch_tile_layout_from_record(const int64_t* row_ptr, const int32_t* cols, int64_t rows, int hidden,
+                                           int tile, uint32_t* bits, uint32_t* row_words, int32_t* row_ranks,
+                                           cudaStream_t stream) {
+  if (hidden % 32 != 0 || hidden > kTilePlanMaxHidden || tile <= 0) return cudaErrorInvalidValue;
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  const int words = hidden / 32;
+  const int64_t row_blocks = (rows + kTilePlanRowsPerCta - 1) / kTilePlanRowsPerCta;
+  tile_row_words_from_record_kernel<<<static_cast<unsigned>(row_blocks), kBitsThreads, 0, stream>>>(
+      row_ptr, cols, rows, words, row_words, row_ranks);
+  const int64_t tiles = (rows + tile - 1) / tile;
+  constexpr int kThreads = 256;
+  const int64_t blocks = (tiles * words + kThreads - 1) / kThreads;
+  tile_bits_from_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(row_words, rows, words, tile,
+                                                                                     tiles, bits);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_tile_union_bits(const __nv_bfloat16* g, int64_t rows, int hidden, int tile, uint32_t* bits,
                                    uint32_t* row_words, int32_t* row_ranks, cudaStream_t stream) {

@@ -32,4 +32,14 @@ cudaError_t launch_tile_union_bits(const __nv_bfloat16* g, int64_t rows, int hid
 cudaError_t launch_tile_union_compact(const uint32_t* bits, int64_t tiles, int hidden, int32_t* units,
                                       int32_t* counts, cudaStream_t stream);
 
+// The same plan and row layout from a record instead of g, for a backward that keeps no [M, H]
+// tensor: row_ptr [rows + 1] (int64) and cols (int32, each row's units ascending) of every row's
+// active entries. row_words [rows, hidden / 32] is zeroed by the caller, bits [tiles, hidden / 32]
+// written whole; row_ranks[r, w] is written where row r has an active unit in word w (the only
+// words a kernel asks about), as the rank of the word's first entry in the row. Any tile > 0. Then
+// launch_tile_union_compact as above.
+cudaError_t launch_tile_layout_from_record(const int64_t* row_ptr, const int32_t* cols, int64_t rows, int hidden,
+                                           int tile, uint32_t* bits, uint32_t* row_words, int32_t* row_ranks,
+                                           cudaStream_t stream);
+
 }  // namespace sparse_llm

@@ -16,6 +16,11 @@ within a row): at the row's offset + row_ranks[r, u // 32] + the set bits of row
 below bit u % 32. tiles = ceil(M / tile), the last tile possibly short; tile a multiple of 8. bf16 g
 on a GPU where the kernels run takes two CUDA kernels (kernels/tile_plan.cu: one read of g, then a
 CTA a tile); any other g takes torch ops (the reference, the same answer).
+
+A backward that keeps no [M, H] tensor has the forward's record instead (each row's active units,
+ascending, at row_ptr[r] ... row_ptr[r + 1]): `tile_union_plan_from_record(row_ptr, cols, H, tile)`
+gives the same plan and row layout from it, a row's ranks only at its words with an active unit
+(the only ones the layout is read at).
 """
 
 from __future__ import annotations
@@ -99,3 +104,51 @@ def tile_union_plan(g: torch.Tensor, tile: int, row_layout: bool = False) -> Til
         return tile_union_plan_reference(g, tile, row_layout)
     units, counts, row_words, row_ranks = extension().tile_union_plan(g, tile, row_layout)
     return TileUnionPlan(units, counts, row_words, row_ranks) if row_layout else TileUnionPlan(units, counts)
+
+
+def check_record(row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: int) -> None:
+    if row_ptr.dim() != 1 or row_ptr.numel() < 1 or row_ptr.dtype != torch.int64:
+        raise ValueError(
+            f"row_ptr must be 1-D int64 with M + 1 offsets, got {row_ptr.dtype} {tuple(row_ptr.shape)}"
+        )
+    if cols.dim() != 1 or cols.dtype != torch.int32:
+        raise ValueError(f"cols must be 1-D int32, got {cols.dtype} {tuple(cols.shape)}")
+    if row_ptr.device != cols.device:
+        raise ValueError(f"row_ptr and cols must be on one device, got {row_ptr.device} and {cols.device}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % KERNEL_UNIT_WORD:
+        raise ValueError(f"hidden must be a positive multiple of {KERNEL_UNIT_WORD}, got {hidden!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"tile must be a positive int, got {tile!r}")
+
+
+def tile_union_plan_from_record_reference(
+    row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: int
+) -> TileUnionPlan:
+    """The plan and row layout of the record's activation, by torch ops."""
+    check_record(row_ptr, cols, hidden, tile)
+    m = row_ptr.numel() - 1
+    rows = torch.repeat_interleave(torch.arange(m, device=cols.device), row_ptr.diff())
+    active = torch.zeros(m, hidden, dtype=torch.bool, device=cols.device)
+    active[rows, cols.long()] = True
+    tiles = -(-m // tile)
+    padded = torch.zeros(tiles * tile, hidden, dtype=torch.bool, device=cols.device)
+    padded[:m] = active
+    union = padded.view(tiles, tile, hidden).any(dim=1)
+    units = torch.sort((~union).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
+    return TileUnionPlan(units, union.sum(dim=1, dtype=torch.int32), *row_layout_reference(active))
+
+
+def tile_union_plan_from_record(
+    row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: int
+) -> TileUnionPlan:
+    """(units, counts, row_words, row_ranks) of the activation whose record is (row_ptr, cols); on a
+    GPU where the kernels run, the kernels (row_ranks unspecified at a row's words without an entry)."""
+    check_record(row_ptr, cols, hidden, tile)
+    if (
+        not (
+            cols.is_cuda and hidden <= KERNEL_MAX_HIDDEN and row_ptr.is_contiguous() and cols.is_contiguous()
+        )
+        or kernels_unavailable(cols.device) is not None
+    ):
+        return tile_union_plan_from_record_reference(row_ptr, cols, hidden, tile)
+    return TileUnionPlan(*extension().tile_union_plan_from_record(row_ptr, cols, hidden, tile))

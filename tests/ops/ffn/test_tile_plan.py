@@ -13,6 +13,8 @@ from sparse_llm.ops.ffn.tile_plan import (
     KERNEL_MAX_HIDDEN,
     runs_on_kernel,
     tile_union_plan,
+    tile_union_plan_from_record,
+    tile_union_plan_from_record_reference,
     tile_union_plan_reference,
 )
 
@@ -90,6 +92,35 @@ def test_bad_inputs_are_refused_before_any_compute():
         tile_union_plan(torch.zeros(16, 40), 8, row_layout=True)
 
 
+def _record(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_ptr, cols) of g's active entries, each row's units ascending."""
+    active = g > 0
+    row_ptr = torch.zeros(len(g) + 1, dtype=torch.int64, device=g.device)
+    row_ptr[1:] = active.sum(dim=1).cumsum(0)
+    return row_ptr, active.nonzero()[:, 1].to(torch.int32)
+
+
+@pytest.mark.parametrize("m, tile", [(40, 8), (37, 16)])
+def test_the_plan_from_a_record_is_the_plan_from_g(m, tile):
+    g = _patterned_g(max(m, 32), 96, seed=m)[:m]
+    from_record = tile_union_plan_from_record(*_record(g), 96, tile)
+    from_g = tile_union_plan(g, tile, row_layout=True)
+    for got, want in zip(from_record, from_g, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_bad_record_is_refused_before_any_compute():
+    row_ptr, cols = torch.zeros(5, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="row_ptr must be 1-D int64"):
+        tile_union_plan_from_record(row_ptr.int(), cols, 64, 8)
+    with pytest.raises(ValueError, match="cols must be 1-D int32"):
+        tile_union_plan_from_record(row_ptr, cols.long(), 64, 8)
+    with pytest.raises(ValueError, match="hidden must be a positive multiple of 32"):
+        tile_union_plan_from_record(row_ptr, cols, 40, 8)
+    with pytest.raises(ValueError, match="tile must be a positive int"):
+        tile_union_plan_from_record(row_ptr, cols, 64, 0)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
@@ -121,3 +152,21 @@ def test_a_g_the_kernels_cannot_take_falls_back_to_the_reference():
     assert not runs_on_kernel(g)
     plan, ref = tile_union_plan(g, 8), tile_union_plan_reference(g, 8)
     assert torch.equal(plan.units, ref.units) and torch.equal(plan.counts, ref.counts)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "m, hidden, tile", [(16384, 5632, 64), (1000, 5632, 128), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16)]
+)
+def test_the_kernels_plan_from_a_record_is_the_references(m, hidden, tile):
+    g = _patterned_g(m, hidden, seed=hidden + m + 1, device="cuda", dtype=torch.bfloat16)
+    row_ptr, cols = _record(g)
+    plan = tile_union_plan_from_record(row_ptr, cols, hidden, tile)
+    ref = tile_union_plan_from_record_reference(row_ptr, cols, hidden, tile)
+    assert torch.equal(plan.counts, ref.counts) and torch.equal(plan.row_words, ref.row_words)
+    for t in range(len(plan.counts)):
+        assert torch.equal(plan.units[t, : plan.counts[t]], ref.units[t, : plan.counts[t]])
+    # Ranks are defined where a row has an entry in the word: there they are the reference's.
+    has_entry = plan.row_words != 0
+    assert torch.equal(plan.row_ranks[has_entry], ref.row_ranks[has_entry])
