@@ -38,6 +38,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
+from sparse_llm.ops._extension import extension
 from sparse_llm.ops.ffn.tile_plan import tile_union_plan, tile_union_plan_from_record
 
 try:
@@ -180,6 +181,28 @@ def tile_backward_reference(
     dh = grad_y.to(acc) @ wd.to(acc) + l1_scale * torch.sign(u) * active
     dg, du = dh * u, dh * a
     return dg @ wg.to(acc) + du @ wu.to(acc), dg[active], du[active]
+
+
+def weight_grads_reference(
+    x: torch.Tensor,
+    grad_y: torch.Tensor,
+    active: torch.Tensor,
+    a_record: torch.Tensor,
+    u_record: torch.Tensor,
+    dg_record: torch.Tensor,
+    du_record: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dWg, dWu, dWd) from the record and dg, du at its entries, in float32 (or wider): dWg = dg^T x,
+    dWu = du^T x, dWd = grad_y^T h with h = a u at the entries."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+
+    def dense(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(active.shape, dtype=acc, device=active.device)
+        out[active] = values.to(acc)
+        return out
+
+    h = dense(a_record) * dense(u_record)
+    return dense(dg_record).T @ x.to(acc), dense(du_record).T @ x.to(acc), grad_y.to(acc).T @ h
 
 
 if triton is not None:
@@ -529,9 +552,19 @@ def training_parts(
     a_record, l1_scale = torch.relu(gs)[active], 1e-3 / len(xs)
     backward_args = (grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n, launch)
     dx, dg, du = tile_backward(*backward_args)
-    # The backward keeps the record, not g: its plan and layout come from the record's columns.
+    # The backward keeps the record, not g: its plan and layout come from the record's columns; the
+    # weight gradients from the per-unit kernel over every row's entries (the op's own, unchanged).
     cols = active.nonzero()[:, 1].to(torch.int32)
     hidden = gs.shape[1]
+    ext = extension()
+
+    def weight_grads() -> tuple[torch.Tensor, ...]:
+        return ext.csr_weight_grads(
+            xs, grad_y, layout.row_ptr, cols, a_record, u_record, dg, du, hidden, wg.dtype
+        )
+
+    dw = weight_grads()
+    dw_ref = weight_grads_reference(xs, grad_y, active, a_record, u_record, dg, du)
     dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
     return {
         "ms_plan_with_layout_kernels": common.gpu_busy_ms(
@@ -544,6 +577,8 @@ def training_parts(
         "ms_backward_plan_kernels": common.gpu_busy_ms(
             lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
         ),
+        "ms_weight_grads_kernels": common.gpu_busy_ms(weight_grads, reps),
+        "weight_grads_err": max(relative(got, want) for got, want in zip(dw, dw_ref, strict=True)),
         "y_err_vs_tile_reference": relative(y, y_ref),
         "u_record_err": relative(u_record, u_ref),
         "l1_rel_diff": abs(l1.item() - l1_ref.item()) / max(abs(l1_ref.item()), 1e-30),
@@ -571,8 +606,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "| layer | nnz | tile | block u | block n | sorted | warps, stages | union | err tile | err dense bf16 | "
         "plan | sort | "
         "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | backward kernels "
-        "(dg, du, dx) | dx err | op forward | op forward less the gate | op backward | dense up/down |",
-        "|" + "---|" * 22,
+        "(dg, du, dx) | dx err | backward plan | weight grads (per unit) | op forward | op forward less the gate | "
+        "op backward | dense up/down |",
+        "|" + "---|" * 24,
     ]
     for r in rows:
         lines.append(
@@ -582,7 +618,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
             f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f} | "
-            f"{r['ms_tile_backward_kernels']:.3f} | {r['dx_err']:.1e} | "
+            f"{r['ms_tile_backward_kernels']:.3f} | {r['dx_err']:.1e} | {r['ms_backward_plan_kernels']:.3f} | "
+            f"{r['ms_weight_grads_kernels']:.3f} | "
             f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | {r['ms_op_backward']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
         )

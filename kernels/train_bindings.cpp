@@ -426,6 +426,46 @@ std::vector<int64_t> wait_host_sizes(const at::Tensor& host_sizes) {
   return {fields[0], fields[1], fields[2], fields[3]};
 }
 
+// The weight gradients' share of a record's entries, by the per-unit kernel over the entries in
+// column order (each unit's rows of dWg, dWu and dWd^T accumulated in registers: no atomics,
+// deterministic): written whole, or added to dwg, dwu, dwd_t where `accumulate` (after the heavy
+// rows' GEMMs wrote them). dg, du: float32 at the record's entries.
+void unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr, const at::Tensor& cols,
+                       const at::Tensor& dg, const at::Tensor& du, const at::Tensor& a_vals, const at::Tensor& u_vals,
+                       int hidden, bool accumulate, at::Tensor& dwg, at::Tensor& dwu, at::Tensor& dwd_t,
+                       cudaStream_t stream) {
+  const int64_t rows = x.size(0), total = cols.size(0);
+  const int dim = static_cast<int>(x.size(1));
+  // Column order of the entries (stable: rows ascending within a unit) and each unit's range.
+  const sparse_llm::ColumnOrderScratch order_scratch = sparse_llm::csr_column_order_scratch(total, hidden);
+  at::Tensor order_counts = at::empty({2, order_scratch.count_ints}, cols.options());  // counts, offsets
+  at::Tensor scan_temp = at::empty({order_scratch.scan_bytes}, x.options().dtype(at::kByte));
+  at::Tensor unit_ptr = at::empty({hidden + 1}, x.options().dtype(at::kLong));
+  at::Tensor csc_rows = at::empty({total}, cols.options());
+  at::Tensor csc_entry = at::empty({total}, cols.options());
+  check_cuda(sparse_llm::launch_csr_column_order(row_ptr, rows, cols.data_ptr<int32_t>(), total, hidden, order_scratch,
+                                                 order_counts[0].data_ptr<int32_t>(),
+                                                 order_counts[1].data_ptr<int32_t>(), scan_temp.data_ptr(),
+                                                 unit_ptr.data_ptr<int64_t>(), csc_rows.data_ptr<int32_t>(),
+                                                 csc_entry.data_ptr<int32_t>(), stream),
+             "csr_column_order");
+  const int64_t* unit_ptr_d = unit_ptr.data_ptr<int64_t>();
+  const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
+  const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
+  at::Tensor long_units = at::empty({hidden + 1}, cols.options());  // the units with many entries, then their count
+  int32_t* long_d = long_units.data_ptr<int32_t>();
+  check_cuda(dwg.scalar_type() == at::kFloat
+                 ? sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
+                       dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
+                 : sparse_llm::launch_csr_backward_units(
+                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
+                       bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+             "csr_backward_units");
+}
+
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
 // the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'. The
@@ -473,20 +513,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");
 
-  // Column order of the light entries (stable: rows ascending within a unit) and each unit's range.
-  const sparse_llm::ColumnOrderScratch order_scratch = sparse_llm::csr_column_order_scratch(total, hidden);
-  at::Tensor order_counts = at::empty({2, order_scratch.count_ints}, cols.options());  // counts, offsets
-  at::Tensor scan_temp = at::empty({order_scratch.scan_bytes}, x.options().dtype(at::kByte));
-  at::Tensor unit_ptr = at::empty({hidden + 1}, nnz.options());
-  at::Tensor csc_rows = at::empty({total}, cols.options());
-  at::Tensor csc_entry = at::empty({total}, cols.options());
-  check_cuda(sparse_llm::launch_csr_column_order(row_ptr, rows, cols.data_ptr<int32_t>(), total, hidden, order_scratch,
-                                                 order_counts[0].data_ptr<int32_t>(),
-                                                 order_counts[1].data_ptr<int32_t>(), scan_temp.data_ptr(),
-                                                 unit_ptr.data_ptr<int64_t>(), csc_rows.data_ptr<int32_t>(),
-                                                 csc_entry.data_ptr<int32_t>(), stream),
-             "csr_column_order");
-
   at::Tensor dwg = at::empty_like(wg);
   at::Tensor dwu = at::empty_like(wu);
   at::Tensor dwd_t = at::empty({hidden, dim}, wd.options());
@@ -518,23 +544,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     write_product(dwu, a_h.t(), x_h);
     write_product(dwd_t, u_h.t(), gy_h);
   }
-  const int64_t* unit_ptr_d = unit_ptr.data_ptr<int64_t>();
-  const int32_t* csc_rows_d = csc_rows.data_ptr<int32_t>();
-  const int32_t* csc_entry_d = csc_entry.data_ptr<int32_t>();
-  const bool accumulate = n_heavy > 0;
-  at::Tensor long_units = at::empty({hidden + 1}, cols.options());  // the units with many entries, then their count
-  int32_t* long_d = long_units.data_ptr<int32_t>();
-  check_cuda(grad_dtype == at::kFloat
-                 ? sparse_llm::launch_csr_backward_units(
-                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
-                       dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
-                 : sparse_llm::launch_csr_backward_units(
-                       bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
-                       bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
-             "csr_backward_units");
+  // The light entries' share: added to the heavy rows' GEMMs where there were any.
+  unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0, dwg, dwu, dwd_t, stream);
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
+}
+
+// (dWg, dWu, dWd) in `grad_dtype` (bf16 or float) from a record of every row's active entries
+// (row_ptr [M + 1], cols, a_vals, u_vals) and dg, du (float32) at them, with x and grad_y [M, D]
+// bf16: the per-unit kernel alone, for a backward whose dh, dg, du and dx come from elsewhere
+// (design 2's tile kernels, docs/kernels.md).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_weight_grads(const at::Tensor& x, const at::Tensor& grad_y,
+                                                                const at::Tensor& row_ptr, const at::Tensor& cols,
+                                                                const at::Tensor& a_vals, const at::Tensor& u_vals,
+                                                                const at::Tensor& dg, const at::Tensor& du,
+                                                                int64_t hidden, at::ScalarType grad_dtype) {
+  SL_CHECK_ARG(grad_dtype == at::kBFloat16 || grad_dtype == at::kFloat, "grad_dtype must be bfloat16 or float32, got ",
+               grad_dtype);
+  check_matrix(x, "x");
+  check_matrix(grad_y, "grad_y");
+  SL_CHECK_ARG(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
+  SL_CHECK_ARG(x.size(1) <= sparse_llm::kMaxTrainDim && x.size(1) % 8 == 0, "D must be a multiple of 8, at most ",
+               sparse_llm::kMaxTrainDim);
+  SL_CHECK_ARG(hidden > 0 && hidden <= 49152, "hidden must be in [1, 49152], got ", hidden);
+  SL_CHECK_ARG(row_ptr.is_cuda() && row_ptr.scalar_type() == at::kLong && row_ptr.dim() == 1 &&
+                   row_ptr.numel() == x.size(0) + 1 && row_ptr.is_contiguous(),
+               "row_ptr must be a contiguous int64 CUDA vector of M + 1 offsets");
+  const int64_t total = cols.numel();
+  SL_CHECK_ARG(cols.is_cuda() && cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
+               "cols must be a contiguous int32 CUDA vector");
+  for (const at::Tensor* t : {&a_vals, &u_vals})
+    SL_CHECK_ARG(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->numel() == total && t->is_contiguous(),
+                 "a_vals and u_vals must be contiguous bf16 CUDA vectors like cols");
+  for (const at::Tensor* t : {&dg, &du})
+    SL_CHECK_ARG(t->is_cuda() && t->scalar_type() == at::kFloat && t->numel() == total && t->is_contiguous(),
+                 "dg and du must be contiguous float32 CUDA vectors like cols");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream();
+  const int64_t dim = x.size(1);
+  const at::TensorOptions out = x.options().dtype(grad_dtype);
+  at::Tensor dwg = at::empty({hidden, dim}, out), dwu = at::empty({hidden, dim}, out);
+  at::Tensor dwd_t = at::empty({hidden, dim}, out);
+  unit_weight_grads(x, grad_y, row_ptr.data_ptr<int64_t>(), cols, dg, du, a_vals, u_vals, static_cast<int>(hidden),
+                    /*accumulate=*/false, dwg, dwu, dwd_t, stream);
+  return {dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 
 }  // namespace
@@ -549,6 +601,9 @@ void register_train_ops(pybind11::module_& m) {
         "heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
   m.def("wait_host_sizes", sparse_llm_glue::guarded<&wait_host_sizes>,
         "the four sizes a capacity forward wrote to host_sizes, once they are there");
+  m.def("csr_weight_grads", sparse_llm_glue::guarded<&csr_weight_grads>,
+        "(dWg, dWu, dWd) in grad_dtype from a record of every row's active entries and dg, du at them: the "
+        "per-unit kernel alone");
   m.def("ffn_train_backward", sparse_llm_glue::guarded<&ffn_train_backward>,
         "exact sparse training backward from the forward's records: (dx, dWg, dWu, dWd), the weight gradients "
         "in the weights' dtype (bf16 or float32)");

@@ -19,6 +19,7 @@ from benchmarks.tile_updown import (
     tile_plan,
     tile_updown,
     tile_updown_reference,
+    weight_grads_reference,
 )
 
 
@@ -123,12 +124,13 @@ def test_the_forwards_reference_owes_y_l1_and_u_at_the_active_entries():
 
 def test_the_backwards_reference_is_autograds_gradient_with_the_l1_term():
     """dx from the record (a and u at the active entries) equals autograd's through the dense FFN for
-    the loss <grad_y, y> + l1_scale sum |h|; dg and du at the entries are its gate and up gradients."""
+    the loss <grad_y, y> + l1_scale sum |h|; dg and du at the entries are its gate and up gradients,
+    and the weight gradients from them are autograd's."""
     gen = torch.Generator().manual_seed(5)
     m, d, h = 12, 8, 32
     x = torch.randn(m, d, generator=gen, dtype=torch.float64, requires_grad=True)
-    wg, wu = (torch.randn(h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    wg, wu = (torch.randn(h, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64, requires_grad=True)
     grad_y = torch.randn(m, d, generator=gen, dtype=torch.float64)
     g, u = x @ wg.T, x @ wu.T
     g.retain_grad()
@@ -137,12 +139,17 @@ def test_the_backwards_reference_is_autograds_gradient_with_the_l1_term():
     l1_scale = 0.3
     ((hidden @ wd.T) * grad_y).sum().add(l1_scale * hidden.abs().sum()).backward()
     active = g.detach() > 0
+    a_record, u_record = torch.relu(g.detach())[active], u.detach()[active]
     dx, dg, du = tile_backward_reference(
-        grad_y, wg, wu, wd, active, torch.relu(g.detach())[active], u.detach()[active], l1_scale
+        grad_y, wg.detach(), wu.detach(), wd.detach(), active, a_record, u_record, l1_scale
     )
     torch.testing.assert_close(dx, x.grad)
     torch.testing.assert_close(dg, g.grad[active])
     torch.testing.assert_close(du, u.grad[active])
+    dwg, dwu, dwd = weight_grads_reference(x.detach(), grad_y, active, a_record, u_record, dg, du)
+    torch.testing.assert_close(dwg, wg.grad)
+    torch.testing.assert_close(dwu, wu.grad)
+    torch.testing.assert_close(dwd, wd.grad)
 
 
 def _patterned_inputs(tile: int, h: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -228,3 +235,31 @@ def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
     torch.testing.assert_close(dg, dg_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(du, du_ref, rtol=1e-4, atol=1e-4)
     assert ((dx.double() - dx_ref.double()).norm() / dx_ref.double().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the per-unit kernel needs a Hopper GPU",
+)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_the_per_unit_kernel_gives_the_weight_gradients_of_a_record_of_every_row(grad_dtype):
+    """`csr_weight_grads` (the op's per-unit kernel alone) on a record of every row, heavy ones included,
+    against the float32 reference: the units' sums in another order, rounded once to grad_dtype."""
+    from sparse_llm.ops._extension import extension
+
+    x, wu, _wd, g = _patterned_inputs(64, h=384, seed=torch.seed() % 2**31)
+    active = g > 0
+    row_ptr = torch.zeros(len(x) + 1, dtype=torch.int64, device="cuda")
+    row_ptr[1:] = active.sum(dim=1).cumsum(0)
+    cols = active.nonzero()[:, 1].to(torch.int32)
+    a_record = torch.relu(g)[active]
+    u_record = (x.float() @ wu.float().T).to(x.dtype)[active]
+    dg, du = (torch.randn(len(cols), device="cuda") for _ in range(2))
+    grad_y = torch.randn(x.shape, device="cuda").to(x.dtype)
+    got = extension().csr_weight_grads(x, grad_y, row_ptr, cols, a_record, u_record, dg, du, 384, grad_dtype)
+    want = weight_grads_reference(x, grad_y, active, a_record, u_record, dg, du)
+    for name, a, b in zip(("dWg", "dWu", "dWd"), got, want, strict=True):
+        assert a.dtype == grad_dtype and a.shape == b.shape, name
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err < (1e-2 if grad_dtype == torch.bfloat16 else 1e-5), f"{name}: {err:.2e}"
