@@ -39,6 +39,7 @@ import torch
 from benchmarks import common
 from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
 from sparse_llm.ops._extension import extension
+from sparse_llm.ops.activation_counts import activation_counts
 from sparse_llm.ops.ffn.tile_plan import tile_union_plan, tile_union_plan_from_record
 
 try:
@@ -528,6 +529,15 @@ def bench_case(
     row["ms_op_forward_after_gate"] = row["ms_op_forward"] - row["ms_gate"]
     row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps, launch)
     row["ms_op_backward"] = op_backward_ms(x, wg, wu, wd, heavy_threshold, reps) - row["ms_op_forward"]
+    # Design 2 as the op would run it, against the op: the forward after the gate (the plan with the
+    # row layout, the counts and record, the tile kernels) and the backward (the plan from the
+    # record, the tile kernels, the per-unit weight gradients).
+    row["ms_design2_forward_after_gate"] = (
+        row["ms_plan_with_layout_kernels"] + row["ms_forward_record_kernels"] + row["ms_tile_forward_kernels"]
+    )
+    row["ms_design2_backward"] = (
+        row["ms_backward_plan_kernels"] + row["ms_tile_backward_kernels"] + row["ms_weight_grads_kernels"]
+    )
     return row
 
 
@@ -565,6 +575,16 @@ def training_parts(
 
     dw = weight_grads()
     dw_ref = weight_grads_reference(xs, grad_y, active, a_record, u_record, dg, du)
+
+    def forward_record() -> tuple[torch.Tensor, ...]:
+        # What the forward writes besides y, u and L1: the counts (L0, fire counts), the record's
+        # offsets, and its columns and a values from g.
+        nnz, _fire_counts = activation_counts(gs)
+        row_ptr = torch.zeros(len(gs) + 1, dtype=torch.int64, device=gs.device)
+        torch.cumsum(nnz, 0, out=row_ptr[1:])
+        return ext.csr_fill_record(gs, row_ptr, len(cols))
+
+    filled_cols, filled_a = forward_record()
     dx_ref, dg_ref, du_ref = tile_backward_reference(grad_y, wg, wu, wd, active, a_record, u_record, l1_scale)
     return {
         "ms_plan_with_layout_kernels": common.gpu_busy_ms(
@@ -578,6 +598,8 @@ def training_parts(
             lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
         ),
         "ms_weight_grads_kernels": common.gpu_busy_ms(weight_grads, reps),
+        "ms_forward_record_kernels": common.gpu_busy_ms(forward_record, reps),
+        "record_fill_same": torch.equal(filled_cols, cols) and torch.equal(filled_a, a_record),
         "weight_grads_err": max(relative(got, want) for got, want in zip(dw, dw_ref, strict=True)),
         "y_err_vs_tile_reference": relative(y, y_ref),
         "u_record_err": relative(u_record, u_ref),
@@ -622,6 +644,25 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ms_weight_grads_kernels']:.3f} | "
             f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | {r['ms_op_backward']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
+        )
+    lines += [
+        "",
+        "Design 2 as the training op would run it against the op, GPU busy ms a call: the forward after the gate "
+        "(plan and row layout, counts and record, tile kernels) and the backward (plan from the record, tile "
+        "kernels, per-unit weight gradients).",
+        "",
+        "| layer | nnz | tile | block u | sorted | warps, stages | design 2 forward after the gate | op's | "
+        "design 2 backward | op's | forward + backward, op / design 2 |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        ours = r["ms_design2_forward_after_gate"] + r["ms_design2_backward"]
+        op = r["ms_op_forward_after_gate"] + r["ms_op_backward"]
+        lines.append(
+            f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['sorted']} | "
+            f"{r.get('num_warps', 4)}, {r.get('num_stages', 3)} | {r['ms_design2_forward_after_gate']:.3f} | "
+            f"{r['ms_op_forward_after_gate']:.3f} | {r['ms_design2_backward']:.3f} | {r['ms_op_backward']:.3f} | "
+            f"{op / ours:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

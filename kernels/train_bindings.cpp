@@ -549,6 +549,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 
+// The record of every row's active entries of g [M, H] bf16 at the offsets row_ptr [M + 1] (int64,
+// the exclusive prefix sum of the rows' counts): (cols [total] int32, a_vals [total] bf16), each
+// row's units ascending; entries past `total` are not written.
+std::tuple<at::Tensor, at::Tensor> csr_fill_record(const at::Tensor& g, const at::Tensor& row_ptr, int64_t total) {
+  check_matrix(g, "g");
+  SL_CHECK_ARG(g.size(1) % 8 == 0, "g must have a multiple of 8 columns, got ", g.size(1));
+  SL_CHECK_ARG(row_ptr.is_cuda() && row_ptr.scalar_type() == at::kLong && row_ptr.dim() == 1 &&
+                   row_ptr.numel() == g.size(0) + 1 && row_ptr.is_contiguous(),
+               "row_ptr must be a contiguous int64 CUDA vector of M + 1 offsets");
+  SL_CHECK_ARG(total >= 0, "total must be >= 0, got ", total);
+  const c10::cuda::CUDAGuard guard(g.device());
+  at::Tensor cols = at::empty({total}, g.options().dtype(at::kInt));
+  at::Tensor a_vals = at::empty({total}, g.options());
+  if (total > 0)
+    check_cuda(sparse_llm::launch_csr_fill_heavy(bf16_ptr(g), g.size(0), static_cast<int>(g.size(1)),
+                                                 row_ptr.data_ptr<int64_t>(), cols.data_ptr<int32_t>(),
+                                                 bf16_mut_ptr(a_vals), current_stream(), total),
+               "csr_fill_heavy");
+  return {cols, a_vals};
+}
+
 // (dWg, dWu, dWd) in `grad_dtype` (bf16 or float) from a record of every row's active entries
 // (row_ptr [M + 1], cols, a_vals, u_vals) and dg, du (float32) at them, with x and grad_y [M, D]
 // bf16: the per-unit kernel alone, for a backward whose dh, dg, du and dx come from elsewhere
@@ -601,6 +622,9 @@ void register_train_ops(pybind11::module_& m) {
         "heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
   m.def("wait_host_sizes", sparse_llm_glue::guarded<&wait_host_sizes>,
         "the four sizes a capacity forward wrote to host_sizes, once they are there");
+  m.def("csr_fill_record", sparse_llm_glue::guarded<&csr_fill_record>,
+        "(cols int32, a_vals bf16): the record of every row's active entries of g at the offsets row_ptr, the "
+        "first `total`");
   m.def("csr_weight_grads", sparse_llm_glue::guarded<&csr_weight_grads>,
         "(dWg, dWu, dWd) in grad_dtype from a record of every row's active entries and dg, du at them: the "
         "per-unit kernel alone");

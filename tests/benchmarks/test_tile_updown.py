@@ -263,3 +263,20 @@ def test_the_per_unit_kernel_gives_the_weight_gradients_of_a_record_of_every_row
         assert a.dtype == grad_dtype and a.shape == b.shape, name
         err = ((a.double() - b.double()).norm() / b.double().norm()).item()
         assert err < (1e-2 if grad_dtype == torch.bfloat16 else 1e-5), f"{name}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the record kernels need a Hopper GPU",
+)
+def test_the_record_of_every_row_holds_each_rows_active_units_in_order():
+    from sparse_llm.ops._extension import extension
+
+    _x, _wu, _wd, g = _patterned_inputs(64, h=384, seed=torch.seed() % 2**31)
+    active = g > 0
+    row_ptr = torch.zeros(len(g) + 1, dtype=torch.int64, device="cuda")
+    row_ptr[1:] = active.sum(dim=1).cumsum(0)
+    cols, a_vals = extension().csr_fill_record(g, row_ptr, int(row_ptr[-1]))
+    assert torch.equal(cols, active.nonzero()[:, 1].to(torch.int32))
+    assert torch.equal(a_vals, torch.relu(g)[active])
