@@ -40,7 +40,7 @@ from benchmarks import common
 from benchmarks.row_density import lowest_unit_order, model_inputs, model_parser
 from sparse_llm.ops._extension import extension
 from sparse_llm.ops.activation_counts import activation_counts
-from sparse_llm.ops.ffn.tile_plan import tile_union_plan, tile_union_plan_from_record
+from sparse_llm.ops.ffn.tile_plan import TileUnionPlan, tile_union_plan, tile_union_plan_from_record
 
 try:
     import triton
@@ -139,6 +139,7 @@ class RecordLayout:
     words: torch.Tensor  # int32 [M, H / 32]: bit b of word w set where unit 32 w + b is active
     ranks: torch.Tensor  # int32 [M, H / 32]: the row's active units before word w
     row_ptr: torch.Tensor  # int64 [M + 1]: the record's row offsets
+    entries: int  # the record's length, row_ptr[-1], known on the host
 
     @classmethod
     def of(cls, g: torch.Tensor, tile: int = 64) -> RecordLayout:
@@ -148,7 +149,7 @@ class RecordLayout:
         plan = tile_union_plan(g, tile, row_layout=True)
         row_ptr = torch.zeros(len(g) + 1, dtype=torch.int64, device=g.device)
         torch.cumsum((g > 0).sum(dim=1), 0, out=row_ptr[1:])
-        return cls(plan.row_words, plan.row_ranks, row_ptr)
+        return cls(plan.row_words, plan.row_ranks, row_ptr, int(row_ptr[-1]))
 
 
 def tile_forward_reference(
@@ -393,7 +394,7 @@ def tile_updown(
     """y [M, D] by the two kernels: x [M, D], wu [H, D], wdt = Wd^T [H, D], g = x Wg^T [M, H], all
     contiguous in one 16-bit dtype on a CUDA device; D a multiple of 64 and of block_n."""
     m, d = x.shape
-    h_blocks = torch.empty(int(plan.starts[-1]) * plan.tile, device=x.device, dtype=x.dtype)
+    h_blocks = torch.empty(plan.units.numel() * plan.tile, device=x.device, dtype=x.dtype)
     y = torch.empty(m, d, device=x.device, dtype=x.dtype)
     tiles = len(plan.counts)
     _tile_h_kernel[(tiles, plan.max_blocks)](
@@ -420,9 +421,9 @@ def tile_forward(
     """(y, L1 summed over the rows, u of the record) by the record-writing h kernel and the y kernel:
     what `tile_forward_reference` computes; inputs as `tile_updown`'s."""
     m, d = x.shape
-    h_blocks = torch.empty(int(plan.starts[-1]) * plan.tile, device=x.device, dtype=x.dtype)
+    h_blocks = torch.empty(plan.units.numel() * plan.tile, device=x.device, dtype=x.dtype)
     y = torch.empty(m, d, device=x.device, dtype=x.dtype)
-    u_record = torch.empty(int(layout.row_ptr[-1]), device=x.device, dtype=x.dtype)
+    u_record = torch.empty(layout.entries, device=x.device, dtype=x.dtype)
     tiles = len(plan.counts)
     l1_blocks = torch.zeros(tiles * plan.max_blocks, device=x.device, dtype=torch.float32)
     _tile_h_record_kernel[(tiles, plan.max_blocks)](
@@ -454,7 +455,7 @@ def tile_backward(
     `tile_backward_reference` computes, dx from bf16 blocks of dg and du (as a dense bf16 backward
     rounds them); grad_y [M, D], the weights [H, D] (wdt = Wd^T), contiguous, one 16-bit dtype."""
     m, d = grad_y.shape
-    blocks = int(plan.starts[-1]) * plan.tile
+    blocks = plan.units.numel() * plan.tile
     dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
     du_blocks = torch.empty_like(dg_blocks)
     dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
@@ -471,6 +472,51 @@ def tile_backward(
         TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
     )  # fmt: skip
     return dx, dg_record, du_record
+
+
+def design2_step(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    wdt: torch.Tensor,
+    grad_y: torch.Tensor,
+    tile: int,
+    block_u: int,
+    block_n: int,
+    l1_scale: float,
+    launch: Launch = Launch(),
+) -> tuple[torch.Tensor, ...]:
+    """Design 2's forward and backward of one layer end to end, as an op would run them:
+    (y, l1, dx, dWg, dWu, dWd). Forward: the gate GEMM, the counts, the record's offsets, its one
+    host read (the record's length, which an op would size by a capacity instead), the record from
+    g, the plan with the row layout, the tile kernels. Backward: the plan and layout from the
+    record, the tile kernels, the per-unit weight gradients. x and grad_y in the tokens' order."""
+    ext = extension()
+    g = x @ wg.T
+    hidden = g.shape[1]
+    nnz, _fire_counts = activation_counts(g)
+    row_ptr = torch.zeros(len(x) + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(nnz, 0, out=row_ptr[1:])
+    entries = int(row_ptr[-1])
+    cols, a_record = ext.csr_fill_record(g, row_ptr, entries)
+    starts = torch.arange(0, (-(-len(x) // tile) + 1) * hidden, hidden, dtype=torch.int32, device=x.device)
+
+    def plan_of(found: TileUnionPlan) -> tuple[TilePlan, RecordLayout]:
+        plan = TilePlan(tile, block_u, found.units.view(-1), starts, found.counts, hidden // block_u)
+        return plan, RecordLayout(found.row_words, found.row_ranks, row_ptr, entries)
+
+    plan, layout = plan_of(tile_union_plan(g, tile, row_layout=True))
+    y, l1, u_record = tile_forward(x, wu, wdt, g, plan, layout, block_n, launch)
+    del g  # the backward keeps the record, not g
+    plan, layout = plan_of(tile_union_plan_from_record(row_ptr, cols, hidden, tile))
+    dx, dg, du = tile_backward(
+        grad_y, wg, wu, wdt, plan, layout, a_record, u_record, l1_scale, block_n, launch
+    )
+    dwg, dwu, dwd = ext.csr_weight_grads(
+        x, grad_y, row_ptr, cols, a_record, u_record, dg, du, hidden, wg.dtype
+    )
+    return y, l1 / len(x), dx, dwg, dwu, dwd
 
 
 def bench_case(
@@ -538,7 +584,41 @@ def bench_case(
     row["ms_design2_backward"] = (
         row["ms_backward_plan_kernels"] + row["ms_tile_backward_kernels"] + row["ms_weight_grads_kernels"]
     )
+    row |= whole_steps(x, wg, wu, wd, tile, block_u, block_n, reps, heavy_threshold, launch)
     return row
+
+
+def whole_steps(
+    x, wg, wu, wd, tile: int, block_u: int, block_n: int, reps: int, heavy_threshold: int, launch: Launch
+) -> dict:
+    """Design 2's whole layer step (`design2_step`, the gate included) against the op's forward and
+    backward, event-timed (what the host's launches cost shows) and in GPU busy time; and the step's
+    error against the op's (dx and the weight gradients)."""
+    from benchmarks.ffn import forward_backward, train_ours
+    from sparse_llm import ops
+
+    wdt = wd.T.contiguous()
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    grad_y = torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype)
+    l1_grad = 2e-5
+    ours = design2_step(x, wg, wu, wd, wdt, grad_y, tile, block_u, block_n, l1_grad / len(x), launch)
+    inputs = [t.detach().clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    out = ops.ffn_forward_train(*inputs, impl="cuda", heavy_threshold=heavy_threshold)
+    torch.autograd.backward((out.y, out.l1), (grad_y, torch.tensor(l1_grad, device=x.device)))
+    errors = {  # before the timed op steps drop these gradients
+        "design2_vs_op_grad_err": max(relative(a, b.grad) for a, b in zip(ours[2:], inputs, strict=True)),
+        "design2_vs_op_y_err": relative(ours[0], out.y),
+    }
+    op_step = forward_backward(train_ours("cuda", heavy_threshold), torch.tensor(l1_grad, device=x.device))
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return design2_step(x, wg, wu, wd, wdt, grad_y, tile, block_u, block_n, l1_grad / len(x), launch)
+
+    return errors | {
+        "ms_design2_step_event": common.median_ms(step, x.device, warmup=3, reps=reps),
+        "ms_design2_step_busy": common.gpu_busy_ms(step, reps),
+        "ms_op_step_event": common.median_ms(lambda: op_step(*inputs), x.device, warmup=3, reps=reps),
+    }
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -652,8 +732,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "kernels, per-unit weight gradients).",
         "",
         "| layer | nnz | tile | block u | sorted | warps, stages | design 2 forward after the gate | op's | "
-        "design 2 backward | op's | forward + backward, op / design 2 |",
-        "|" + "---|" * 11,
+        "design 2 backward | op's | forward + backward, op / design 2 | whole step, event-timed: design 2 | "
+        "op's | gradients vs the op's |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         ours = r["ms_design2_forward_after_gate"] + r["ms_design2_backward"]
@@ -662,7 +743,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['sorted']} | "
             f"{r.get('num_warps', 4)}, {r.get('num_stages', 3)} | {r['ms_design2_forward_after_gate']:.3f} | "
             f"{r['ms_op_forward_after_gate']:.3f} | {r['ms_design2_backward']:.3f} | {r['ms_op_backward']:.3f} | "
-            f"{op / ours:.2f}x |"
+            f"{op / ours:.2f}x | {r['ms_design2_step_event']:.3f} | {r['ms_op_step_event']:.3f} | "
+            f"{r['design2_vs_op_grad_err']:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
