@@ -65,6 +65,7 @@ class TilePlan:
     starts: torch.Tensor  # int32 [tiles + 1], multiples of block_u
     counts: torch.Tensor  # int32 [tiles]
     max_blocks: int  # the most blocks a tile has (the launch grid's second dimension)
+    slots: bool = False  # each tile's units in a slot of H entries (the device's plan), not packed
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def slot_plan(g: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> Til
         )
     units, counts, *_ = tile_union_plan(g, tile)
     starts = torch.arange(0, (len(counts) + 1) * hidden, hidden, dtype=torch.int32, device=g.device)
-    return TilePlan(tile, block_u, units.view(-1), starts, counts, hidden // block_u)
+    return TilePlan(tile, block_u, units.view(-1), starts, counts, hidden // block_u, slots=True)
 
 
 def tile_plan(active: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
@@ -224,7 +225,7 @@ if triton is not None:
         start = tl.load(starts_ptr + t) + block * BLOCK_U
         cols = tl.arange(0, BLOCK_U)
         live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
@@ -263,7 +264,7 @@ if triton is not None:
         start = tl.load(starts_ptr + t) + block * BLOCK_U
         cols = tl.arange(0, BLOCK_U)
         live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
@@ -305,7 +306,7 @@ if triton is not None:
         start = tl.load(starts_ptr + t) + block * BLOCK_U
         cols = tl.arange(0, BLOCK_U)
         live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols).to(tl.int64)
+        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         dh = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
@@ -349,7 +350,7 @@ if triton is not None:
         acc = tl.zeros((TILE, BLOCK_N), dtype=tl.float32)
         for u0 in range(0, count, BLOCK_U):
             live = u0 + cols < count
-            units = tl.load(units_ptr + start + u0 + cols).to(tl.int64)
+            units = tl.load(units_ptr + start + u0 + cols, mask=live, other=0).to(tl.int64)
             at = (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :]
             rows_of = units[:, None] * D + n[None, :]
             acc = tl.dot(tl.load(dg_ptr + at), tl.load(wg_ptr + rows_of, mask=live[:, None], other=0.0), acc)
@@ -374,12 +375,22 @@ if triton is not None:
         acc = tl.zeros((TILE, BLOCK_N), dtype=tl.float32)
         for u0 in range(0, count, BLOCK_U):
             live = u0 + cols < count
-            units = tl.load(units_ptr + start + u0 + cols).to(tl.int64)
+            units = tl.load(units_ptr + start + u0 + cols, mask=live, other=0).to(tl.int64)
             h = tl.load(h_ptr + (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :])
             w = tl.load(wdt_ptr + units[:, None] * D + n[None, :], mask=live[:, None], other=0.0)
             acc = tl.dot(h, w, acc)
         rows = (t * TILE + r).to(tl.int64)
         tl.store(y_ptr + rows[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty))
+
+
+def check_tile_shapes(m: int, d: int, hidden: int, plan: TilePlan, block_n: int) -> None:
+    """What the kernels assume (their loads and stores of rows and columns are unmasked): whole tiles,
+    whole unit blocks in a slot plan's grid, D in whole 64-column steps and output blocks."""
+    if m % plan.tile or (plan.slots and hidden % plan.block_u) or d % 64 or d % block_n:
+        raise ValueError(
+            f"M = {m}, H = {hidden} and D = {d} must be multiples of the tile ({plan.tile}), the unit block "
+            f"({plan.block_u}) and of 64 and the output block ({block_n})"
+        )
 
 
 def tile_updown(
@@ -394,6 +405,7 @@ def tile_updown(
     """y [M, D] by the two kernels: x [M, D], wu [H, D], wdt = Wd^T [H, D], g = x Wg^T [M, H], all
     contiguous in one 16-bit dtype on a CUDA device; D a multiple of 64 and of block_n."""
     m, d = x.shape
+    check_tile_shapes(m, d, wu.shape[0], plan, block_n)
     h_blocks = torch.empty(plan.units.numel() * plan.tile, device=x.device, dtype=x.dtype)
     y = torch.empty(m, d, device=x.device, dtype=x.dtype)
     tiles = len(plan.counts)
@@ -421,6 +433,7 @@ def tile_forward(
     """(y, L1 summed over the rows, u of the record) by the record-writing h kernel and the y kernel:
     what `tile_forward_reference` computes; inputs as `tile_updown`'s."""
     m, d = x.shape
+    check_tile_shapes(m, d, wu.shape[0], plan, block_n)
     h_blocks = torch.empty(plan.units.numel() * plan.tile, device=x.device, dtype=x.dtype)
     y = torch.empty(m, d, device=x.device, dtype=x.dtype)
     u_record = torch.empty(layout.entries, device=x.device, dtype=x.dtype)
@@ -455,6 +468,7 @@ def tile_backward(
     `tile_backward_reference` computes, dx from bf16 blocks of dg and du (as a dense bf16 backward
     rounds them); grad_y [M, D], the weights [H, D] (wdt = Wd^T), contiguous, one 16-bit dtype."""
     m, d = grad_y.shape
+    check_tile_shapes(m, d, wg.shape[0], plan, block_n)
     blocks = plan.units.numel() * plan.tile
     dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
     du_blocks = torch.empty_like(dg_blocks)
@@ -503,7 +517,9 @@ def design2_step(
     starts = torch.arange(0, (-(-len(x) // tile) + 1) * hidden, hidden, dtype=torch.int32, device=x.device)
 
     def plan_of(found: TileUnionPlan) -> tuple[TilePlan, RecordLayout]:
-        plan = TilePlan(tile, block_u, found.units.view(-1), starts, found.counts, hidden // block_u)
+        plan = TilePlan(
+            tile, block_u, found.units.view(-1), starts, found.counts, hidden // block_u, slots=True
+        )
         return plan, RecordLayout(found.row_words, found.row_ranks, row_ptr, entries)
 
     plan, layout = plan_of(tile_union_plan(g, tile, row_layout=True))

@@ -6,6 +6,8 @@
 
 namespace {
 
+constexpr int64_t kMaxTile = int64_t{1} << 30;  // the kernels take the tile as an int
+
 // (units [tiles, H] int32: tile t's active units ascending in its first counts[t] entries,
 //  counts [tiles] int32, then with row_layout the rows' words [M, H / 32] and their ranks (int32,
 //  tile_plan.cuh), else two empty tensors) of g: [M, H] bf16, tiles of `tile` rows (the last
@@ -16,8 +18,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const
   const int64_t rows = g.size(0), hidden = g.size(1);
   SL_CHECK_ARG(hidden % 32 == 0 && hidden <= sparse_llm::kTilePlanMaxHidden,
                "g must have a multiple of 32 columns, at most ", sparse_llm::kTilePlanMaxHidden, ", got ", hidden);
-  SL_CHECK_ARG(tile > 0 && tile % sparse_llm::kTilePlanRowsPerCta == 0,
-               "tile must be a positive multiple of ", sparse_llm::kTilePlanRowsPerCta, ", got ", tile);
+  SL_CHECK_ARG(tile > 0 && tile <= kMaxTile && tile % sparse_llm::kTilePlanRowsPerCta == 0,
+               "tile must be a positive multiple of ", sparse_llm::kTilePlanRowsPerCta, ", at most ", kMaxTile,
+               ", got ", tile);
   const c10::cuda::CUDAGuard guard(g.device());
   const int64_t tiles = (rows + tile - 1) / tile;
   const at::TensorOptions ints = g.options().dtype(at::kInt);
@@ -41,8 +44,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const
   return {units, counts, row_words, row_ranks};
 }
 
-// The same from a record of every row's active entries (row_ptr [M + 1] int64, cols int32 ascending
-// within a row) of an [M, hidden] activation: a row's ranks only at its words with an entry.
+// The same from a record of every row's active entries (row_ptr [M + 1] int64 from 0, non-decreasing,
+// ending at cols' length; cols int32 in [0, hidden), ascending within a row: the training forward's
+// record, which the kernels trust rather than read on the host) of an [M, hidden] activation: a
+// row's ranks only at its words with an entry. A column out of range is skipped, not written.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan_from_record(const at::Tensor& row_ptr,
                                                                                        const at::Tensor& cols,
                                                                                        int64_t hidden, int64_t tile) {
@@ -54,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan_from_
   SL_CHECK_ARG(row_ptr.device() == cols.device(), "row_ptr and cols must be on one device");
   SL_CHECK_ARG(hidden > 0 && hidden % 32 == 0 && hidden <= sparse_llm::kTilePlanMaxHidden,
                "hidden must be a positive multiple of 32, at most ", sparse_llm::kTilePlanMaxHidden, ", got ", hidden);
-  SL_CHECK_ARG(tile > 0, "tile must be positive, got ", tile);
+  SL_CHECK_ARG(tile > 0 && tile <= kMaxTile, "tile must be in [1, ", kMaxTile, "], got ", tile);
   const c10::cuda::CUDAGuard guard(row_ptr.device());
   const int64_t rows = row_ptr.numel() - 1, tiles = (rows + tile - 1) / tile;
   const at::TensorOptions ints = cols.options();

@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(kBitsThreads)
   int32_t* out_ranks = row_ranks + row * words;
   for (int64_t e = begin + lane; e < end; e += 32) {
     const int unit = cols[e];
+    if (static_cast<unsigned>(unit) >= static_cast<unsigned>(32 * words)) continue;  // not a unit: no write
     atomicOr(out_words + unit / 32, 1u << (unit % 32));
     if (e == begin || cols[e - 1] / 32 != unit / 32) out_ranks[unit / 32] = static_cast<int32_t>(e - begin);
   }

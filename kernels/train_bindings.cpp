@@ -558,6 +558,7 @@ std::tuple<at::Tensor, at::Tensor> csr_fill_record(const at::Tensor& g, const at
   SL_CHECK_ARG(row_ptr.is_cuda() && row_ptr.scalar_type() == at::kLong && row_ptr.dim() == 1 &&
                    row_ptr.numel() == g.size(0) + 1 && row_ptr.is_contiguous(),
                "row_ptr must be a contiguous int64 CUDA vector of M + 1 offsets");
+  SL_CHECK_ARG(row_ptr.device() == g.device(), "row_ptr must be on g's device");
   SL_CHECK_ARG(total >= 0, "total must be >= 0, got ", total);
   const c10::cuda::CUDAGuard guard(g.device());
   at::Tensor cols = at::empty({total}, g.options().dtype(at::kInt));
@@ -571,9 +572,10 @@ std::tuple<at::Tensor, at::Tensor> csr_fill_record(const at::Tensor& g, const at
 }
 
 // (dWg, dWu, dWd) in `grad_dtype` (bf16 or float) from a record of every row's active entries
-// (row_ptr [M + 1], cols, a_vals, u_vals) and dg, du (float32) at them, with x and grad_y [M, D]
-// bf16: the per-unit kernel alone, for a backward whose dh, dg, du and dx come from elsewhere
-// (design 2's tile kernels, docs/kernels.md).
+// (row_ptr [M + 1], cols, a_vals, u_vals: the training forward's, which the kernels trust: offsets
+// from 0 ending at cols' length, columns in [0, hidden)) and dg, du (float32) at them, with x and
+// grad_y [M, D] bf16: the per-unit kernel alone, for a backward whose dh, dg, du and dx come from
+// elsewhere (design 2's tile kernels, docs/kernels.md).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_weight_grads(const at::Tensor& x, const at::Tensor& grad_y,
                                                                 const at::Tensor& row_ptr, const at::Tensor& cols,
                                                                 const at::Tensor& a_vals, const at::Tensor& u_vals,
@@ -586,7 +588,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_weight_grads(const at::Tensor
   SL_CHECK_ARG(grad_y.sizes() == x.sizes(), "grad_y must be shaped like x");
   SL_CHECK_ARG(x.size(1) <= sparse_llm::kMaxTrainDim && x.size(1) % 8 == 0, "D must be a multiple of 8, at most ",
                sparse_llm::kMaxTrainDim);
-  SL_CHECK_ARG(hidden > 0 && hidden <= 49152, "hidden must be in [1, 49152], got ", hidden);
+  SL_CHECK_ARG(hidden > 0 && hidden <= sparse_llm::kMaxColumnSortHidden, "hidden must be in [1, ",
+               sparse_llm::kMaxColumnSortHidden, "], got ", hidden);
+  SL_CHECK_ARG(cols.numel() < (int64_t{1} << 31), "the record must hold fewer than 2^31 entries, got ", cols.numel());
+  for (const at::Tensor* t : {&grad_y, &row_ptr, &cols, &a_vals, &u_vals, &dg, &du})
+    SL_CHECK_ARG(t->device() == x.device(), "every input must be on x's device");
   SL_CHECK_ARG(row_ptr.is_cuda() && row_ptr.scalar_type() == at::kLong && row_ptr.dim() == 1 &&
                    row_ptr.numel() == x.size(0) + 1 && row_ptr.is_contiguous(),
                "row_ptr must be a contiguous int64 CUDA vector of M + 1 offsets");

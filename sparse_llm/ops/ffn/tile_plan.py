@@ -36,6 +36,7 @@ from sparse_llm.ops._extension import extension, kernels_unavailable
 TILE_MULTIPLE = 8
 KERNEL_UNIT_WORD = 32
 KERNEL_MAX_HIDDEN = 49152
+MAX_TILE = 1 << 30  # the kernels take the tile as an int
 
 
 class TileUnionPlan(NamedTuple):
@@ -48,8 +49,15 @@ class TileUnionPlan(NamedTuple):
 def check_plan_inputs(g: torch.Tensor, tile: int, row_layout: bool = False) -> None:
     if not isinstance(g, torch.Tensor) or g.dim() != 2 or not g.is_floating_point():
         raise ValueError(f"g must be a 2-D floating-point tensor [M, H], got {getattr(g, 'shape', type(g))}")
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0 or tile % TILE_MULTIPLE:
-        raise ValueError(f"tile must be a positive multiple of {TILE_MULTIPLE}, got {tile!r}")
+    if (
+        isinstance(tile, bool)
+        or not isinstance(tile, int)
+        or not 0 < tile <= MAX_TILE
+        or tile % TILE_MULTIPLE
+    ):
+        raise ValueError(
+            f"tile must be a positive multiple of {TILE_MULTIPLE}, at most {MAX_TILE}, got {tile!r}"
+        )
     if row_layout and g.shape[1] % KERNEL_UNIT_WORD:
         raise ValueError(f"the row layout needs H a multiple of {KERNEL_UNIT_WORD}, got {g.shape[1]}")
 
@@ -117,8 +125,8 @@ def check_record(row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: i
         raise ValueError(f"row_ptr and cols must be on one device, got {row_ptr.device} and {cols.device}")
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % KERNEL_UNIT_WORD:
         raise ValueError(f"hidden must be a positive multiple of {KERNEL_UNIT_WORD}, got {hidden!r}")
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
-        raise ValueError(f"tile must be a positive int, got {tile!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or not 0 < tile <= MAX_TILE:
+        raise ValueError(f"tile must be a positive int, at most {MAX_TILE}, got {tile!r}")
 
 
 def tile_union_plan_from_record_reference(
@@ -142,7 +150,9 @@ def tile_union_plan_from_record(
     row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: int
 ) -> TileUnionPlan:
     """(units, counts, row_words, row_ranks) of the activation whose record is (row_ptr, cols); on a
-    GPU where the kernels run, the kernels (row_ranks unspecified at a row's words without an entry)."""
+    GPU where the kernels run, the kernels (row_ranks unspecified at a row's words without an entry).
+    The record is trusted, not read on the host: row_ptr from 0, non-decreasing, ending at cols'
+    length; cols in [0, hidden), ascending within a row (the training forward's record)."""
     check_record(row_ptr, cols, hidden, tile)
     if (
         not (

@@ -125,8 +125,10 @@ def test_a_bad_record_is_refused_before_any_compute():
 @needs_hopper
 @pytest.mark.parametrize(
     "m, hidden, tile",
-    [(16384, 5632, 64), (16384, 5632, 128), (1000, 5632, 64), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16)],
-)
+    # 352 and 800 units: a row's last step of 32 lanes only partly filled
+    [(16384, 5632, 64), (16384, 5632, 128), (1000, 5632, 64), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16),
+     (200, 352, 8), (256, 800, 64)],
+)  # fmt: skip
 def test_the_kernels_give_the_references_plan(m, hidden, tile):
     g = _patterned_g(m, hidden, seed=hidden + m, device="cuda", dtype=torch.bfloat16)
     assert runs_on_kernel(g)
@@ -157,8 +159,11 @@ def test_a_g_the_kernels_cannot_take_falls_back_to_the_reference():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
-    "m, hidden, tile", [(16384, 5632, 64), (1000, 5632, 128), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16)]
-)
+    "m, hidden, tile",
+    # any tile from a record, 8 multiples or not
+    [(16384, 5632, 64), (1000, 5632, 128), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16), (100, 352, 5),
+     (64, 800, 1), (50, 64, 3)],
+)  # fmt: skip
 def test_the_kernels_plan_from_a_record_is_the_references(m, hidden, tile):
     g = _patterned_g(m, hidden, seed=hidden + m + 1, device="cuda", dtype=torch.bfloat16)
     row_ptr, cols = _record(g)
