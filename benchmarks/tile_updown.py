@@ -67,6 +67,14 @@ class TilePlan:
     max_blocks: int  # the most blocks a tile has (the launch grid's second dimension)
     slots: bool = False  # each tile's units in a slot of H entries (the device's plan), not packed
 
+    @classmethod
+    def in_slots(cls, found: TileUnionPlan, tile: int, block_u: int) -> TilePlan:
+        """The device's plan (`ops.ffn.tile_plan`) as the kernels take it: tile t's blocks start at
+        t * H and the grid covers H / block_u blocks a tile, those past its count returning at once."""
+        tiles, hidden = found.units.shape
+        starts = torch.arange(0, (tiles + 1) * hidden, hidden, dtype=torch.int32, device=found.units.device)
+        return cls(tile, block_u, found.units.view(-1), starts, found.counts, hidden // block_u, slots=True)
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -81,17 +89,13 @@ class Launch:
 
 
 def slot_plan(g: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
-    """The plan of the package's `tile_union_plan` (on the device, no host read): tile t's units in
-    a slot of H entries, so its blocks start at t * H and the grid covers H / block_u blocks a tile,
-    those past the tile's count returning at once."""
+    """The package's plan of g (`tile_union_plan`: on the device, no host read), in slots."""
     m, hidden = g.shape
     if m % tile or hidden % block_u:
         raise ValueError(
             f"M = {m} and H = {hidden} must be multiples of the tile ({tile}) and block ({block_u})"
         )
-    units, counts, *_ = tile_union_plan(g, tile)
-    starts = torch.arange(0, (len(counts) + 1) * hidden, hidden, dtype=torch.int32, device=g.device)
-    return TilePlan(tile, block_u, units.view(-1), starts, counts, hidden // block_u, slots=True)
+    return TilePlan.in_slots(tile_union_plan(g, tile), tile, block_u)
 
 
 def tile_plan(active: torch.Tensor, tile: int, block_u: int = DEFAULT_BLOCK_U) -> TilePlan:
@@ -211,6 +215,48 @@ def weight_grads_reference(
 if triton is not None:
 
     @triton.jit
+    def _panel_product(a_ptr, w_ptr, rows, units, live, D, TILE: tl.constexpr, BLOCK_U: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+        # a[rows] W[units]^T [TILE, BLOCK_U] in float32: the tile's rows of a [M, D] against a panel of
+        # gathered rows of W [H, D] (units past the tile's count, `live` false, read as zero rows).
+        k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a = tl.load(a_ptr + rows[:, None] * D + k0 + k[None, :])
+            w = tl.load(w_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+        return acc
+
+    @triton.jit
+    def _popcount32(v):
+        # Bits set in the low 32 bits of int64 v (SWAR: pairs, nibbles, bytes, then their sum).
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) & 0xFFFFFFFF) >> 24
+
+    @triton.jit
+    def _row_words(words_ptr, rows, units, live, H):
+        # Each (row, unit)'s 32-unit word of the row layout, as the 32 bits in an int64.
+        at = rows[:, None] * (H // 32) + (units // 32)[None, :]
+        return at, tl.load(words_ptr + at, mask=live[None, :], other=0).to(tl.int64) & 0xFFFFFFFF
+
+    @triton.jit
+    def _entry_place(word_at, word, ranks_ptr, row_ptr_ptr, rows, units, active):
+        # Where the active (row, unit) entries sit in the record: the row's offset, the word's rank in
+        # the row, and the row's units below the unit in its word.
+        below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
+        rank = tl.load(ranks_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
+        return tl.load(row_ptr_ptr + rows)[:, None] + rank
+
+    @triton.jit
+    def _union_block_product(acc, blocks_ptr, w_ptr, at, units, live, n, D):
+        # acc + a tile's [TILE, BLOCK_U] block (stored contiguous at `at`) times the gathered rows
+        # W[units, n] of W [H, D].
+        w = tl.load(w_ptr + units[:, None] * D + n[None, :], mask=live[:, None], other=0.0)
+        return tl.dot(tl.load(blocks_ptr + at), w, acc)
+
+    @triton.jit
     def _tile_h_kernel(
         x_ptr, wu_ptr, g_ptr, units_ptr, starts_ptr, counts_ptr, h_ptr, D, H,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -227,25 +273,12 @@ if triton is not None:
         live = block * BLOCK_U + cols < count
         units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
-        k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            xa = tl.load(x_ptr + rows[:, None] * D + k0 + k[None, :])
-            wb = tl.load(wu_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
-            acc = tl.dot(xa, wb, acc)
-        u = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        u = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
+        u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
         g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
         h = tl.maximum(g, 0.0) * u
         out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
         tl.store(out, h.to(h_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _popcount32(v):
-        # Bits set in the low 32 bits of int64 v (SWAR: pairs, nibbles, bytes, then their sum).
-        v = v - ((v >> 1) & 0x55555555)
-        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
-        v = (v + (v >> 4)) & 0x0F0F0F0F
-        return ((v * 0x01010101) & 0xFFFFFFFF) >> 24
 
     @triton.jit
     def _tile_h_record_kernel(
@@ -266,13 +299,8 @@ if triton is not None:
         live = block * BLOCK_U + cols < count
         units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
-        k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            xa = tl.load(x_ptr + rows[:, None] * D + k0 + k[None, :])
-            wb = tl.load(wu_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
-            acc = tl.dot(xa, wb, acc)
-        u_stored = acc.to(h_ptr.dtype.element_ty)
+        u_stored = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
+        u_stored = u_stored.to(h_ptr.dtype.element_ty)
         u = u_stored.to(tl.float32)
         g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
         h = tl.maximum(g, 0.0) * u
@@ -280,12 +308,8 @@ if triton is not None:
         tl.store(out, h.to(h_ptr.dtype.element_ty))
         tl.store(l1_ptr + t * MAX_BLOCKS + block, tl.sum(tl.sum(tl.abs(h), axis=1), axis=0))
         active = (g > 0.0) & live[None, :]
-        words = H // 32
-        word_at = rows[:, None] * words + (units // 32)[None, :]
-        word = tl.load(words_ptr + word_at, mask=active, other=0).to(tl.int64) & 0xFFFFFFFF
-        below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
-        rank = tl.load(ranks_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
-        place = tl.load(row_ptr_ptr + rows)[:, None] + rank
+        word_at, word = _row_words(words_ptr, rows, units, live, H)
+        place = _entry_place(word_at, word, ranks_ptr, row_ptr_ptr, rows, units, active)
         tl.store(u_rec_ptr + place, u_stored, mask=active)
 
     @triton.jit
@@ -308,19 +332,10 @@ if triton is not None:
         live = block * BLOCK_U + cols < count
         units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
-        k = tl.arange(0, BLOCK_K)
-        dh = tl.zeros((TILE, BLOCK_U), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            gy = tl.load(gy_ptr + rows[:, None] * D + k0 + k[None, :])
-            wb = tl.load(wdt_ptr + units[None, :] * D + k0 + k[:, None], mask=live[None, :], other=0.0)
-            dh = tl.dot(gy, wb, dh)
-        words = H // 32
-        word_at = rows[:, None] * words + (units // 32)[None, :]
-        word = tl.load(words_ptr + word_at, mask=live[None, :], other=0).to(tl.int64) & 0xFFFFFFFF
+        dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
+        word_at, word = _row_words(words_ptr, rows, units, live, H)
         active = (((word >> (units % 32)[None, :]) & 1) == 1) & live[None, :]
-        below = word & ((tl.full(units.shape, 1, tl.int64) << (units % 32)) - 1)[None, :]
-        rank = tl.load(ranks_ptr + word_at, mask=active, other=0).to(tl.int64) + _popcount32(below)
-        place = tl.load(row_ptr_ptr + rows)[:, None] + rank
+        place = _entry_place(word_at, word, ranks_ptr, row_ptr_ptr, rows, units, active)
         a = tl.load(a_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
         u = tl.load(u_rec_ptr + place, mask=active, other=0.0).to(tl.float32)
         sign = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
@@ -352,9 +367,8 @@ if triton is not None:
             live = u0 + cols < count
             units = tl.load(units_ptr + start + u0 + cols, mask=live, other=0).to(tl.int64)
             at = (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :]
-            rows_of = units[:, None] * D + n[None, :]
-            acc = tl.dot(tl.load(dg_ptr + at), tl.load(wg_ptr + rows_of, mask=live[:, None], other=0.0), acc)
-            acc = tl.dot(tl.load(du_ptr + at), tl.load(wu_ptr + rows_of, mask=live[:, None], other=0.0), acc)
+            acc = _union_block_product(acc, dg_ptr, wg_ptr, at, units, live, n, D)
+            acc = _union_block_product(acc, du_ptr, wu_ptr, at, units, live, n, D)
         rows = (t * TILE + r).to(tl.int64)
         tl.store(dx_ptr + rows[:, None] * D + n[None, :], acc.to(dx_ptr.dtype.element_ty))
 
@@ -376,9 +390,8 @@ if triton is not None:
         for u0 in range(0, count, BLOCK_U):
             live = u0 + cols < count
             units = tl.load(units_ptr + start + u0 + cols, mask=live, other=0).to(tl.int64)
-            h = tl.load(h_ptr + (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :])
-            w = tl.load(wdt_ptr + units[:, None] * D + n[None, :], mask=live[:, None], other=0.0)
-            acc = tl.dot(h, w, acc)
+            at = (start + u0).to(tl.int64) * TILE + r[:, None] * BLOCK_U + cols[None, :]
+            acc = _union_block_product(acc, h_ptr, wdt_ptr, at, units, live, n, D)
         rows = (t * TILE + r).to(tl.int64)
         tl.store(y_ptr + rows[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty))
 
@@ -514,13 +527,11 @@ def design2_step(
     torch.cumsum(nnz, 0, out=row_ptr[1:])
     entries = int(row_ptr[-1])
     cols, a_record = ext.csr_fill_record(g, row_ptr, entries)
-    starts = torch.arange(0, (-(-len(x) // tile) + 1) * hidden, hidden, dtype=torch.int32, device=x.device)
 
     def plan_of(found: TileUnionPlan) -> tuple[TilePlan, RecordLayout]:
-        plan = TilePlan(
-            tile, block_u, found.units.view(-1), starts, found.counts, hidden // block_u, slots=True
+        return TilePlan.in_slots(found, tile, block_u), RecordLayout(
+            found.row_words, found.row_ranks, row_ptr, entries
         )
-        return plan, RecordLayout(found.row_words, found.row_ranks, row_ptr, entries)
 
     plan, layout = plan_of(tile_union_plan(g, tile, row_layout=True))
     y, l1, u_record = tile_forward(x, wu, wdt, g, plan, layout, block_n, launch)

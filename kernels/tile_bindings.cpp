@@ -1,5 +1,6 @@
 // Torch binding of design 2's plan (tile_plan.cuh): each tile's union of active units, from g.
 #include <tuple>
+#include <utility>
 
 #include "tile_plan.cuh"
 #include "torch_glue.h"
@@ -7,6 +8,19 @@
 namespace {
 
 constexpr int64_t kMaxTile = int64_t{1} << 30;  // the kernels take the tile as an int
+
+// (units [tiles, hidden], counts [tiles]) from the tiles' unit bits [tiles, hidden / 32].
+std::pair<at::Tensor, at::Tensor> compact_tiles(const at::Tensor& bits, int64_t tiles, int64_t hidden,
+                                               cudaStream_t stream) {
+  at::Tensor units = at::empty({tiles, hidden}, bits.options());
+  at::Tensor counts = at::empty({tiles}, bits.options());
+  sparse_llm_glue::check_cuda(
+      sparse_llm::launch_tile_union_compact(reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>()), tiles,
+                                            static_cast<int>(hidden), units.data_ptr<int32_t>(),
+                                            counts.data_ptr<int32_t>(), stream),
+      "tile_union_compact");
+  return {units, counts};
+}
 
 // (units [tiles, H] int32: tile t's active units ascending in its first counts[t] entries,
 //  counts [tiles] int32, then with row_layout the rows' words [M, H / 32] and their ranks (int32,
@@ -25,8 +39,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const
   const int64_t tiles = (rows + tile - 1) / tile;
   const at::TensorOptions ints = g.options().dtype(at::kInt);
   at::Tensor bits = at::zeros({tiles, hidden / 32}, ints);
-  at::Tensor units = at::empty({tiles, hidden}, ints);
-  at::Tensor counts = at::empty({tiles}, ints);
   at::Tensor row_words = at::empty({row_layout ? rows : 0, hidden / 32}, ints);
   at::Tensor row_ranks = at::empty({row_layout ? rows : 0, hidden / 32}, ints);
   uint32_t* bit_words = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
@@ -37,10 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan(const
           row_layout ? reinterpret_cast<uint32_t*>(row_words.data_ptr<int32_t>()) : nullptr,
           row_layout ? row_ranks.data_ptr<int32_t>() : nullptr, stream),
       "tile_union_bits");
-  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_compact(bit_words, tiles, static_cast<int>(hidden),
-                                                                    units.data_ptr<int32_t>(),
-                                                                    counts.data_ptr<int32_t>(), stream),
-                              "tile_union_compact");
+  auto [units, counts] = compact_tiles(bits, tiles, hidden, stream);
   return {units, counts, row_words, row_ranks};
 }
 
@@ -66,8 +75,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan_from_
   at::Tensor bits = at::empty({tiles, hidden / 32}, ints);
   at::Tensor row_words = at::zeros({rows, hidden / 32}, ints);
   at::Tensor row_ranks = at::empty({rows, hidden / 32}, ints);
-  at::Tensor units = at::empty({tiles, hidden}, ints);
-  at::Tensor counts = at::empty({tiles}, ints);
   uint32_t* bit_words = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
   const cudaStream_t stream = sparse_llm_glue::current_stream();
   sparse_llm_glue::check_cuda(
@@ -76,10 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tile_union_plan_from_
           static_cast<int>(tile), bit_words, reinterpret_cast<uint32_t*>(row_words.data_ptr<int32_t>()),
           row_ranks.data_ptr<int32_t>(), stream),
       "tile_layout_from_record");
-  sparse_llm_glue::check_cuda(sparse_llm::launch_tile_union_compact(bit_words, tiles, static_cast<int>(hidden),
-                                                                    units.data_ptr<int32_t>(),
-                                                                    counts.data_ptr<int32_t>(), stream),
-                              "tile_union_compact");
+  auto [units, counts] = compact_tiles(bits, tiles, hidden, stream);
   return {units, counts, row_words, row_ranks};
 }
 

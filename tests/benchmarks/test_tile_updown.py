@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 import torch
+from ffn_patterns import needs_hopper
 
 from benchmarks.tile_updown import (
     RecordLayout,
@@ -167,10 +168,7 @@ def _patterned_inputs(tile: int, h: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the device plan's CUDA kernels need a Hopper GPU",
-)
+@needs_hopper
 @pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
 def test_the_devices_slot_plan_drives_the_kernels_to_the_same_y(tile, block_u):
     x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
@@ -195,10 +193,7 @@ def test_the_kernels_equal_the_reference_on_every_pattern(tile, block_u, block_n
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the device plan's CUDA kernels need a Hopper GPU",
-)
+@needs_hopper
 @pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
 def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, block_u):
     """The record-writing h kernel: y bitwise the plain kernels', every active entry's u in its place
@@ -215,10 +210,7 @@ def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, bl
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the device plan's CUDA kernels need a Hopper GPU",
-)
+@needs_hopper
 @pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
 def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
     """dg and du at every active entry (float32, to the sums' order), dx within the bf16 rounding of
@@ -238,10 +230,7 @@ def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the per-unit kernel needs a Hopper GPU",
-)
+@needs_hopper
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_the_per_unit_kernel_gives_the_weight_gradients_of_a_record_of_every_row(grad_dtype):
     """`csr_weight_grads` (the op's per-unit kernel alone) on a record of every row, heavy ones included,
@@ -266,10 +255,7 @@ def test_the_per_unit_kernel_gives_the_weight_gradients_of_a_record_of_every_row
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the record kernels need a Hopper GPU",
-)
+@needs_hopper
 def test_the_record_of_every_row_holds_each_rows_active_units_in_order():
     from sparse_llm.ops._extension import extension
 

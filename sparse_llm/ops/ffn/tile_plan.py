@@ -46,18 +46,16 @@ class TileUnionPlan(NamedTuple):
     row_ranks: torch.Tensor | None = None
 
 
+def _check_tile(tile: int, multiple: int) -> None:
+    if isinstance(tile, bool) or not isinstance(tile, int) or not 0 < tile <= MAX_TILE or tile % multiple:
+        kind = f"a positive multiple of {multiple}" if multiple > 1 else "a positive int"
+        raise ValueError(f"tile must be {kind}, at most {MAX_TILE}, got {tile!r}")
+
+
 def check_plan_inputs(g: torch.Tensor, tile: int, row_layout: bool = False) -> None:
     if not isinstance(g, torch.Tensor) or g.dim() != 2 or not g.is_floating_point():
         raise ValueError(f"g must be a 2-D floating-point tensor [M, H], got {getattr(g, 'shape', type(g))}")
-    if (
-        isinstance(tile, bool)
-        or not isinstance(tile, int)
-        or not 0 < tile <= MAX_TILE
-        or tile % TILE_MULTIPLE
-    ):
-        raise ValueError(
-            f"tile must be a positive multiple of {TILE_MULTIPLE}, at most {MAX_TILE}, got {tile!r}"
-        )
+    _check_tile(tile, TILE_MULTIPLE)
     if row_layout and g.shape[1] % KERNEL_UNIT_WORD:
         raise ValueError(f"the row layout needs H a multiple of {KERNEL_UNIT_WORD}, got {g.shape[1]}")
 
@@ -89,20 +87,26 @@ def row_layout_reference(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def tile_union_plan_reference(g: torch.Tensor, tile: int, row_layout: bool = False) -> TileUnionPlan:
-    """The plan by torch ops (any device and float dtype); a tile's slot holds its units first,
-    then the units it lacks, each ascending."""
+    """The plan by torch ops (any device and float dtype)."""
     check_plan_inputs(g, tile, row_layout)
-    m, hidden = g.shape
-    tiles = -(-m // tile)
-    active = torch.zeros(tiles * tile, hidden, dtype=torch.bool, device=g.device)
-    active[:m] = g > 0
-    union = active.view(tiles, tile, hidden).any(dim=1)
-    # A stable sort on "not in the union" puts the tile's units first, in ascending order.
-    units = torch.sort((~union).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
-    counts = union.sum(dim=1, dtype=torch.int32)
+    active = g > 0
+    units, counts = _union_reference(active, tile)
     if not row_layout:
         return TileUnionPlan(units, counts)
-    return TileUnionPlan(units, counts, *row_layout_reference(active[:m]))
+    return TileUnionPlan(units, counts, *row_layout_reference(active))
+
+
+def _union_reference(active: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(units, counts) of active [M, H] (bool) by torch ops; a tile's slot holds its units first,
+    then the units it lacks, each ascending."""
+    m, hidden = active.shape
+    tiles = -(-m // tile)
+    padded = torch.zeros(tiles * tile, hidden, dtype=torch.bool, device=active.device)
+    padded[:m] = active
+    union = padded.view(tiles, tile, hidden).any(dim=1)
+    # A stable sort on "not in the union" puts the tile's units first, in ascending order.
+    units = torch.sort((~union).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
+    return units, union.sum(dim=1, dtype=torch.int32)
 
 
 def tile_union_plan(g: torch.Tensor, tile: int, row_layout: bool = False) -> TileUnionPlan:
@@ -125,8 +129,7 @@ def check_record(row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int, tile: i
         raise ValueError(f"row_ptr and cols must be on one device, got {row_ptr.device} and {cols.device}")
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % KERNEL_UNIT_WORD:
         raise ValueError(f"hidden must be a positive multiple of {KERNEL_UNIT_WORD}, got {hidden!r}")
-    if isinstance(tile, bool) or not isinstance(tile, int) or not 0 < tile <= MAX_TILE:
-        raise ValueError(f"tile must be a positive int, at most {MAX_TILE}, got {tile!r}")
+    _check_tile(tile, 1)
 
 
 def tile_union_plan_from_record_reference(
@@ -138,12 +141,7 @@ def tile_union_plan_from_record_reference(
     rows = torch.repeat_interleave(torch.arange(m, device=cols.device), row_ptr.diff())
     active = torch.zeros(m, hidden, dtype=torch.bool, device=cols.device)
     active[rows, cols.long()] = True
-    tiles = -(-m // tile)
-    padded = torch.zeros(tiles * tile, hidden, dtype=torch.bool, device=cols.device)
-    padded[:m] = active
-    union = padded.view(tiles, tile, hidden).any(dim=1)
-    units = torch.sort((~union).to(torch.uint8), dim=1, stable=True).indices.to(torch.int32)
-    return TileUnionPlan(units, union.sum(dim=1, dtype=torch.int32), *row_layout_reference(active))
+    return TileUnionPlan(*_union_reference(active, tile), *row_layout_reference(active))
 
 
 def tile_union_plan_from_record(
