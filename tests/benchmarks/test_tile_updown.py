@@ -211,7 +211,8 @@ def test_the_forward_kernels_write_the_record_and_l1_the_reference_owes(tile, bl
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (128, 128)])
+# tile 128 with 128-unit blocks needs more shared memory than an H100/H200 SM has (dx: 262 KB at 3 stages)
+@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (64, 128), (128, 64)])
 def test_the_backward_kernels_give_the_references_gradients(tile, block_u):
     """dg and du at every active entry (float32, to the sums' order), dx within the bf16 rounding of
     dg and du that a dense bf16 backward makes too."""

@@ -126,7 +126,7 @@ def test_a_bad_record_is_refused_before_any_compute():
 @pytest.mark.parametrize(
     "m, hidden, tile",
     # 352 and 800 units: a row's last step of 32 lanes only partly filled
-    [(16384, 5632, 64), (16384, 5632, 128), (1000, 5632, 64), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16),
+    [(16384, 5632, 64), (16384, 5632, 128), (1000, 5632, 64), (32, 64, 8), (40, KERNEL_MAX_HIDDEN, 16),
      (200, 352, 8), (256, 800, 64)],
 )  # fmt: skip
 def test_the_kernels_give_the_references_plan(m, hidden, tile):
@@ -161,7 +161,7 @@ def test_a_g_the_kernels_cannot_take_falls_back_to_the_reference():
 @pytest.mark.parametrize(
     "m, hidden, tile",
     # any tile from a record, 8 multiples or not
-    [(16384, 5632, 64), (1000, 5632, 128), (24, 64, 8), (40, KERNEL_MAX_HIDDEN, 16), (100, 352, 5),
+    [(16384, 5632, 64), (1000, 5632, 128), (32, 64, 8), (40, KERNEL_MAX_HIDDEN, 16), (100, 352, 5),
      (64, 800, 1), (50, 64, 3)],
 )  # fmt: skip
 def test_the_kernels_plan_from_a_record_is_the_references(m, hidden, tile):
