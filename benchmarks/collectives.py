@@ -11,7 +11,7 @@ processes over gloo, the CPU test), and reports for each the median ms, the algo
 what one step's collectives take in all. NCCL's transport between the GPUs (P2P over NVLink or
 PCIe, SHM through host memory, NET) is read from NCCL's own log.
 
-With `--runs` (whole_run JSONs of this N) each run's steady step time sits beside the step's
+With `--runs` (whole_run JSONs of this N, single runs or `--join`ed pairs) each run's steady step time sits beside the step's
 collectives: FSDP2 overlaps them with compute, so a run whose step is not much longer than its
 collectives is bound by the interconnect, whatever its kernels save.
 
@@ -185,17 +185,29 @@ def step_collectives_ms(rows: list[dict], units: dict[str, int], reshard_after_f
     return units["layers"] * per_unit["layer"] + per_unit["root"]
 
 
-def run_step_ms(path: Path) -> dict[str, Any]:
-    """A whole_run JSON's steady step time a GPU (its tokens a GPU a step over its steady tokens/s a GPU)."""
+def run_step_times(path: Path) -> list[dict[str, Any]]:
+    """The steady step time a GPU of each run in a whole_run JSON: one run's, or a joined
+    comparison's (`--join`: each pair's dense and sparse runs); a GPU's tokens a step over its
+    steady tokens/s."""
     result = json.loads(path.read_text())["results"][0]
-    overrides = dict(o.split("=", 1) for o in result["overrides"])
-    tokens = int(overrides["train.micro_batch_size"]) * int(overrides["train.seq_len"])
-    return {
-        "run": path.name,
-        "impl": result["impl"],
-        "gpus": result["gpus"],
-        "step_ms": 1e3 * tokens / result["steady_tokens_per_s_per_gpu"],
-    }
+    runs = (
+        [result]
+        if "pairs" not in result
+        else [p[side] for p in result["pairs"] for side in ("dense", "sparse")]
+    )
+    times = []
+    for run in runs:
+        overrides = dict(o.split("=", 1) for o in run["overrides"])
+        tokens = int(overrides["train.micro_batch_size"]) * int(overrides["train.seq_len"])
+        times.append(
+            {
+                "run": path.name,
+                "impl": run["impl"],
+                "gpus": run["gpus"],
+                "step_ms": 1e3 * tokens / run["steady_tokens_per_s_per_gpu"],
+            }
+        )
+    return times
 
 
 def measure(args) -> tuple[list[dict], list[str], dict[str, int]]:
@@ -228,7 +240,7 @@ def report(args, rows: list[dict], transports: list[str], units: dict[str, int])
     )
     step = step_collectives_ms(rows, units)
     kept = step_collectives_ms(rows, units, reshard_after_forward=False)
-    runs = [run_step_ms(p) for p in args.runs]
+    runs = [run for path in args.runs for run in run_step_times(path)]
     lines = [
         f"# FSDP2's collectives over {args.gpus} processes: {meta['device']}",
         "",

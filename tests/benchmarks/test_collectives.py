@@ -85,3 +85,18 @@ def test_two_cpu_processes_time_every_collective_and_set_them_beside_a_run(tmp_p
 def test_one_process_is_refused_before_anything_starts():
     with pytest.raises(SystemExit):
         collectives.parse_args(["--cpu", "--gpus", "1"])
+
+
+def test_a_joined_comparison_gives_both_runs_step_times(tmp_path: Path):
+    def run(impl: str, tokens_per_s: float) -> dict:
+        overrides = ["train.micro_batch_size=8", "train.seq_len=2048"]
+        return {"impl": impl, "gpus": 4, "steady_tokens_per_s_per_gpu": tokens_per_s, "overrides": overrides}
+
+    joined = tmp_path / "run_1b_4xh200.json"
+    joined.write_text(
+        json.dumps(
+            {"results": [{"pairs": [{"dense": run("dense", 16384.0), "sparse": run("auto", 32768.0)}]}]}
+        )
+    )
+    times = collectives.run_step_times(joined)
+    assert [(t["impl"], t["gpus"], t["step_ms"]) for t in times] == [("dense", 4, 1000.0), ("auto", 4, 500.0)]
