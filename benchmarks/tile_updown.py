@@ -464,6 +464,52 @@ def tile_forward(
     return y, l1_blocks.sum(), u_record
 
 
+def tile_dgdu(
+    grad_y: torch.Tensor,
+    wdt: torch.Tensor,
+    plan: TilePlan,
+    layout: RecordLayout,
+    a_record: torch.Tensor,
+    u_record: torch.Tensor,
+    l1_scale: float,
+    hidden: int,
+    launch: Launch = Launch(),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's first kernel: (dg and du at the record's entries in float32, then as the tiles'
+    bf16 blocks for `tile_dx`)."""
+    blocks = plan.units.numel() * plan.tile
+    dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
+    du_blocks = torch.empty_like(dg_blocks)
+    dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
+    du_record = torch.empty_like(dg_record)
+    _tile_dgdu_kernel[(len(plan.counts), plan.max_blocks)](
+        grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.ranks, layout.row_ptr,
+        a_record, u_record, dg_record, du_record, dg_blocks, du_blocks, l1_scale, grad_y.shape[1], hidden,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
+    )  # fmt: skip
+    return dg_record, du_record, dg_blocks, du_blocks
+
+
+def tile_dx(
+    dg_blocks: torch.Tensor,
+    du_blocks: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    plan: TilePlan,
+    m: int,
+    block_n: int = 128,
+    launch: Launch = Launch(),
+) -> torch.Tensor:
+    """The backward's second kernel: dx = dg Wg + du Wu over each tile's union, from `tile_dgdu`'s blocks."""
+    d = wg.shape[1]
+    dx = torch.empty(m, d, device=wg.device, dtype=dg_blocks.dtype)
+    _tile_dx_kernel[(len(plan.counts), d // block_n)](
+        dg_blocks, du_blocks, wg, wu, plan.units, plan.starts, plan.counts, dx, d,
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
+    )  # fmt: skip
+    return dx
+
+
 def tile_backward(
     grad_y: torch.Tensor,
     wg: torch.Tensor,
@@ -482,23 +528,10 @@ def tile_backward(
     rounds them); grad_y [M, D], the weights [H, D] (wdt = Wd^T), contiguous, one 16-bit dtype."""
     m, d = grad_y.shape
     check_tile_shapes(m, d, wg.shape[0], plan, block_n)
-    blocks = plan.units.numel() * plan.tile
-    dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
-    du_blocks = torch.empty_like(dg_blocks)
-    dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
-    du_record = torch.empty_like(dg_record)
-    dx = torch.empty(m, d, device=grad_y.device, dtype=grad_y.dtype)
-    tiles = len(plan.counts)
-    _tile_dgdu_kernel[(tiles, plan.max_blocks)](
-        grad_y, wdt, plan.units, plan.starts, plan.counts, layout.words, layout.ranks, layout.row_ptr,
-        a_record, u_record, dg_record, du_record, dg_blocks, du_blocks, l1_scale, d, wg.shape[0],
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
-    )  # fmt: skip
-    _tile_dx_kernel[(tiles, d // block_n)](
-        dg_blocks, du_blocks, wg, wu, plan.units, plan.starts, plan.counts, dx, d,
-        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
-    )  # fmt: skip
-    return dx, dg_record, du_record
+    dg, du, dg_blocks, du_blocks = tile_dgdu(
+        grad_y, wdt, plan, layout, a_record, u_record, l1_scale, wg.shape[0], launch
+    )
+    return tile_dx(dg_blocks, du_blocks, wg, wu, plan, m, block_n, launch), dg, du
 
 
 def design2_step(
@@ -669,6 +702,8 @@ def training_parts(
     a_record, l1_scale = torch.relu(gs)[active], 1e-3 / len(xs)
     backward_args = (grad_y, wg, wu, wdt, slots, layout, a_record, u_record, l1_scale, block_n, launch)
     dx, dg, du = tile_backward(*backward_args)
+    dgdu_args = (grad_y, wdt, slots, layout, a_record, u_record, l1_scale, wg.shape[0], launch)
+    dgdu_blocks = tile_dgdu(*dgdu_args)[2:]
     # The backward keeps the record, not g: its plan and layout come from the record's columns; the
     # weight gradients from the per-unit kernel over every row's entries (the op's own, unchanged).
     cols = active.nonzero()[:, 1].to(torch.int32)
@@ -701,6 +736,11 @@ def training_parts(
             lambda: tile_forward(xs, wu, wdt, gs, slots, layout, block_n, launch), reps
         ),
         "ms_tile_backward_kernels": common.gpu_busy_ms(lambda: tile_backward(*backward_args), reps),
+        # Its two kernels apart: dh's GEMM with the entries' epilogue, and dx's two union GEMMs.
+        "ms_dgdu_kernel": common.gpu_busy_ms(lambda: tile_dgdu(*dgdu_args), reps),
+        "ms_dx_kernel": common.gpu_busy_ms(
+            lambda: tile_dx(*dgdu_blocks, wg, wu, slots, len(xs), block_n, launch), reps
+        ),
         "ms_backward_plan_kernels": common.gpu_busy_ms(
             lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
         ),
@@ -735,7 +775,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "| layer | nnz | tile | block u | block n | sorted | warps, stages | union | err tile | err dense bf16 | "
         "plan | sort | "
         "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | backward kernels "
-        "(dg, du, dx) | dx err | backward plan | weight grads (per unit) | op forward | op forward less the gate | "
+        "(dg/du; dx) | dx err | backward plan | weight grads (per unit) | op forward | op forward less the gate | "
         "op backward | dense up/down |",
         "|" + "---|" * 24,
     ]
@@ -747,8 +787,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['err_dense_bf16']:.2e} | {r['ms_plan']:.3f} | {r.get('ms_sort', 0.0):.3f} | "
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
             f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f} | "
-            f"{r['ms_tile_backward_kernels']:.3f} | {r['dx_err']:.1e} | {r['ms_backward_plan_kernels']:.3f} | "
-            f"{r['ms_weight_grads_kernels']:.3f} | "
+            f"{r['ms_tile_backward_kernels']:.3f} ({r['ms_dgdu_kernel']:.3f}; {r['ms_dx_kernel']:.3f}) | "
+            f"{r['dx_err']:.1e} | {r['ms_backward_plan_kernels']:.3f} | {r['ms_weight_grads_kernels']:.3f} | "
             f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | {r['ms_op_backward']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"
         )
