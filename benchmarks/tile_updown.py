@@ -349,6 +349,58 @@ if triton is not None:
         tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty))
 
     @triton.jit
+    def _tile_dh_kernel(
+        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, dh_ptr, D,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, block): dh[tile rows, the block's units] = grad_y_tile Wd[:, units] in float32,
+        # stored as the tile's block: the GEMM of _tile_dgdu_kernel without its entries' epilogue
+        # (left to _tile_entries_kernel, a thread an entry).
+        t = tl.program_id(0)
+        block = tl.program_id(1)
+        count = tl.load(counts_ptr + t)
+        if block * BLOCK_U >= count:
+            return
+        start = tl.load(starts_ptr + t) + block * BLOCK_U
+        cols = tl.arange(0, BLOCK_U)
+        live = block * BLOCK_U + cols < count
+        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
+        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
+        out = dh_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        tl.store(out, dh)
+
+    @triton.jit
+    def _tile_entries_kernel(
+        dh_ptr, entry_rows_ptr, cols_ptr, slot_ptr, starts_ptr, a_rec_ptr, u_rec_ptr, dg_rec_ptr,
+        du_rec_ptr, dg_ptr, du_ptr, l1_scale, entries, H,
+        TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        # A program a run of BLOCK_E record entries: dh at the entry's place in its tile's blocks (its
+        # unit's position in the tile's union, `slot`), plus the L1 term, then dg = dh u and du = dh a
+        # as _tile_dgdu_kernel computes them, written into the record (float32) and into the tiles'
+        # zeroed bf16 blocks (for dx).
+        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        live = e < entries
+        row = tl.load(entry_rows_ptr + e, mask=live, other=0).to(tl.int64)
+        unit = tl.load(cols_ptr + e, mask=live, other=0).to(tl.int64)
+        t = row // TILE
+        pos = tl.load(slot_ptr + t * H + unit, mask=live, other=0).to(tl.int64)
+        column = pos % BLOCK_U
+        at = (tl.load(starts_ptr + t, mask=live, other=0).to(tl.int64) + pos - column) * TILE
+        at += (row % TILE) * BLOCK_U + column
+        dh = tl.load(dh_ptr + at, mask=live, other=0.0)
+        a = tl.load(a_rec_ptr + e, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(u_rec_ptr + e, mask=live, other=0.0).to(tl.float32)
+        dh = dh + l1_scale * tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+        dg = dh * u
+        du = dh * a
+        tl.store(dg_rec_ptr + e, dg, mask=live)
+        tl.store(du_rec_ptr + e, du, mask=live)
+        tl.store(dg_ptr + at, dg.to(dg_ptr.dtype.element_ty), mask=live)
+        tl.store(du_ptr + at, du.to(du_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
     def _tile_dx_kernel(
         dg_ptr, du_ptr, wg_ptr, wu_ptr, units_ptr, starts_ptr, counts_ptr, dx_ptr, D,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -508,6 +560,62 @@ def tile_dx(
         TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_N=block_n, **launch.kwargs(),
     )  # fmt: skip
     return dx
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """Where each record entry's value sits in its tile's blocks, for the entry-parallel backward:
+    each entry's row, and each (tile, unit)'s position in the tile's union (-1 where absent). Built by
+    torch ops here; the plan's pass and the record's fill would write them."""
+
+    rows: torch.Tensor  # int32 [entries]
+    cols: torch.Tensor  # int32 [entries]: the record's columns
+    slots: torch.Tensor  # int32 [tiles, H]
+
+    @classmethod
+    def of(cls, plan: TilePlan, row_ptr: torch.Tensor, cols: torch.Tensor, hidden: int) -> EntryLayout:
+        device = plan.units.device
+        rows = torch.repeat_interleave(torch.arange(len(row_ptr) - 1, device=device), row_ptr.diff())
+        tiles = len(plan.counts)
+        at = torch.arange(plan.units.numel(), device=device)
+        tile = torch.searchsorted(plan.starts[1:].long(), at, right=True)
+        position = at - plan.starts[tile].long()
+        live = position < plan.counts[tile].long()
+        slots = torch.full((tiles, hidden), -1, dtype=torch.int32, device=device)
+        slots[tile[live], plan.units[at[live]].long()] = position[live].to(torch.int32)
+        return cls(rows.to(torch.int32), cols.to(torch.int32), slots)
+
+
+def tile_dgdu_by_entries(
+    grad_y: torch.Tensor,
+    wdt: torch.Tensor,
+    plan: TilePlan,
+    entries: EntryLayout,
+    a_record: torch.Tensor,
+    u_record: torch.Tensor,
+    l1_scale: float,
+    launch: Launch = Launch(),
+    block_e: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tile_dgdu`'s outputs (bitwise) by two kernels: dh's GEMM alone into float32 blocks, then a
+    thread an entry for the L1 term, dg and du (into the record and the zeroed bf16 blocks), with no
+    per-element lookup of which entries are active."""
+    blocks = plan.units.numel() * plan.tile
+    dh = torch.empty(blocks, device=grad_y.device, dtype=torch.float32)
+    dg_blocks = torch.zeros(blocks, device=grad_y.device, dtype=grad_y.dtype)
+    du_blocks = torch.zeros_like(dg_blocks)
+    dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
+    du_record = torch.empty_like(dg_record)
+    _tile_dh_kernel[(len(plan.counts), plan.max_blocks)](
+        grad_y, wdt, plan.units, plan.starts, plan.counts, dh, grad_y.shape[1],
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
+    )  # fmt: skip
+    _tile_entries_kernel[(triton.cdiv(len(a_record), block_e),)](
+        dh, entries.rows, entries.cols, entries.slots, plan.starts, a_record, u_record, dg_record, du_record,
+        dg_blocks, du_blocks, l1_scale, len(a_record), entries.slots.shape[1],
+        TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_E=block_e,
+    )  # fmt: skip
+    return dg_record, du_record, dg_blocks, du_blocks
 
 
 def tile_backward(
@@ -704,10 +812,14 @@ def training_parts(
     dx, dg, du = tile_backward(*backward_args)
     dgdu_args = (grad_y, wdt, slots, layout, a_record, u_record, l1_scale, wg.shape[0], launch)
     dgdu_blocks = tile_dgdu(*dgdu_args)[2:]
-    # The backward keeps the record, not g: its plan and layout come from the record's columns; the
-    # weight gradients from the per-unit kernel over every row's entries (the op's own, unchanged).
     cols = active.nonzero()[:, 1].to(torch.int32)
     hidden = gs.shape[1]
+    entries = EntryLayout.of(slots, layout.row_ptr, cols, hidden)
+    by_entries_args = (grad_y, wdt, slots, entries, a_record, u_record)
+    dg_e, du_e, *blocks_e = tile_dgdu_by_entries(*by_entries_args, l1_scale, launch)
+    dx_e = tile_dx(*blocks_e, wg, wu, slots, len(xs), block_n, launch)
+    # The backward keeps the record, not g: its plan and layout come from the record's columns; the
+    # weight gradients from the per-unit kernel over every row's entries (the op's own, unchanged).
     ext = extension()
 
     def weight_grads() -> tuple[torch.Tensor, ...]:
@@ -741,6 +853,10 @@ def training_parts(
         "ms_dx_kernel": common.gpu_busy_ms(
             lambda: tile_dx(*dgdu_blocks, wg, wu, slots, len(xs), block_n, launch), reps
         ),
+        "ms_dgdu_by_entries_kernels": common.gpu_busy_ms(
+            lambda: tile_dgdu_by_entries(*by_entries_args, l1_scale, launch), reps
+        ),
+        "dgdu_by_entries_same": torch.equal(dg_e, dg) and torch.equal(du_e, du) and torch.equal(dx_e, dx),
         "ms_backward_plan_kernels": common.gpu_busy_ms(
             lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
         ),
@@ -775,9 +891,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "| layer | nnz | tile | block u | block n | sorted | warps, stages | union | err tile | err dense bf16 | "
         "plan | sort | "
         "tile kernels | plan, kernels | tile kernels, slots | forward kernels (record, L1) | backward kernels "
-        "(dg/du; dx) | dx err | backward plan | weight grads (per unit) | op forward | op forward less the gate | "
+        "(dg/du; dx) | dg/du by entries | dx err | backward plan | weight grads (per unit) | op forward | op forward less the gate | "
         "op backward | dense up/down |",
-        "|" + "---|" * 24,
+        "|" + "---|" * 25,
     ]
     for r in rows:
         lines.append(
@@ -788,6 +904,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['ms_tile_kernels']:.3f} | {r['ms_plan_kernels']:.3f} | {r['ms_tile_kernels_slots']:.3f}"
             f"{'' if r['slot_plan_same_y'] else ' (y differs)'} | {r['ms_tile_forward_kernels']:.3f} | "
             f"{r['ms_tile_backward_kernels']:.3f} ({r['ms_dgdu_kernel']:.3f}; {r['ms_dx_kernel']:.3f}) | "
+            f"{r['ms_dgdu_by_entries_kernels']:.3f}{'' if r['dgdu_by_entries_same'] else ' (differs)'} | "
             f"{r['dx_err']:.1e} | {r['ms_backward_plan_kernels']:.3f} | {r['ms_weight_grads_kernels']:.3f} | "
             f"{r['ms_op_forward']:.3f} | {r['ms_op_forward_after_gate']:.3f} | {r['ms_op_backward']:.3f} | "
             f"{r['ms_dense_updown']:.3f} |"

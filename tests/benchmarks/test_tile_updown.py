@@ -10,11 +10,15 @@ import torch
 from ffn_patterns import needs_hopper
 
 from benchmarks.tile_updown import (
+    EntryLayout,
     RecordLayout,
     layer_cases,
     slot_plan,
     tile_backward,
     tile_backward_reference,
+    tile_dgdu,
+    tile_dgdu_by_entries,
+    tile_dx,
     tile_forward,
     tile_forward_reference,
     tile_plan,
@@ -267,3 +271,39 @@ def test_the_record_of_every_row_holds_each_rows_active_units_in_order():
     cols, a_vals = extension().csr_fill_record(g, row_ptr, int(row_ptr[-1]))
     assert torch.equal(cols, active.nonzero()[:, 1].to(torch.int32))
     assert torch.equal(a_vals, torch.relu(g)[active])
+
+
+def test_the_entry_layout_places_every_entry_in_its_tiles_union():
+    g = torch.randn(32, 96)
+    g[:8] = -1.0
+    active = g > 0
+    plan = tile_plan(active, 8, 32)
+    row_ptr = torch.zeros(33, dtype=torch.int64)
+    torch.cumsum(active.sum(dim=1), 0, out=row_ptr[1:])
+    rows, cols = active.nonzero().unbind(1)
+    entries = EntryLayout.of(plan, row_ptr, cols.to(torch.int32), 96)
+    assert torch.equal(entries.rows.long(), rows)
+    for t in range(4):
+        union = plan.units[int(plan.starts[t]) : int(plan.starts[t]) + int(plan.counts[t])].long()
+        expected = torch.full((96,), -1, dtype=torch.int32)
+        expected[union] = torch.arange(len(union), dtype=torch.int32)
+        assert torch.equal(entries.slots[t], expected)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (64, 128)])
+def test_dg_and_du_by_entries_are_the_fused_kernels_bitwise(tile, block_u):
+    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
+    wg = torch.randn(wu.shape, device="cuda").to(wu.dtype)
+    active = g > 0
+    layout = RecordLayout.of(g, tile)
+    a_record, u_record = torch.relu(g)[active], (x.float() @ wu.float().T).to(x.dtype)[active]
+    grad_y, wdt = torch.randn(x.shape, device="cuda").to(x.dtype), wd.T.contiguous()
+    plan = slot_plan(g, tile, block_u)
+    fused = tile_dgdu(grad_y, wdt, plan, layout, a_record, u_record, 1e-2, wu.shape[0])
+    entries = EntryLayout.of(plan, layout.row_ptr, active.nonzero()[:, 1].to(torch.int32), wu.shape[0])
+    split = tile_dgdu_by_entries(grad_y, wdt, plan, entries, a_record, u_record, 1e-2)
+    assert torch.equal(split[0], fused[0]) and torch.equal(split[1], fused[1])
+    dx = [tile_dx(*parts[2:], wg, wu, plan, len(x)) for parts in (fused, split)]
+    assert torch.equal(dx[0], dx[1])
