@@ -86,7 +86,8 @@ def unit_params(fields: dict[str, Any]) -> dict[str, int]:
 
 
 def shard_numel(params: int, world: int) -> int:
-    """A rank's shard of a unit: FSDP2 pads the flat parameters to a multiple of the world size."""
+    """A rank's share of a unit's parameters (FSDP2 pads each parameter's first dimension to a
+    multiple of the world size: the same for these presets' shapes)."""
     return math.ceil(params / world)
 
 
@@ -197,8 +198,9 @@ def run_step_times(path: Path) -> list[dict[str, Any]]:
     )
     times = []
     for run in runs:
-        overrides = dict(o.split("=", 1) for o in run["overrides"])
-        tokens = int(overrides["train.micro_batch_size"]) * int(overrides["train.seq_len"])
+        overrides = dict(o.split("=", 1) for o in run["overrides"] if "=" in o)
+        # A GPU's tokens a step: the global batch over the GPUs (with any gradient accumulation).
+        tokens = int(overrides["train.global_batch_size"]) * int(overrides["train.seq_len"]) // run["gpus"]
         times.append(
             {
                 "run": path.name,
@@ -210,18 +212,33 @@ def run_step_times(path: Path) -> list[dict[str, Any]]:
     return times
 
 
+def _nccl_log_env(directory: str) -> dict[str, str]:
+    return {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT",
+        "NCCL_DEBUG_FILE": f"{directory}/nccl.%h.%p.log",
+    }
+
+
 def measure(args) -> tuple[list[dict], list[str], dict[str, int]]:
     fields = dict(common.TINY_MODEL) if args.tiny else common.model_preset(args.preset)
     units = unit_params(fields)
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.cpu and "NCCL_DEBUG" not in os.environ:  # NCCL's log names each channel's transport
-            os.environ.update(
-                NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT", NCCL_DEBUG_FILE=f"{tmp}/nccl.%h.%p.log"
-            )
-        out = f"{tmp}/rows.json"
-        options = {"warmup": args.warmup, "reps": args.reps}
-        port = args.port or _free_port()
-        mp.spawn(_worker, args=(args.gpus, port, args.cpu, units, options, out), nprocs=args.gpus)
+        # NCCL's log names each channel's transport; set for the workers only, as the caller had it after.
+        logging = {} if args.cpu or "NCCL_DEBUG" in os.environ else _nccl_log_env(tmp)
+        before = {key: os.environ.get(key) for key in logging}
+        os.environ.update(logging)
+        try:
+            out = f"{tmp}/rows.json"
+            options = {"warmup": args.warmup, "reps": args.reps}
+            port = args.port or _free_port()
+            mp.spawn(_worker, args=(args.gpus, port, args.cpu, units, options, out), nprocs=args.gpus)
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         rows = json.loads(Path(out).read_text())
         transports = nccl_transports(Path(tmp))
     for r in rows:
@@ -250,7 +267,7 @@ def report(args, rows: list[dict], transports: list[str], units: dict[str, int])
         "",
         f"NCCL's transports between the GPUs: {', '.join(transports) or '-'}",
         "",
-        "| unit | collective | dtype | MB gathered | ms | algbw GB/s | busbw GB/s |",
+        "| unit | collective | dtype | MB (the whole tensor) | ms | algbw GB/s | busbw GB/s |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -350,12 +350,13 @@ if triton is not None:
 
     @triton.jit
     def _tile_dh_kernel(
-        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, dh_ptr, D,
+        gy_ptr, wdt_ptr, units_ptr, starts_ptr, counts_ptr, dh_ptr, dg_ptr, du_ptr, D,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, block): dh[tile rows, the block's units] = grad_y_tile Wd[:, units] in float32,
         # stored as the tile's block: the GEMM of _tile_dgdu_kernel without its entries' epilogue
-        # (left to _tile_entries_kernel, a thread an entry).
+        # (left to _tile_entries_kernel, a thread an entry), and the block of dg and du zeroed for it
+        # (only the blocks in use: a slot plan's storage is mostly past the tiles' counts).
         t = tl.program_id(0)
         block = tl.program_id(1)
         count = tl.load(counts_ptr + t)
@@ -367,8 +368,11 @@ if triton is not None:
         units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
         dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
-        out = dh_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
-        tl.store(out, dh)
+        at = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        tl.store(dh_ptr + at, dh)
+        zero = tl.zeros((TILE, BLOCK_U), dtype=dg_ptr.dtype.element_ty)
+        tl.store(dg_ptr + at, zero)
+        tl.store(du_ptr + at, zero)
 
     @triton.jit
     def _tile_entries_kernel(
@@ -600,14 +604,15 @@ def tile_dgdu_by_entries(
     """`tile_dgdu`'s outputs (bitwise) by two kernels: dh's GEMM alone into float32 blocks, then a
     thread an entry for the L1 term, dg and du (into the record and the zeroed bf16 blocks), with no
     per-element lookup of which entries are active."""
+    check_tile_shapes(len(grad_y), grad_y.shape[1], entries.slots.shape[1], plan, 64)
     blocks = plan.units.numel() * plan.tile
     dh = torch.empty(blocks, device=grad_y.device, dtype=torch.float32)
-    dg_blocks = torch.zeros(blocks, device=grad_y.device, dtype=grad_y.dtype)
-    du_blocks = torch.zeros_like(dg_blocks)
+    dg_blocks = torch.empty(blocks, device=grad_y.device, dtype=grad_y.dtype)
+    du_blocks = torch.empty_like(dg_blocks)
     dg_record = torch.empty(len(a_record), device=grad_y.device, dtype=torch.float32)
     du_record = torch.empty_like(dg_record)
     _tile_dh_kernel[(len(plan.counts), plan.max_blocks)](
-        grad_y, wdt, plan.units, plan.starts, plan.counts, dh, grad_y.shape[1],
+        grad_y, wdt, plan.units, plan.starts, plan.counts, dh, dg_blocks, du_blocks, grad_y.shape[1],
         TILE=plan.tile, BLOCK_U=plan.block_u, BLOCK_K=64, **launch.kwargs(),
     )  # fmt: skip
     _tile_entries_kernel[(triton.cdiv(len(a_record), block_e),)](

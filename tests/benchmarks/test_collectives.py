@@ -54,7 +54,7 @@ def test_two_cpu_processes_time_every_collective_and_set_them_beside_a_run(tmp_p
                         "impl": "auto",
                         "gpus": 2,
                         "steady_tokens_per_s_per_gpu": 80000.0,
-                        "overrides": ["train.micro_batch_size=8", "train.seq_len=2048", "model=1b"],
+                        "overrides": ["train.global_batch_size=16", "train.seq_len=2048", "model=1b"],
                     }
                 ]
             }
@@ -89,7 +89,7 @@ def test_one_process_is_refused_before_anything_starts():
 
 def test_a_joined_comparison_gives_both_runs_step_times(tmp_path: Path):
     def run(impl: str, tokens_per_s: float) -> dict:
-        overrides = ["train.micro_batch_size=8", "train.seq_len=2048"]
+        overrides = ["train.global_batch_size=32", "train.seq_len=2048", "train.micro_batch_size=4"]
         return {"impl": impl, "gpus": 4, "steady_tokens_per_s_per_gpu": tokens_per_s, "overrides": overrides}
 
     joined = tmp_path / "run_1b_4xh200.json"

@@ -273,18 +273,21 @@ def test_the_record_of_every_row_holds_each_rows_active_units_in_order():
     assert torch.equal(a_vals, torch.relu(g)[active])
 
 
-def test_the_entry_layout_places_every_entry_in_its_tiles_union():
-    g = torch.randn(32, 96)
-    g[:8] = -1.0
+@pytest.mark.parametrize("slots", [False, True])
+def test_the_entry_layout_places_every_entry_in_its_tiles_union(slots):
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(32, 96, generator=gen) - 1.5  # ~7% active: unions well short of every unit
+    g[:8] = -1.0  # a tile with none
     active = g > 0
-    plan = tile_plan(active, 8, 32)
+    plan = slot_plan(g, 8, 32) if slots else tile_plan(active, 8, 32)
     row_ptr = torch.zeros(33, dtype=torch.int64)
     torch.cumsum(active.sum(dim=1), 0, out=row_ptr[1:])
     rows, cols = active.nonzero().unbind(1)
     entries = EntryLayout.of(plan, row_ptr, cols.to(torch.int32), 96)
-    assert torch.equal(entries.rows.long(), rows)
+    assert torch.equal(entries.rows.long(), rows) and torch.equal(entries.cols.long(), cols)
     for t in range(4):
         union = plan.units[int(plan.starts[t]) : int(plan.starts[t]) + int(plan.counts[t])].long()
+        assert 0 <= len(union) < 90
         expected = torch.full((96,), -1, dtype=torch.int32)
         expected[union] = torch.arange(len(union), dtype=torch.int32)
         assert torch.equal(entries.slots[t], expected)
@@ -292,15 +295,16 @@ def test_the_entry_layout_places_every_entry_in_its_tiles_union():
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(("tile", "block_u"), [(64, 64), (64, 128)])
-def test_dg_and_du_by_entries_are_the_fused_kernels_bitwise(tile, block_u):
-    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=torch.seed() % 2**31)
-    wg = torch.randn(wu.shape, device="cuda").to(wu.dtype)
+@pytest.mark.parametrize(("tile", "block_u", "slots"), [(64, 64, True), (64, 128, True), (64, 64, False)])
+def test_dg_and_du_by_entries_are_the_fused_kernels_bitwise(tile, block_u, slots):
+    x, wu, wd, g = _patterned_inputs(tile, h=384, seed=tile + block_u)
+    gen = torch.Generator(device="cuda").manual_seed(block_u)
+    wg = torch.randn(wu.shape, device="cuda", generator=gen).to(wu.dtype)
     active = g > 0
     layout = RecordLayout.of(g, tile)
     a_record, u_record = torch.relu(g)[active], (x.float() @ wu.float().T).to(x.dtype)[active]
-    grad_y, wdt = torch.randn(x.shape, device="cuda").to(x.dtype), wd.T.contiguous()
-    plan = slot_plan(g, tile, block_u)
+    grad_y, wdt = torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype), wd.T.contiguous()
+    plan = slot_plan(g, tile, block_u) if slots else tile_plan(active, tile, block_u)
     fused = tile_dgdu(grad_y, wdt, plan, layout, a_record, u_record, 1e-2, wu.shape[0])
     entries = EntryLayout.of(plan, layout.row_ptr, active.nonzero()[:, 1].to(torch.int32), wu.shape[0])
     split = tile_dgdu_by_entries(grad_y, wdt, plan, entries, a_record, u_record, 1e-2)
