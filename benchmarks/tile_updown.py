@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +210,50 @@ def weight_grads_reference(
 
     h = dense(a_record) * dense(u_record)
     return dense(dg_record).T @ x.to(acc), dense(du_record).T @ x.to(acc), grad_y.to(acc).T @ h
+
+
+def split_weight_grads(
+    x: torch.Tensor,
+    grad_y: torch.Tensor,
+    row_ptr: torch.Tensor,
+    cols: torch.Tensor,
+    records: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    hidden: int,
+    heavy_threshold: int,
+    per_unit: Callable[..., tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dWg, dWu, dWd) in float32 as the op splits them: the rows with more than `heavy_threshold`
+    active units by GEMMs over those rows (their dg, du and h = a u scattered into [rows, H] blocks of
+    x's dtype, the products rounded to it as a bf16 GEMM's output is), the other rows' entries by
+    `per_unit` (`csr_weight_grads`'s signature: the per-unit kernel). `records`: a, u, dg and du at the
+    record's entries (CSR over the rows by `row_ptr`, columns `cols`)."""
+    a, u, dg, du = records
+    nnz = row_ptr.diff()
+    heavy = nnz > heavy_threshold
+    entry_rows = torch.repeat_interleave(torch.arange(len(nnz), device=x.device), nnz)
+    in_heavy = heavy[entry_rows]
+    light = ~in_heavy
+    light_row_ptr = torch.zeros_like(row_ptr)
+    torch.cumsum(nnz.masked_fill(heavy, 0), 0, out=light_row_ptr[1:])
+    dwg, dwu, dwd = per_unit(
+        x, grad_y, light_row_ptr, cols[light], a[light], u[light], dg[light], du[light], hidden, torch.float32
+    )
+    heavy_rows = heavy.nonzero().squeeze(1)
+    position = torch.full_like(nnz, -1)
+    position[heavy_rows] = torch.arange(len(heavy_rows), device=x.device)
+    at = (position[entry_rows[in_heavy]], cols[in_heavy].long())
+
+    def block(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(heavy_rows), hidden, device=x.device, dtype=x.dtype)
+        out[at] = values.to(x.dtype)
+        return out
+
+    h = a[in_heavy].float() * u[in_heavy].float()
+    x_heavy, grad_y_heavy = x[heavy_rows], grad_y[heavy_rows]
+    dwg += (block(dg[in_heavy]).T @ x_heavy).float()
+    dwu += (block(du[in_heavy]).T @ x_heavy).float()
+    dwd += (grad_y_heavy.T @ block(h)).float()
+    return dwg, dwu, dwd
 
 
 if triton is not None:
@@ -746,7 +790,7 @@ def bench_case(
     if sort:
         row["ms_sort"] = common.gpu_busy_ms(lambda: (lowest_unit_order(g > 0), x[order], g[order]), reps)
     row["ms_op_forward_after_gate"] = row["ms_op_forward"] - row["ms_gate"]
-    row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps, launch)
+    row |= training_parts(xs, gs, wg, wu, wd, slots, block_n, reps, heavy_threshold, launch)
     row["ms_op_backward"] = op_backward_ms(x, wg, wu, wd, heavy_threshold, reps) - row["ms_op_forward"]
     # Design 2 as the op would run it, against the op: the forward after the gate (the plan with the
     # row layout, the counts and record, the tile kernels) and the backward (the plan from the
@@ -756,6 +800,14 @@ def bench_case(
     )
     row["ms_design2_backward"] = (
         row["ms_backward_plan_kernels"] + row["ms_tile_backward_kernels"] + row["ms_weight_grads_kernels"]
+    )
+    # The same with the faster of each alternative: dg/du fused or by entries, the weight gradients
+    # per unit or split as the op splits them.
+    row["ms_design2_backward_best"] = (
+        row["ms_backward_plan_kernels"]
+        + min(row["ms_dgdu_kernel"], row["ms_dgdu_by_entries_kernels"])
+        + row["ms_dx_kernel"]
+        + min(row["ms_weight_grads_kernels"], row["ms_weight_grads_split"])
     )
     row |= whole_steps(x, wg, wu, wd, tile, block_u, block_n, reps, heavy_threshold, launch)
     return row
@@ -799,7 +851,16 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def training_parts(
-    xs, gs, wg, wu, wd, slots: TilePlan, block_n: int, reps: int, launch: Launch = Launch()
+    xs,
+    gs,
+    wg,
+    wu,
+    wd,
+    slots: TilePlan,
+    block_n: int,
+    reps: int,
+    heavy_threshold: int,
+    launch: Launch = Launch(),
 ) -> dict:
     """The kernels of design 2 as the training op would run them on one case (its tokens as the
     plan has them): the forward's (y, the record's u, L1) and the backward's (dg and du at the
@@ -832,8 +893,15 @@ def training_parts(
             xs, grad_y, layout.row_ptr, cols, a_record, u_record, dg, du, hidden, wg.dtype
         )
 
+    def weight_grads_split() -> tuple[torch.Tensor, ...]:
+        records = (a_record, u_record, dg, du)
+        return split_weight_grads(
+            xs, grad_y, layout.row_ptr, cols, records, hidden, heavy_threshold, ext.csr_weight_grads
+        )
+
     dw = weight_grads()
     dw_ref = weight_grads_reference(xs, grad_y, active, a_record, u_record, dg, du)
+    dw_split = weight_grads_split()
 
     def forward_record() -> tuple[torch.Tensor, ...]:
         # What the forward writes besides y, u and L1: the counts (L0, fire counts), the record's
@@ -866,6 +934,11 @@ def training_parts(
             lambda: tile_union_plan_from_record(layout.row_ptr, cols, hidden, slots.tile), reps
         ),
         "ms_weight_grads_kernels": common.gpu_busy_ms(weight_grads, reps),
+        # The op's split: heavy rows by GEMMs (their blocks scattered by torch ops), the rest per unit.
+        "ms_weight_grads_split": common.gpu_busy_ms(weight_grads_split, reps),
+        "weight_grads_split_err": max(
+            relative(got, want) for got, want in zip(dw_split, dw_ref, strict=True)
+        ),
         "ms_forward_record_kernels": common.gpu_busy_ms(forward_record, reps),
         "record_fill_same": torch.equal(filled_cols, cols) and torch.equal(filled_a, a_record),
         "weight_grads_err": max(relative(got, want) for got, want in zip(dw, dw_ref, strict=True)),
@@ -921,18 +994,22 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "kernels, per-unit weight gradients).",
         "",
         "| layer | nnz | tile | block u | sorted | warps, stages | design 2 forward after the gate | op's | "
-        "design 2 backward | op's | forward + backward, op / design 2 | whole step, event-timed: design 2 | "
+        "design 2 backward | with its faster parts | op's | weight grads: per unit, split | "
+        "forward + backward, op / design 2 (faster parts) | whole step, event-timed: design 2 | "
         "op's | gradients vs the op's |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 16,
     ]
     for r in rows:
         ours = r["ms_design2_forward_after_gate"] + r["ms_design2_backward"]
+        best = r["ms_design2_forward_after_gate"] + r["ms_design2_backward_best"]
         op = r["ms_op_forward_after_gate"] + r["ms_op_backward"]
         lines.append(
             f"| {r.get('layer', '')} | {r['nnz']:.1f} | {r['tile']} | {r['block_u']} | {r['sorted']} | "
             f"{r.get('num_warps', 4)}, {r.get('num_stages', 3)} | {r['ms_design2_forward_after_gate']:.3f} | "
-            f"{r['ms_op_forward_after_gate']:.3f} | {r['ms_design2_backward']:.3f} | {r['ms_op_backward']:.3f} | "
-            f"{op / ours:.2f}x | {r['ms_design2_step_event']:.3f} | {r['ms_op_step_event']:.3f} | "
+            f"{r['ms_op_forward_after_gate']:.3f} | {r['ms_design2_backward']:.3f} | "
+            f"{r['ms_design2_backward_best']:.3f} | {r['ms_op_backward']:.3f} | "
+            f"{r['ms_weight_grads_kernels']:.3f}, {r['ms_weight_grads_split']:.3f} | "
+            f"{op / ours:.2f}x ({op / best:.2f}x) | {r['ms_design2_step_event']:.3f} | {r['ms_op_step_event']:.3f} | "
             f"{r['design2_vs_op_grad_err']:.1e} |"
         )
     return "\n".join(lines) + "\n"

@@ -13,7 +13,9 @@ from benchmarks.tile_updown import (
     EntryLayout,
     RecordLayout,
     layer_cases,
+    markdown,
     slot_plan,
+    split_weight_grads,
     tile_backward,
     tile_backward_reference,
     tile_dgdu,
@@ -311,3 +313,54 @@ def test_dg_and_du_by_entries_are_the_fused_kernels_bitwise(tile, block_u, slots
     assert torch.equal(split[0], fused[0]) and torch.equal(split[1], fused[1])
     dx = [tile_dx(*parts[2:], wg, wu, plan, len(x)) for parts in (fused, split)]
     assert torch.equal(dx[0], dx[1])
+
+
+def _per_unit_reference(x, grad_y, row_ptr, cols, a, u, dg, du, hidden, dtype):
+    """csr_weight_grads's results by the reference (the per-unit kernel's signature, on the CPU)."""
+    active = torch.zeros(len(x), hidden, dtype=torch.bool)
+    rows = torch.repeat_interleave(torch.arange(len(x)), row_ptr.diff())
+    active[rows, cols.long()] = True
+    return tuple(t.to(dtype) for t in weight_grads_reference(x, grad_y, active, a, u, dg, du))
+
+
+def test_the_ops_split_of_the_weight_gradients_is_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    m, d, hidden = 48, 32, 96
+    active = torch.rand(m, hidden, generator=gen) < 0.05
+    active[:6] = torch.rand(6, hidden, generator=gen) < 0.6  # heavy rows (> 16 units)
+    active[40:] = False  # rows with none
+    x, grad_y = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    n = int(active.sum())
+    a, u, dg, du = (torch.randn(n, generator=gen) for _ in range(4))
+    row_ptr = torch.zeros(m + 1, dtype=torch.int64)
+    torch.cumsum(active.sum(dim=1), 0, out=row_ptr[1:])
+    cols = active.nonzero()[:, 1].to(torch.int32)
+    assert int((row_ptr.diff() > 16).sum()) == 6
+    split = split_weight_grads(x, grad_y, row_ptr, cols, (a, u, dg, du), hidden, 16, _per_unit_reference)
+    for got, want in zip(split, weight_grads_reference(x, grad_y, active, a, u, dg, du), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_report_has_a_cell_for_every_column():
+    ms = {
+        k: 1.0
+        for k in ("nnz", "union_mean", "err_tile", "err_dense_bf16", "dx_err", "design2_vs_op_grad_err")
+    }
+    ms |= {
+        f"ms_{k}": 1.0
+        for k in (
+            "plan", "tile_kernels", "plan_kernels", "tile_kernels_slots", "tile_forward_kernels",
+            "tile_backward_kernels", "dgdu_kernel", "dx_kernel", "dgdu_by_entries_kernels", "backward_plan_kernels",
+            "weight_grads_kernels", "weight_grads_split", "op_forward", "op_forward_after_gate", "op_backward",
+            "dense_updown", "design2_forward_after_gate", "design2_backward", "design2_backward_best",
+            "design2_step_event", "op_step_event",
+        )
+    }  # fmt: skip
+    row = ms | {"tile": 64, "block_u": 128, "block_n": 128, "sorted": False}
+    row |= {"slot_plan_same_y": True, "dgdu_by_entries_same": False}
+    meta = {"device": "GPU", "commit": "abc", "date": "today", "M": 64, "D": 32, "H": 96}
+    for table in markdown(meta, [row]).split("\n\n"):
+        lines = [line for line in table.splitlines() if line.startswith("|")]
+        if lines:  # header, separator, the row: as many cells each
+            assert len({line.count("|") for line in lines}) == 1, table
+    assert "(differs)" in markdown(meta, [row])
