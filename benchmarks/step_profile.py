@@ -1,7 +1,8 @@
 """Where a training step's time goes, on every rank: a trainer callback that profiles a range of
 steps with torch.profiler and writes, per rank, the step's time split (compute, communication not
 hidden by compute, GPU idle), the idle gaps by their neighbouring kernels, the kernels by GPU time,
-the host's lead over the GPU (`benchmarks.trace_lead`, from the trace) and the Chrome trace.
+the host's lead over the GPU (`benchmarks.trace_lead`, from the trace), where the host's time went
+(`benchmarks.host_time`) and the Chrome trace.
 
 Added to any run from the command line (steps are 1-based, inclusive), e.g. a whole run's steady
 phase on 2 GPUs:
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import common, trace_lead
+from benchmarks import common, host_time, trace_lead
 from benchmarks.step_range import StepRangeCallback
 
 
@@ -71,7 +72,9 @@ class StepProfile(StepRangeCallback):
         if self.trace:
             trace = self.out / f"trace_{name}.json.gz"
             self._profiler.export_chrome_trace(str(trace))
-            lead, lead_text = trace_lead.lead_report(trace_lead.read_trace(trace))
+            trace_events = trace_lead.read_trace(trace)
+            lead, lead_text = trace_lead.lead_report(trace_events)
+            lead_text += "\n" + host_time.host_report(trace_events, steps, source=trace.name)[1]
             split["host_lead_median_ms"] = lead.median_lead_ms
             split["starved_gpu_ms"] = lead.starved_gpu_ms / steps
         (self.out / f"step_profile_{name}.json").write_text(json.dumps(split, indent=1))

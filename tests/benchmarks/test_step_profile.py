@@ -22,6 +22,8 @@ def test_step_profile_writes_the_range_it_profiled(tmp_path: Path):
     assert split["wall_ms"] > 0 and split["dense_layers"] == 0
     text = (out / "step_profile_rank0_steps_2_3.txt").read_text()
     assert text.startswith("Rank 0 of 1, steps 2-3") and "| wall_ms |" in text
+    # Where the host's time went: the optimizer's step, once a step, among the operations.
+    assert "Host time by operation" in text and "| Optimizer.step* | 1 |" in text
     assert (out / "trace_rank0_steps_2_3.json.gz").stat().st_size > 0
 
 
