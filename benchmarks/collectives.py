@@ -29,7 +29,6 @@ import re
 import socket
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -102,26 +101,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _time_ms(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
-    """Each call's ms after `warmup` calls, the ranks aligned by a barrier before each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def _aligned(device: torch.device) -> None:
+    """Before each timed collective: every rank at the same point, the GPU's queue empty."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _measure_one(
@@ -132,9 +116,17 @@ def _measure_one(
     small = torch.randn(shard, device=device).to(dtype)
     full = torch.randn(shard * world, device=device).to(dtype)
     if collective == "all_gather":
-        times = _time_ms(lambda: _all_gather(full, small), device, args["warmup"], args["reps"])
+        times = common.call_times_ms(
+            lambda: _all_gather(full, small), device, args["warmup"], args["reps"], lambda: _aligned(device)
+        )
     else:
-        times = _time_ms(lambda: _reduce_scatter(small, full), device, args["warmup"], args["reps"])
+        times = common.call_times_ms(
+            lambda: _reduce_scatter(small, full),
+            device,
+            args["warmup"],
+            args["reps"],
+            lambda: _aligned(device),
+        )
     return {
         "unit": unit,
         "collective": collective,

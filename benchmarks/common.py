@@ -75,13 +75,21 @@ def measure_cases(
     return rows
 
 
-def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() over `reps` calls after `warmup`: CUDA events on a GPU, the wall
-    clock on CPU."""
+def call_times_ms(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    reps: int,
+    before: Callable[[], Any] | None = None,
+) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn() after `warmup`: CUDA events on a GPU, the wall
+    clock on CPU; `before` runs ahead of each timed call, outside its time (e.g. a barrier)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -93,7 +101,12 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: in
             t0 = time.perf_counter()
             fn()
             times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds of fn() over `reps` calls after `warmup` (`call_times_ms`)."""
+    return statistics.median(call_times_ms(fn, device, warmup, reps))
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2**30) -> float | None:

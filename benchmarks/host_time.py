@@ -121,20 +121,17 @@ def op_rows(roots: dict[int, list[Event]], watched: tuple[str, ...], wait_ms: fl
         )
         if not calls:
             continue
-        waits = []
-        for i, call in enumerate(calls):
-            synced, untraced = sync_us(call) / 1e3, longest_untraced_us(call) / 1e3
-            if synced >= wait_ms or untraced >= wait_ms:
-                waits.append((i, synced, untraced))
+        # Each call's (sync ms, untraced ms), walked once.
+        stalls = [(sync_us(call) / 1e3, longest_untraced_us(call) / 1e3) for call in calls]
         rows.append(
             OpRow(
                 pattern,
                 len(calls),
                 statistics.median(c.duration for c in calls),
                 sum(c.duration for c in calls) / 1e3,
-                sum(sync_us(c) for c in calls) / 1e3,
-                max(longest_untraced_us(c) for c in calls) / 1e3,
-                waits,
+                sum(synced for synced, _ in stalls),
+                max(untraced for _, untraced in stalls),
+                [(i, *stall) for i, stall in enumerate(stalls) if max(stall) >= wait_ms],
             )
         )
     return rows

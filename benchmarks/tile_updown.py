@@ -272,6 +272,17 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _block_units(units_ptr, starts_ptr, count, t, block, TILE: tl.constexpr, BLOCK_U: tl.constexpr):
+        # A (tile, block) program's place in the plan: the block's first slot, its columns, which of
+        # them hold a unit (none past the tile's count), those units, and the tile's rows.
+        start = tl.load(starts_ptr + t) + block * BLOCK_U
+        cols = tl.arange(0, BLOCK_U)
+        live = block * BLOCK_U + cols < count
+        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
+        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        return start, cols, live, units, rows
+
+    @triton.jit
     def _popcount32(v):
         # Bits set in the low 32 bits of int64 v (SWAR: pairs, nibbles, bytes, then their sum).
         v = v - ((v >> 1) & 0x55555555)
@@ -312,11 +323,7 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start = tl.load(starts_ptr + t) + block * BLOCK_U
-        cols = tl.arange(0, BLOCK_U)
-        live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
-        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         u = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
         u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
         g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
@@ -338,11 +345,7 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start = tl.load(starts_ptr + t) + block * BLOCK_U
-        cols = tl.arange(0, BLOCK_U)
-        live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
-        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         u_stored = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
         u_stored = u_stored.to(h_ptr.dtype.element_ty)
         u = u_stored.to(tl.float32)
@@ -371,11 +374,7 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start = tl.load(starts_ptr + t) + block * BLOCK_U
-        cols = tl.arange(0, BLOCK_U)
-        live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
-        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
         word_at, word = _row_words(words_ptr, rows, units, live, H)
         active = (((word >> (units % 32)[None, :]) & 1) == 1) & live[None, :]
@@ -406,11 +405,7 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start = tl.load(starts_ptr + t) + block * BLOCK_U
-        cols = tl.arange(0, BLOCK_U)
-        live = block * BLOCK_U + cols < count
-        units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
-        rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
+        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
         at = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
         tl.store(dh_ptr + at, dh)

@@ -67,11 +67,15 @@ def test_a_models_layers_are_cases_of_its_inputs_and_weights():
     assert wg.shape == wu.shape == wd.T.shape and wd.dtype == torch.bfloat16
 
 
-def test_the_tile_computation_equals_the_dense_up_down():
-    gen = torch.Generator().manual_seed(1)
-    m, d, h = 32, 16, 150
+def _float64_layer(seed: int, m: int, d: int, h: int) -> tuple[torch.Tensor, ...]:
+    """x [m, d], Wg and Wu [h, d], Wd [d, h]: seeded float64 normals."""
+    gen = torch.Generator().manual_seed(seed)
     x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
-    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    return x, wg, wu, torch.randn(d, h, generator=gen, dtype=torch.float64)
+
+
+def test_the_tile_computation_equals_the_dense_up_down():
+    x, wg, wu, wd = _float64_layer(seed=1, m=32, d=16, h=150)
     g = x @ wg.T
     g[:8] = -1.0  # a tile with no active unit
     plan = tile_plan(g > 0, tile=8)
@@ -80,10 +84,7 @@ def test_the_tile_computation_equals_the_dense_up_down():
 
 
 def test_the_devices_slot_plan_holds_the_same_units_as_the_packed_plan():
-    gen = torch.Generator().manual_seed(2)
-    m, d, h = 32, 16, 128
-    x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
-    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    x, wg, wu, wd = _float64_layer(seed=2, m=32, d=16, h=128)
     g = x @ wg.T - 1.0
     g[:8] = -1.0
     slots, packed = slot_plan(g, tile=8, block_u=64), tile_plan(g > 0, tile=8, block_u=64)
@@ -118,10 +119,7 @@ def test_the_record_layout_places_each_active_entry_where_the_record_holds_it():
 
 
 def test_the_forwards_reference_owes_y_l1_and_u_at_the_active_entries():
-    gen = torch.Generator().manual_seed(4)
-    m, d, h = 16, 8, 64
-    x, wg, wu = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, d), (h, d), (h, d)))
-    wd = torch.randn(d, h, generator=gen, dtype=torch.float64)
+    x, wg, wu, wd = _float64_layer(seed=4, m=16, d=8, h=64)
     g = x @ wg.T
     y, l1, u_record = tile_forward_reference(x, wu, wd, g, tile_plan(g > 0, tile=8))
     torch.testing.assert_close(y, (torch.relu(g) * (x @ wu.T)) @ wd.T)
