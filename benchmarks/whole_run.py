@@ -182,6 +182,17 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "sparse_llm.train", *overrides]
 
 
+def reshard_after_forward(launch_args: list[str]) -> bool:
+    """FSDP2's reshard_after_forward as a multi-GPU run gets it: the accelerate config's value,
+    unless an accelerate launch argument overrides it (the last one wins, as on the command line)."""
+    value = str(_read_yaml(ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"])
+    flag = "--fsdp_reshard_after_forward="
+    for arg in launch_args:
+        if arg.startswith(flag):
+            value = arg[len(flag) :]
+    return value.lower() == "true"
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = args.run_dir or Path(f"/tmp/{run_name(args)}")
     if (run_dir / "metrics.jsonl").exists():
@@ -212,6 +223,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         heldout_l0=sum(layer_l0) / len(layer_l0),
         heldout_layer_l0=layer_l0,
         overrides=overrides,
+        **(
+            dict(launch_args=args.launch_arg, reshard_after_forward=reshard_after_forward(args.launch_arg))
+            if args.gpus > 1
+            else {}
+        ),
         series=[
             {
                 k: r.get(k)
@@ -354,6 +370,12 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
     if args.aa is not None and 2 * len(args.aa) != len(args.join):
         raise SystemExit("--aa takes one second dense run per pair of --join")
     loaded = [_load(p) for p in args.join]
+    for (_, dense), (_, sparse), path in zip(loaded[::2], loaded[1::2], args.join[1::2], strict=True):
+        for key in ("gpus", "reshard_after_forward"):
+            if dense.get(key) != sparse.get(key):
+                raise SystemExit(
+                    f"{path} differs from its dense run in {key}: {sparse.get(key)} vs {dense.get(key)}"
+                )
     pairs = [compare(d[1], s[1]) for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
     metas = [{"dense": d[0], "sparse": s[0]} for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
     result: dict[str, Any] = {
@@ -475,7 +497,7 @@ def markdown(r: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"# A whole training run, dense FFN against `{s['impl']}`, seed {s.get('seed', 0)}: {sm.get('device')}",
         "",
-        f"preset `{s['preset']}`, {_gpus_text(s.get('gpus', 1))}, from initialisation to a target L0, "
+        f"preset `{s['preset']}`, {_gpus_text(s)}, from initialisation to a target L0, "
         f"{s['steps']} steps; dense run: commit "
         f"`{dm.get('commit')}`, {dm.get('date')}; {s['impl']} run: commit `{sm.get('commit')}`, {sm.get('date')}; "
         f"torch {sm.get('torch')}. Ratios: dense time / sparse time, sparse memory / dense memory, "
@@ -510,8 +532,16 @@ def aa_markdown(r: dict[str, Any], again_meta: dict[str, Any]) -> str:
     )
 
 
-def _gpus_text(gpus: int) -> str:
-    return "one GPU" if gpus == 1 else f"{gpus} GPUs (FSDP2, 8 sequences per GPU a step)"
+def _gpus_text(summary: dict[str, Any]) -> str:
+    gpus = summary.get("gpus", 1)
+    if gpus == 1:
+        return "one GPU"
+    # Runs from before the setting was recorded say nothing of it.
+    keeps = {
+        True: ", parameters resharded after the forward",
+        False: ", parameters kept from the forward to the backward",
+    }
+    return f"{gpus} GPUs (FSDP2{keeps.get(summary.get('reshard_after_forward'), '')}, 8 sequences per GPU a step)"
 
 
 def plot(dense: dict[str, Any], sparse: dict[str, Any], path: Path) -> None:

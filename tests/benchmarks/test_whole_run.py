@@ -206,3 +206,28 @@ def test_join_puts_the_aa_pair_beside_ab(tmp_path, sparse_loss, exceeds):
     ) in line
     with pytest.raises(SystemExit, match="one second dense run per pair"):
         main(["--join", files[0], files[2], "--aa", files[1], files[1]])
+
+
+def test_a_multi_gpu_run_records_whether_fsdp2_keeps_its_parameters_for_the_backward(tmp_path):
+    config = whole_run._read_yaml(whole_run.ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"]
+    assert whole_run.reshard_after_forward([]) is config
+    assert whole_run.reshard_after_forward(["--fsdp_reshard_after_forward=true"]) is True
+    assert (
+        whole_run.reshard_after_forward(
+            ["--fsdp_reshard_after_forward=true", "--fsdp_reshard_after_forward=False"]
+        )
+        is False
+    )  # the last one wins, as on accelerate's command line
+    runs = {"dense": ("dense", 3.0, 100.0, True), "auto": ("auto", 3.0, 120.0, False)}
+    for name, (impl, loss, steady, reshard) in runs.items():
+        summary = {**_summary(impl, loss, steady), "gpus": 2, "reshard_after_forward": reshard}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {}, "results": [summary]}))
+    files = [str(tmp_path / f"{name}.json") for name in runs]
+    with pytest.raises(SystemExit, match="differs from its dense run in reshard_after_forward"):
+        main(["--join", *files])
+    kept = json.loads((tmp_path / "dense.json").read_text())
+    kept["results"][0]["reshard_after_forward"] = False
+    (tmp_path / "dense.json").write_text(json.dumps(kept))
+    md = tmp_path / "joined.md"
+    main(["--join", *files, "--md", str(md)])
+    assert "2 GPUs (FSDP2, parameters kept from the forward to the backward" in md.read_text()
