@@ -2,7 +2,8 @@
 steps with torch.profiler and writes, per rank, the step's time split (compute, communication not
 hidden by compute, GPU idle), the idle gaps by their neighbouring kernels, the kernels by GPU time,
 the host's lead over the GPU (`benchmarks.trace_lead`, from the trace), where the host's time went
-(`benchmarks.host_time`) and the Chrome trace.
+(`benchmarks.host_time`), the step's forward, backward and optimizer phases on the GPU
+(`benchmarks.step_phases`) and the Chrome trace.
 
 Added to any run from the command line (steps are 1-based, inclusive), e.g. a whole run's steady
 phase on 2 GPUs:
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import common, host_time, trace_lead
+from benchmarks import common, host_time, step_phases, trace_lead
 from benchmarks.step_range import StepRangeCallback
 
 
@@ -75,6 +76,9 @@ class StepProfile(StepRangeCallback):
             trace_events = trace_lead.read_trace(trace)
             lead, lead_text = trace_lead.lead_report(trace_events)
             lead_text += "\n" + host_time.host_report(trace_events, steps, source=trace.name)[1]
+            phase_split, phase_text = step_phases.phase_report(trace_events, steps, source=trace.name)
+            lead_text += phase_text
+            split["phases"] = phase_split
             split["host_lead_median_ms"] = lead.median_lead_ms
             split["starved_gpu_ms"] = lead.starved_gpu_ms / steps
         (self.out / f"step_profile_{name}.json").write_text(json.dumps(split, indent=1))

@@ -29,11 +29,14 @@ STARVED_US = 50.0
 
 @dataclass(frozen=True)
 class Launched:
-    """One device event: when the host launched it, when and how long it ran (us)."""
+    """One device event: when the host launched it, when and how long it ran (us), its name and the
+    host thread that launched it."""
 
     launch_us: float
     start_us: float
     duration_us: float
+    name: str = ""
+    launch_thread: int = 0
 
     @property
     def lead_us(self) -> float:
@@ -43,7 +46,7 @@ class Launched:
 def launched_events(trace: dict) -> list[Launched]:
     """The trace's device events paired with their launches by correlation id, in start order;
     events without a launch in the trace (started before the profiler) are left out."""
-    launches: dict[int, float] = {}
+    launches: dict[int, dict] = {}
     device: list[tuple[int, dict]] = []
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X":
@@ -52,11 +55,19 @@ def launched_events(trace: dict) -> list[Launched]:
         if correlation is None:
             continue
         if event.get("cat") in LAUNCH_CATEGORIES:
-            launches[correlation] = float(event["ts"])
+            launches[correlation] = event
         elif event.get("cat") in DEVICE_CATEGORIES:
             device.append((correlation, event))
     paired = [
-        Launched(launches[c], float(e["ts"]), float(e.get("dur", 0.0))) for c, e in device if c in launches
+        Launched(
+            float(launches[c]["ts"]),
+            float(e["ts"]),
+            float(e.get("dur", 0.0)),
+            str(e.get("name", "")),
+            int(launches[c].get("tid", 0)),
+        )
+        for c, e in device
+        if c in launches
     ]
     return sorted(paired, key=lambda x: x.start_us)
 
