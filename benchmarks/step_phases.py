@@ -2,9 +2,10 @@
 forward (device events the main thread launched), the backward (those autograd's engine threads
 launched: the layers' backward and FSDP2's reduce-scatters) and what follows the last backward
 (main-thread launches up to the end of the optimizer's step: clipping, the step, zeroing). For
-each phase, totals a step: its span on the GPU (from its first device event to the next phase's
-first), the time some device event ran in it (all streams merged), the idle rest, the NCCL
-kernels' time, and the median host lead of its events (launch to start).
+each phase, totals a step: its span on the GPU (from its first device event, or the previous
+phase's last compute event where that ends later, to the next phase's start), the time some
+device event ran in it (all streams merged), the idle rest, the NCCL kernels' time, and the median
+host lead of its events (launch to start).
 
 A phase with idle time and a lead near zero waited for the host; one with little idle was bound
 by the GPU. So where `benchmarks.trace_lead` says that the host fell behind and
@@ -67,25 +68,48 @@ def phases(trace: dict) -> list[Phase]:
     threads = backward_threads(trace)
     ends = optimizer_ends(trace)
     events = sorted(launched_events(trace), key=lambda e: e.launch_us)
+    # The next backward launch after each event (one pass from the end).
+    next_backward = [float("inf")] * len(events)
+    for i in range(len(events) - 2, -1, -1):
+        following = events[i + 1]
+        next_backward[i] = following.launch_us if following.launch_thread in threads else next_backward[i + 1]
     out: list[Phase] = []
-    for i, event in enumerate(events):
+    for event, backward_after in zip(events, next_backward, strict=True):
         if event.launch_thread in threads:
             name = "backward"
         elif out and out[-1].name in ("backward", "after the backward"):
-            # After a backward: the optimizer's part if an optimizer step ends at or after this launch
-            # and before the next backward launch.
-            next_backward = next(
-                (e.launch_us for e in events[i + 1 :] if e.launch_thread in threads), float("inf")
-            )
-            in_step = any(event.launch_us <= end < next_backward for end in ends)
-            # With no backward after it, a launch ends the traced steps (the last step's bookkeeping).
-            name = "after the backward" if in_step or next_backward == float("inf") else "forward"
+            # After a backward: the optimizer's part if an optimizer step ends at or after this
+            # launch and before the next backward launch; with no backward after it, a launch ends
+            # the traced steps (the last step's bookkeeping).
+            in_step = any(event.launch_us <= end < backward_after for end in ends)
+            name = "after the backward" if in_step or backward_after == float("inf") else "forward"
         else:
             name = "forward"
         if not out or out[-1].name != name:
             out.append(Phase(name, []))
         out[-1].events.append(event)
     return out
+
+
+def _is_nccl(event: Launched) -> bool:
+    return "nccl" in event.name.lower()
+
+
+def windows(cut: list[Phase]) -> list[tuple[float, float]]:
+    """Each phase's window on the GPU (us): from its first device event, or from the end of the
+    previous phase's last compute event where that runs later (a phase's first event may start
+    beside the previous one's tail: the backward's first copies beside the loss's kernels), to the
+    next window's start. NCCL kernels do not hold a window open: they run beside compute and may
+    wait long for their peers."""
+    starts: list[float] = []
+    for i, phase in enumerate(cut):
+        start = min(e.start_us for e in phase.events)
+        if i:
+            previous = [e.start_us + e.duration_us for e in cut[i - 1].events if not _is_nccl(e)]
+            start = max(start, max(previous, default=start), starts[-1])
+        starts.append(start)
+    last_end = max(e.start_us + e.duration_us for phase in cut for e in phase.events)
+    return [(start, max(end, start)) for start, end in zip(starts, [*starts[1:], last_end], strict=True)]
 
 
 @dataclass(frozen=True)
@@ -109,7 +133,7 @@ def phase_times(all_events: list[Launched], start: float, end: float, leads: lis
         lo, hi = max(event.start_us, start), min(event.start_us + event.duration_us, end)
         if hi <= lo:
             continue
-        if "nccl" in event.name.lower():
+        if _is_nccl(event):
             nccl += hi - lo
         if hi > covered_to:
             busy += hi - max(lo, covered_to)
@@ -125,19 +149,18 @@ def phase_report(
     if not cut:  # a CPU run's trace: no device events
         return {}, f"\nThe step's phases on the GPU: no device events in {source}.\n"
     everything = [e for phase in cut for e in phase.events]
-    starts = [min(e.start_us for e in phase.events) for phase in cut]
-    last_end = max((e.start_us + e.duration_us for e in everything), default=0.0)
     totals: dict[str, list[PhaseTimes]] = {name: [] for name in PHASES}
-    for phase, start, end in zip(cut, starts, [*starts[1:], last_end], strict=True):
+    for phase, (start, end) in zip(cut, windows(cut), strict=True):
         leads = [e.lead_us for e in phase.events]
-        totals[phase.name].append(phase_times(everything, start, max(end, start), leads))
+        totals[phase.name].append(phase_times(everything, start, end, leads))
     summary: dict[str, dict[str, float]] = {}
     lines = [
         "",
         f"# The step's phases on the GPU: {source}",
         "",
-        f"Totals a step (over {steps}); a phase runs from its first device event to the next phase's "
-        "first; busy: some device event running, all streams merged; lead: launch to start.",
+        f"Totals a step (over {steps}); a phase runs from its first device event (or the previous "
+        "phase's last compute event's end, if later) to the next phase's start; busy: some device event "
+        "running, all streams merged, NCCL kernels waiting for their peers included; lead: launch to start.",
         "",
         "| phase | times | span ms | busy ms | idle ms | NCCL ms | median lead ms |",
         "|---|---:|---:|---:|---:|---:|---:|",

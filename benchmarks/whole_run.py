@@ -184,13 +184,16 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
 
 def reshard_after_forward(launch_args: list[str]) -> bool:
     """FSDP2's reshard_after_forward as a multi-GPU run gets it: the accelerate config's value,
-    unless an accelerate launch argument overrides it (the last one wins, as on the command line)."""
-    value = str(_read_yaml(ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"])
-    flag = "--fsdp_reshard_after_forward="
-    for arg in launch_args:
-        if arg.startswith(flag):
-            value = arg[len(flag) :]
-    return value.lower() == "true"
+    unless an accelerate launch argument overrides it (either spelling, `--flag=value` or two
+    arguments; the last one wins and its value reads as accelerate reads it)."""
+    from accelerate.utils import str_to_bool
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", dest="value")
+    value = parser.parse_known_args(launch_args)[0].value
+    if value is None:
+        value = str(_read_yaml(ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"])
+    return str_to_bool(value, to_bool=True)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -361,6 +364,19 @@ def compare_aa(pair: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_comparable(dense: dict[str, Any], other: dict[str, Any], path: Path) -> None:
+    """A run compared with a dense run must match its GPUs and, where both say, its FSDP2 setting
+    (runs from before the setting was recorded say nothing)."""
+    gpus = dense.get("gpus", 1), other.get("gpus", 1)
+    if gpus[0] != gpus[1]:
+        raise SystemExit(f"{path} differs from its dense run in gpus: {gpus[1]} vs {gpus[0]}")
+    reshard = dense.get("reshard_after_forward"), other.get("reshard_after_forward")
+    if None not in reshard and reshard[0] != reshard[1]:
+        raise SystemExit(
+            f"{path} differs from its dense run in reshard_after_forward: {reshard[1]} vs {reshard[0]}"
+        )
+
+
 def join(args: argparse.Namespace) -> dict[str, Any]:
     """The pairs (dense, sparse) of --join, each compared, with their A/A figures where --aa gives a
     second dense run; the top-level figures are the median over the pairs (recompiles: the most of
@@ -371,11 +387,7 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--aa takes one second dense run per pair of --join")
     loaded = [_load(p) for p in args.join]
     for (_, dense), (_, sparse), path in zip(loaded[::2], loaded[1::2], args.join[1::2], strict=True):
-        for key in ("gpus", "reshard_after_forward"):
-            if dense.get(key) != sparse.get(key):
-                raise SystemExit(
-                    f"{path} differs from its dense run in {key}: {sparse.get(key)} vs {dense.get(key)}"
-                )
+        _check_comparable(dense, sparse, path)
     pairs = [compare(d[1], s[1]) for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
     metas = [{"dense": d[0], "sparse": s[0]} for d, s in zip(loaded[::2], loaded[1::2], strict=True)]
     result: dict[str, Any] = {
@@ -383,8 +395,9 @@ def join(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["recompiles"] = max(p["recompiles"] or 0 for p in pairs)
     if args.aa is not None:
-        for pair, meta, path in zip(pairs, metas, args.aa, strict=True):
+        for pair, meta, path, (_, dense) in zip(pairs, metas, args.aa, loaded[::2], strict=True):
             meta["dense_again"], again = _load(path)
+            _check_comparable(dense, again, path)
             pair["aa"] = compare_aa(pair, again)
         aa_losses = [p["aa"]["final_loss_ratio"] for p in pairs if p["aa"]["final_loss_ratio"] is not None]
         result["aa_final_loss_ratio"] = statistics.median(aa_losses) if aa_losses else None

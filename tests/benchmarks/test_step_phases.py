@@ -101,3 +101,52 @@ def test_the_report_totals_each_phase_a_step(tmp_path: Path, capsys):
     with pytest.raises(SystemExit):
         step_phases.main([str(tmp_path / "none.json.gz")])
     assert step_phases.phase_report({"traceEvents": []}, steps=1)[0] == {}  # a CPU run's trace
+
+
+def test_work_after_the_optimizer_counts_in_the_next_forward():
+    """A step's bookkeeping after its optimizer's end (not the trace's last step) opens the next
+    forward; a launch at the optimizer's very end is still the optimizer's."""
+    backward_op = "autograd::engine::evaluate_function: X"
+    trace = _trace(
+        [
+            (0, MAIN, 0, 1, "a"),
+            (10, AUTOGRAD, 2, 1, "b"),
+            (25, MAIN, 4, 1, "adamw"),  # at the optimizer's end
+            (30, MAIN, 6, 1, "stats"),  # after it: the next forward's
+            (40, MAIN, 8, 1, "a"),
+            (50, AUTOGRAD, 10, 1, "b"),
+            (60, MAIN, 12, 1, "adamw"),
+        ],
+        [
+            _host(backward_op, 5, 1, AUTOGRAD),
+            _host("Optimizer.step#AdamW.step", 15, 10, MAIN),
+            _host("Optimizer.step#AdamW.step", 55, 10, MAIN),
+        ],
+    )
+    cut = step_phases.phases(trace)
+    assert [p.name for p in cut] == ["forward", "backward", "after the backward"] * 2
+    assert [e.name for e in cut[3].events] == ["stats", "a"]
+
+
+def test_a_phase_starting_beside_the_previous_ones_tail_waits_for_it():
+    """The backward's first copy runs beside the loss's kernel: the backward's window opens when the
+    forward's compute ends; an NCCL kernel still running then does not hold the forward open."""
+    backward_op = "autograd::engine::evaluate_function: X"
+    trace = _trace(
+        [
+            (0, MAIN, 100, 400, "loss"),
+            (5, MAIN, 150, 400, "ncclDevKernel_AllGather"),
+            (10, AUTOGRAD, 200, 50, "copy"),
+            (20, AUTOGRAD, 600, 100, "gemm"),
+            (30, MAIN, 800, 50, "adamw"),
+        ],
+        [_host(backward_op, 8, 1, AUTOGRAD), _host("Optimizer.step#AdamW.step", 25, 10, MAIN)],
+    )
+    cut = step_phases.phases(trace)
+    assert step_phases.windows(cut) == [(100, 500), (500, 800), (800, 850)]
+    summary, _ = step_phases.phase_report(trace, steps=1)
+    forward, backward = summary["forward"], summary["backward"]
+    assert forward["span_ms"] == pytest.approx(0.4) and forward["idle_ms"] == pytest.approx(0.0)
+    assert forward["nccl_ms"] == pytest.approx(0.35)
+    # The gather's last 50 us and the GEMM's 100 in a 300 us window.
+    assert backward["busy_ms"] == pytest.approx(0.15) and backward["nccl_ms"] == pytest.approx(0.05)

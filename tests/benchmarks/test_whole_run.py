@@ -209,18 +209,17 @@ def test_join_puts_the_aa_pair_beside_ab(tmp_path, sparse_loss, exceeds):
 
 
 def test_a_multi_gpu_run_records_whether_fsdp2_keeps_its_parameters_for_the_backward(tmp_path):
-    config = whole_run._read_yaml(whole_run.ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"]
-    assert whole_run.reshard_after_forward([]) is config
-    assert whole_run.reshard_after_forward(["--fsdp_reshard_after_forward=true"]) is True
-    assert (
-        whole_run.reshard_after_forward(
-            ["--fsdp_reshard_after_forward=true", "--fsdp_reshard_after_forward=False"]
-        )
-        is False
-    )  # the last one wins, as on accelerate's command line
+    reshard = whole_run.reshard_after_forward
+    assert reshard([]) is False and reshard(["--mixed_precision=bf16"]) is False  # the config's default
+    assert reshard(["--fsdp_reshard_after_forward=true"]) is True
+    assert reshard(["--fsdp_reshard_after_forward=1"]) is True  # read as accelerate reads it
+    assert reshard(["--fsdp-reshard-after-forward=yes"]) is True  # its other spelling
+    assert reshard(["--fsdp_reshard_after_forward", "true"]) is True  # as two arguments
+    # The last one wins, as on accelerate's command line.
+    assert reshard(["--fsdp_reshard_after_forward=true", "--fsdp_reshard_after_forward=False"]) is False
     runs = {"dense": ("dense", 3.0, 100.0, True), "auto": ("auto", 3.0, 120.0, False)}
-    for name, (impl, loss, steady, reshard) in runs.items():
-        summary = {**_summary(impl, loss, steady), "gpus": 2, "reshard_after_forward": reshard}
+    for name, (impl, loss, steady, resharded) in runs.items():
+        summary = {**_summary(impl, loss, steady), "gpus": 2, "reshard_after_forward": resharded}
         (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {}, "results": [summary]}))
     files = [str(tmp_path / f"{name}.json") for name in runs]
     with pytest.raises(SystemExit, match="differs from its dense run in reshard_after_forward"):
@@ -231,3 +230,13 @@ def test_a_multi_gpu_run_records_whether_fsdp2_keeps_its_parameters_for_the_back
     md = tmp_path / "joined.md"
     main(["--join", *files, "--md", str(md)])
     assert "2 GPUs (FSDP2, parameters kept from the forward to the backward" in md.read_text()
+    # A run from before the setting was recorded joins a new one; a run on other GPUs does not.
+    older = {**_summary("dense", 3.0, 100.0), "gpus": 2}
+    (tmp_path / "older.json").write_text(json.dumps({"meta": {}, "results": [older]}))
+    main(["--join", str(tmp_path / "older.json"), files[1]])
+    one_gpu = _summary("auto", 3.0, 120.0)  # no `gpus`: one GPU, as the oldest runs were
+    (tmp_path / "one.json").write_text(json.dumps({"meta": {}, "results": [one_gpu]}))
+    with pytest.raises(SystemExit, match="differs from its dense run in gpus: 1 vs 2"):
+        main(["--join", files[0], str(tmp_path / "one.json")])
+    with pytest.raises(SystemExit, match="differs from its dense run in gpus"):  # the A/A run too
+        main(["--join", *files, "--aa", str(tmp_path / "one.json")])
