@@ -49,7 +49,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.sparse_weights import heldout_layer_l0
 from sparse_llm.analysis.runs import read_metrics
-from sparse_llm.run_files import EXPORT_DIR
+from sparse_llm.run_files import EXPORT_DIR, RUN_INFO_FILE
 
 # (steps, micro-batch = global batch, seq_len, model preset, log_every)
 FULL = dict(steps=800, batch=8, seq_len=2048, preset="1b", log_every=20)
@@ -182,18 +182,11 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "sparse_llm.train", *overrides]
 
 
-def reshard_after_forward(launch_args: list[str]) -> bool:
-    """FSDP2's reshard_after_forward as a multi-GPU run gets it: the accelerate config's value,
-    unless an accelerate launch argument overrides it (either spelling, `--flag=value` or two
-    arguments; the last one wins and its value reads as accelerate reads it)."""
-    from accelerate.utils import str_to_bool
-
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--fsdp_reshard_after_forward", "--fsdp-reshard-after-forward", dest="value")
-    value = parser.parse_known_args(launch_args)[0].value
-    if value is None:
-        value = str(_read_yaml(ACCELERATE_FSDP2)["fsdp_config"]["fsdp_reshard_after_forward"])
-    return str_to_bool(value, to_bool=True)
+def reshard_after_forward(run_dir: Path) -> bool | None:
+    """Whether FSDP2 freed each layer's gathered parameters after its forward in the run at
+    `run_dir`, as its trainer recorded it (run_info.json); None for a run without FSDP2."""
+    parallel = json.loads((run_dir / RUN_INFO_FILE).read_text()).get("parallel", {})
+    return parallel.get("reshard_after_forward")
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -227,7 +220,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         heldout_layer_l0=layer_l0,
         overrides=overrides,
         **(
-            dict(launch_args=args.launch_arg, reshard_after_forward=reshard_after_forward(args.launch_arg))
+            dict(launch_args=args.launch_arg, reshard_after_forward=reshard_after_forward(run_dir))
             if args.gpus > 1
             else {}
         ),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sparse_llm.analysis.plots import plot_runs_overlay
 from sparse_llm.analysis.sweep import summarize_run, to_markdown
+from sparse_llm.run_files import RUN_INFO_FILE
 
 # (metric, log y axis): L0 and the controller's coefficient span decades.
 OVERLAY_KEYS = (
@@ -41,7 +42,7 @@ def main() -> None:
     rows = [summarize_run(d, d.parent) for d in args.run_dirs]
     for row, label in zip(rows, labels, strict=True):
         row.run = label
-    run_info = args.run_dirs[0] / "run_info.json"
+    run_info = args.run_dirs[0] / RUN_INFO_FILE
     info = json.loads(run_info.read_text()) if run_info.is_file() else {}
     header = (
         f"Device: {info.get('device', '?')}; commit {info.get('commit', '?')}; date {info.get('date', '?')}."

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from sparse_llm.analysis.runs import read_metrics
-from sparse_llm.run_files import CONFIG_FILE
+from sparse_llm.run_files import CONFIG_FILE, RUN_INFO_FILE
 
 
 def summarize(run_dir: Path, skip: int) -> dict:
@@ -24,7 +24,7 @@ def summarize(run_dir: Path, skip: int) -> dict:
     if not windows:
         raise SystemExit(f"error: {run_dir} has no throughput records after skipping {skip}")
     cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
-    info_path = run_dir / "run_info.json"
+    info_path = run_dir / RUN_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     t = cfg["train"]
     summary = {

@@ -1,6 +1,7 @@
 """Where a run directory keeps what: the names the trainer writes and the readers look for.
 
 <run_dir>/config.yaml                        the resolved config that ran
+<run_dir>/run_info.json                      device, commit, versions, how the model was spread
 <run_dir>/metrics.jsonl                      one JSON record per logged step
 <run_dir>/nnz_hist.json                      per-token non-zero histograms (the plots read it)
 <run_dir>/checkpoints/step_XXXXXXXX/         complete checkpoints (trainer_state.json last)
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.yaml"
+RUN_INFO_FILE = "run_info.json"
 METRICS_FILE = "metrics.jsonl"
 NNZ_HIST_FILE = "nnz_hist.json"
 CHECKPOINTS_DIR = "checkpoints"

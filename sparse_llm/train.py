@@ -79,7 +79,7 @@ def run(raw: DictConfig | dict, run_dir: Path, log_file: bool = False) -> Path:
             logger.info("run directory: %s", absolute(run_dir))
             # The trainer's config: resolved (vocab size) and validated, the config that runs.
             (run_dir / CONFIG_FILE).write_text(to_yaml(trainer.cfg))
-            write_run_info(run_dir, trainer.device, trainer.world_size)
+            write_run_info(run_dir, trainer.device, trainer.world_size, trainer.parallel_setup)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             trainer.fit()
     finally:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from sparse_llm.run_files import RUN_INFO_FILE
+
 
 def git_commit(repo: Path | None = None) -> str:
     """The short commit of `repo` (default: this checkout); $GIT_COMMIT names it for copies
@@ -43,5 +45,8 @@ def collect_run_info(device: torch.device, world_size: int) -> dict[str, Any]:
     return info
 
 
-def write_run_info(run_dir: Path, device: torch.device, world_size: int) -> None:
-    (run_dir / "run_info.json").write_text(json.dumps(collect_run_info(device, world_size), indent=1) + "\n")
+def write_run_info(run_dir: Path, device: torch.device, world_size: int, parallel: dict[str, Any]) -> None:
+    """RUN_INFO_FILE: what the run ran on, and how the model was spread over its processes
+    (`Trainer.parallel_setup`), which changes speed and memory but not the config."""
+    info = collect_run_info(device, world_size) | {"parallel": parallel}
+    (run_dir / RUN_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")

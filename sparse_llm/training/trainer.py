@@ -108,6 +108,20 @@ def set_fsdp2_prefetch(model: torch.nn.Module, ahead: int) -> None:
         layer.set_modules_to_backward_prefetch(layers[max(0, i - ahead) : i][::-1])
 
 
+def parallel_setup(accelerator: Accelerator, fsdp_prefetch: int) -> dict[str, Any]:
+    """How the model is spread over the processes, as accelerate set it up from the launcher's
+    config and arguments (not the run's config; run_info.json records it): `fsdp2` with whether
+    each layer's gathered parameters are freed after its forward and the prefetch depth, `ddp`, or
+    `single`."""
+    if accelerator.is_fsdp2:
+        return {
+            "mode": "fsdp2",
+            "reshard_after_forward": bool(accelerator.state.fsdp_plugin.reshard_after_forward),
+            "prefetch": fsdp_prefetch,
+        }
+    return {"mode": "ddp" if accelerator.num_processes > 1 else "single"}
+
+
 class Trainer:
     """One training run: its model, data, optimizer, sparsity control, checkpoints and logs.
 
@@ -185,8 +199,11 @@ class Trainer:
             fix_dtensor_op_schema_leak()  # FSDP2's objects piling up a step on torch 2.11-2.12
         if self.accelerator.is_fsdp2 and precision == "bf16":
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
+        self.parallel_setup = parallel_setup(self.accelerator, t.fsdp_prefetch)
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
-        if self.accelerator.is_fsdp2 and t.fsdp_prefetch > 0:
+        # The setup as built, not `is_fsdp2` now: the CPU tests' FSDP2 (tests/training/
+        # test_distributed.py) is switched on by hand and reads as MULTI_CPU after `prepare`.
+        if self.parallel_setup["mode"] == "fsdp2" and t.fsdp_prefetch > 0:
             set_fsdp2_prefetch(self.prepared_model, t.fsdp_prefetch)
         if t.compile:  # each decoder layer and the head, in place (model/compiling.py)
             compile_model(self.prepared_model)

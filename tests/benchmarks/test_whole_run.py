@@ -209,14 +209,14 @@ def test_join_puts_the_aa_pair_beside_ab(tmp_path, sparse_loss, exceeds):
 
 
 def test_a_multi_gpu_run_records_whether_fsdp2_keeps_its_parameters_for_the_backward(tmp_path):
-    reshard = whole_run.reshard_after_forward
-    assert reshard([]) is False and reshard(["--mixed_precision=bf16"]) is False  # the config's default
-    assert reshard(["--fsdp_reshard_after_forward=true"]) is True
-    assert reshard(["--fsdp_reshard_after_forward=1"]) is True  # read as accelerate reads it
-    assert reshard(["--fsdp-reshard-after-forward=yes"]) is True  # its other spelling
-    assert reshard(["--fsdp_reshard_after_forward", "true"]) is True  # as two arguments
-    # The last one wins, as on accelerate's command line.
-    assert reshard(["--fsdp_reshard_after_forward=true", "--fsdp_reshard_after_forward=False"]) is False
+    # The setting as the run's trainer recorded it (run_info.json), whatever launched it.
+    for parallel, want in (
+        ({"mode": "fsdp2", "reshard_after_forward": False, "prefetch": 1}, False),
+        ({"mode": "fsdp2", "reshard_after_forward": True, "prefetch": 1}, True),
+        ({"mode": "ddp"}, None),
+    ):
+        (tmp_path / "run_info.json").write_text(json.dumps({"world_size": 2, "parallel": parallel}))
+        assert whole_run.reshard_after_forward(tmp_path) is want
     runs = {"dense": ("dense", 3.0, 100.0, True), "auto": ("auto", 3.0, 120.0, False)}
     for name, (impl, loss, steady, resharded) in runs.items():
         summary = {**_summary(impl, loss, steady), "gpus": 2, "reshard_after_forward": resharded}

@@ -147,6 +147,7 @@ class Recorder(Callback):
             "trackers": self.trackers,
             **gathered_state(trainer.model, trainer.optimizer),
             "data_state": json.dumps(trainer.train_stream.state_dict(), sort_keys=True),
+            "parallel": trainer.parallel_setup,
         }
 
 
@@ -508,6 +509,7 @@ def test_two_processes_match_one_process(two_procs, one_proc):
     _, ranks = two_procs
     for rank in ranks:
         straight = rank["straight"]
+        assert straight["parallel"] == {"mode": "ddp"}
         assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
         for r2, r1 in zip(straight["steps"], one_proc["steps"], strict=True):
             for key in ("ce", "l1", "loss", "grad_norm", "val_loss", "sparsity/mean"):
@@ -655,8 +657,12 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
     out = launched / "trainer_fsdp2"
     single = record_run(fsdp2_run_config(tmp_path / "single"))
     ranks = [torch.load(out / f"fsdp2_rank{r}.pt", weights_only=True) for r in range(2)]
+    assert single["parallel"] == {"mode": "single"}
     for rank in ranks:
         straight, resumed = rank["straight"], rank["resumed"]
+        # What run_info.json records: the launcher's setting (configs/accelerate/fsdp2.yaml keeps
+        # each layer's gathered parameters for its backward).
+        assert straight["parallel"] == {"mode": "fsdp2", "reshard_after_forward": False, "prefetch": 1}
         assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
         for r2, r1 in zip(straight["steps"], single["steps"], strict=True):
             for key in ("ce", "l1", "loss", "val_loss"):

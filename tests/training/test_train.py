@@ -235,6 +235,8 @@ def test_command_line_run_and_config_error(tmp_path: Path, capsys):
     assert out.strip().splitlines()[-1] == f"run_dir: {run_dir}"
     assert (run_dir / "export" / "config.json").is_file()
     assert (run_dir / "config.yaml").is_file()
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["parallel"] == {"mode": "single"} and info["world_size"] == 1
 
     bad = single_run([*overrides, "train.global_batch_size=3"])
     assert bad == 2
