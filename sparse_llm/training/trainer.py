@@ -201,8 +201,6 @@ class Trainer:
             self.accelerator.state.fsdp_plugin.mixed_precision_policy = fsdp2_mixed_precision()
         self.parallel_setup = parallel_setup(self.accelerator, t.fsdp_prefetch)
         self.prepared_model, self.prepared_optimizer = self.accelerator.prepare(model, optimizer)
-        # The setup as built, not `is_fsdp2` now: the CPU tests' FSDP2 (tests/training/
-        # test_distributed.py) is switched on by hand and reads as MULTI_CPU after `prepare`.
         if self.parallel_setup["mode"] == "fsdp2" and t.fsdp_prefetch > 0:
             set_fsdp2_prefetch(self.prepared_model, t.fsdp_prefetch)
         if t.compile:  # each decoder layer and the head, in place (model/compiling.py)

@@ -59,9 +59,16 @@ def test_two_tiny_runs_and_their_comparison(tmp_path, monkeypatch):
     monkeypatch.setattr(whole_run, "subprocess", SimpleNamespace(run=run_module))
     # Without the runs' own end-of-run figures (matplotlib: seconds a run; the comparison's plot stays).
     quiet = ["--override", "sparsity.plots=false"]
+    # The tiny model's layers sit near half dense: a bound of 1.0 takes them off the dense fallback.
+    sparse_from_step_2 = ["--override", "model.ffn_dense_above=1.0"]
     for impl in ("dense", "reference"):
         main(
-            ["--tiny", "--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl), *quiet]
+            [
+                "--tiny",
+                *("--impl", impl, "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / impl)),
+                *quiet,
+                *sparse_from_step_2,
+            ]
         )
     dense = json.loads((tmp_path / "whole_run_dense.json").read_text())["results"][0]
     sparse = json.loads((tmp_path / "whole_run_reference.json").read_text())["results"][0]
@@ -69,6 +76,7 @@ def test_two_tiny_runs_and_their_comparison(tmp_path, monkeypatch):
     # The same function on the same data and seed: the same losses up to rounding.
     assert sparse["final_val_loss"] == pytest.approx(dense["final_val_loss"], rel=1e-4)
     assert [p["step"] for p in sparse["series"]] == [1, 4, 8]
+    assert sparse["dense_layers_at_end"] == 0 and sparse["series"][-1]["ffn_fallback/dense_layers"] == 0
     assert sparse["heldout_l0"] > 0 and len(sparse["heldout_layer_l0"]) == 4
     out = tmp_path / "run_tiny"
     result = main(

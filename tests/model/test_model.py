@@ -230,12 +230,14 @@ def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
 
     out = tmp_path / "bench.json"
     args = ["--tiny", "--sparsify-steps", "2", "--steps", "2", "--warmup", "1", "--json", str(out)]
-    args += ["--recompute-norms", "off", "on"]
+    # --no-fallback: the tiny model's layers (near half dense) would otherwise all run dense.
+    args += ["--recompute-norms", "off", "on", "--no-fallback"]
     main([*args, "--md", str(tmp_path / "bench.md")])
     result = json.loads(out.read_text())
     dense, sparse, dense_recomputing, sparse_recomputing = result["results"]
     assert [r["impl"] for r in result["results"]] == ["dense", "cuda"] * 2 and result["meta"]["commit"]
     assert [r["recompute_norms"] for r in result["results"]] == ["off", "off", "on", "on"]
+    assert sparse["dense_fallback_layers"] == sparse_recomputing["dense_fallback_layers"] == 0
     assert sparse["loss_last"] == pytest.approx(dense["loss_last"], rel=1e-4)
     assert sparse["l0_mean"] == pytest.approx(dense["l0_mean"])
     # Recomputing the norms changes where they are computed, not the step's result.

@@ -296,6 +296,7 @@ def _force_accelerate_fsdp2() -> None:
     """
     import accelerate
     from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     import sparse_llm.training.trainer as trainer_module
@@ -320,6 +321,10 @@ def _force_accelerate_fsdp2() -> None:
             if self.state.mixed_precision != "no":
                 plugin.set_mixed_precision(self.state.mixed_precision)  # as AcceleratorState does on GPU
             self.state.distributed_type = DistributedType.FSDP
+            # And in the process's shared state, which `prepare` copies back into the accelerator's
+            # (the optimizer wrapper builds a fresh state): as accelerate does for GPUs, so that
+            # after `prepare` no_sync and the clipping take their FSDP2 paths here too.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             self.state.fsdp_plugin = plugin
             assert self.is_fsdp2
 

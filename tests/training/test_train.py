@@ -73,7 +73,8 @@ def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path,
     """train.compile=true goes through compile_model with the sparse training op (the reference
     on CPU: records of data-dependent length, like the CUDA op's): same losses as eager, with the
     norms saved or recomputed (train.recompute_norms)."""
-    model = {"ffn_impl": "reference"}
+    # A bound of 1.0: the tiny model's layers (near half dense) leave the dense fallback after step 1.
+    model = {"ffn_impl": "reference", "ffn_dense_above": 1.0}
     eager = train(tiny_run_config(tmp_path / "eager", model=model, max_steps=3))
     compiled = train(
         tiny_run_config(
@@ -85,6 +86,7 @@ def test_compiled_run_with_the_sparse_training_ffn_matches_eager(tmp_path: Path,
     assert compiled.model.model.norm.recompute is recompute_norms
     got, want = read_metrics(tmp_path / "compiled"), read_metrics(tmp_path / "eager")
     assert [r["step"] for r in got] == [1, 2, 3]
+    assert got[-1]["ffn_fallback/dense_layers"] == 0  # the sparse op ran, compiled
     for g, w in zip(got, want, strict=True):
         assert g["ce"] == pytest.approx(w["ce"], rel=1e-4)
         assert g["l0/mean"] == pytest.approx(w["l0/mean"], rel=1e-3)
@@ -114,16 +116,17 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path: Path, prefetch: i
 
 
 def test_resume_restores_the_per_layer_dense_fallback(tmp_path: Path):
-    """A sparse training FFN (the reference path on CPU) whose layers fall back to dense: the
-    fallback is model state in the checkpoint, so the resumed run continues with the same layers
-    dense and reproduces the uninterrupted run bitwise (log_every=2: the resumed step 5 is not a
-    log step, so only the checkpoint can tell it which layers are dense)."""
+    """A sparse training FFN (the reference path on CPU) whose per-layer fallback is model state
+    in the checkpoint: the resumed run continues with the checkpoint's flags, not a fresh
+    trainer's (every layer dense), and reproduces the uninterrupted run bitwise (log_every=2: the
+    resumed step 5 is not a log step, so only the checkpoint can tell it which layers are dense).
+    The tiny model's layers sit near half dense, so the rule's bound is 1.0: sparse from step 2."""
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     run = dict(max_steps=8, checkpoint_every=4, log_every=2)
-    model = {"ffn_impl": "reference", "ffn_dense_above": 0.02}
+    model = {"ffn_impl": "reference", "ffn_dense_above": 1.0}
     straight = train(tiny_run_config(straight_dir, model=model, **run))
     at_step_4 = next(r for r in read_metrics(straight_dir) if r["step"] == 4)
-    assert at_step_4["ffn_fallback/dense_layers"] >= 1, "the test needs a layer that falls back"
+    assert at_step_4["ffn_fallback/dense_layers"] < 2, "the test needs flags a fresh trainer lacks"
     with pytest.raises(SimulatedKill):
         train(tiny_run_config(resumed_dir, model=model, **run), [KillAfterCheckpoint(4)])
     resumed = Trainer(tiny_run_config(resumed_dir, model=model, resume="auto", **run), resumed_dir)

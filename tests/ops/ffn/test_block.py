@@ -231,8 +231,9 @@ def test_compile_fullgraph_and_checkpointing_match_eager():
 
 
 def test_capacities_pass_through_compile_and_checkpointing():
-    """The capacity path's plumbing in the block (the layer's capacities saved for the backward): on
-    the reference, which ignores them, compiled in one graph and checkpointed it is the block without."""
+    """A layer's capacities given to the block's front: the reference ignores them (the capacity
+    path, which saves them for the backward, is the CUDA op's: the GPU tests below), and compiled in
+    one graph and checkpointed the block with them is the block without."""
     inputs = cpu_inputs(40, 16, 48, "random", seed=6, dtype=torch.float32)
     r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     capacities = TrainCapacities.new()
