@@ -85,7 +85,7 @@ def draw_case(
 ) -> Case:
     """One random case; `compile_ok` allows compile=True (slow: Inductor compiles per shape)."""
     device = rng.choice(devices)
-    new_tokens = rng.choice([1, rng.randint(2, 40), rng.randint(2, max_new)])
+    new_tokens = rng.choice([1, rng.randint(2, min(40, max_new)), rng.randint(2, max_new)])
     longest = rng.choice([1, rng.randint(2, 64), rng.randint(1, context - new_tokens)])
     sampling = rng.choices(["greedy", "temperature", "top_k", "top_p", "all"], [4, 1, 1, 1, 1])[0]
     temperature = 0.0 if sampling == "greedy" else rng.choice([0.5, 0.8, 1.0, 1.3])

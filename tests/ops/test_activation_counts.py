@@ -40,8 +40,15 @@ def check(a: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("pattern", ["random", "all_negative", "all_positive", "sparse", "specials"])
-def test_cpu_op_equals_the_comparison(pattern: str) -> None:
-    check(patterned(37, 24, pattern, "cpu"))
+def test_cpu_op_counts_the_positive_entries(pattern: str) -> None:
+    """On CPU the op is the reference itself: checked against counts written out in Python (NaN,
+    -0.0 and 0.0 inactive; +inf and the smallest subnormal active)."""
+    a = patterned(37, 24, pattern, "cpu")
+    assert not runs_on_kernel(a)
+    positive = [[x > 0 for x in row] for row in a.float().tolist()]
+    rows, cols = activation_counts(a)
+    assert rows.tolist() == [sum(row) for row in positive]
+    assert cols.tolist() == [sum(col) for col in zip(*positive, strict=True)]
 
 
 def test_fake_gives_the_shapes() -> None:
