@@ -90,10 +90,12 @@ def bench(kind: str, n: int, shape: dict[str, Any], device: torch.device, args) 
     want = cublas()
     try:
         got = grouped()
-    except RuntimeError as error:  # a layout or shape the grouped GEMM refuses: say so, go on
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # an error the kernel raises as it runs belongs to this row too
+    except RuntimeError as error:  # a layout, shape or size the grouped GEMM refuses: say so, go on
         return row | {
             "ms_cublas": common.median_ms(cublas, device, args.warmup, args.reps),
-            "error": str(error),
+            "error": " ".join(str(error).split()).replace("|", "/"),  # one line of a Markdown cell
         }
     if kind == "reduce":
         # The padded rows past n are real data here, so compare with cuBLAS over exactly n rows.

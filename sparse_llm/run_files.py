@@ -2,6 +2,7 @@
 
 <run_dir>/config.yaml                        the resolved config that ran
 <run_dir>/run_info.json                      device, commit, versions, how the model was spread
+                                             (the run's last start: a resume rewrites it)
 <run_dir>/metrics.jsonl                      one JSON record per logged step
 <run_dir>/nnz_hist.json                      per-token non-zero histograms (the plots read it)
 <run_dir>/checkpoints/step_XXXXXXXX/         complete checkpoints (trainer_state.json last)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from sparse_llm.config import (
@@ -111,15 +112,18 @@ def set_fsdp2_prefetch(model: torch.nn.Module, ahead: int) -> None:
 def parallel_setup(accelerator: Accelerator, fsdp_prefetch: int) -> dict[str, Any]:
     """How the model is spread over the processes, as accelerate set it up from the launcher's
     config and arguments (not the run's config; run_info.json records it): `fsdp2` with whether
-    each layer's gathered parameters are freed after its forward and the prefetch depth, `ddp`, or
-    `single`."""
+    each layer's gathered parameters are freed after its forward and the prefetch depth, `ddp`,
+    `single`, or another of accelerate's modes by its name."""
     if accelerator.is_fsdp2:
         return {
             "mode": "fsdp2",
             "reshard_after_forward": bool(accelerator.state.fsdp_plugin.reshard_after_forward),
             "prefetch": fsdp_prefetch,
         }
-    return {"mode": "ddp" if accelerator.num_processes > 1 else "single"}
+    kind = accelerator.distributed_type
+    if kind == DistributedType.NO:
+        return {"mode": "single"}
+    return {"mode": "ddp" if kind.name.startswith("MULTI_") else kind.name.lower()}
 
 
 class Trainer:

@@ -148,6 +148,8 @@ class Recorder(Callback):
             **gathered_state(trainer.model, trainer.optimizer),
             "data_state": json.dumps(trainer.train_stream.state_dict(), sort_keys=True),
             "parallel": trainer.parallel_setup,
+            # Whether accelerate still takes its FSDP2 paths (no_sync, clipping) after `prepare`.
+            "fsdp2_after_prepare": trainer.accelerator.is_fsdp2,
         }
 
 
@@ -668,6 +670,8 @@ def test_trainer_under_fsdp2_matches_one_process_resumes_and_exports(launched, t
         # What run_info.json records: the launcher's setting (configs/accelerate/fsdp2.yaml keeps
         # each layer's gathered parameters for its backward).
         assert straight["parallel"] == {"mode": "fsdp2", "reshard_after_forward": False, "prefetch": 1}
+        assert straight["fsdp2_after_prepare"] and resumed["fsdp2_after_prepare"]
+        assert rank["bf16"]["fsdp2_after_prepare"]
         assert [r["step"] for r in straight["steps"]] == list(range(1, MAX_STEPS + 1))
         for r2, r1 in zip(straight["steps"], single["steps"], strict=True):
             for key in ("ce", "l1", "loss", "val_loss"):
