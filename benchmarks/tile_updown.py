@@ -273,14 +273,16 @@ if triton is not None:
 
     @triton.jit
     def _block_units(units_ptr, starts_ptr, count, t, block, TILE: tl.constexpr, BLOCK_U: tl.constexpr):
-        # A (tile, block) program's place in the plan: the block's first slot, its columns, which of
-        # them hold a unit (none past the tile's count), those units, and the tile's rows.
+        # A (tile, block) program's place in the plan: which of the block's columns hold a unit (none
+        # past the tile's count), those units, the tile's rows, and where the block's [TILE, BLOCK_U]
+        # values sit in the tiles' blocks (stored contiguous from the block's first slot).
         start = tl.load(starts_ptr + t) + block * BLOCK_U
         cols = tl.arange(0, BLOCK_U)
         live = block * BLOCK_U + cols < count
         units = tl.load(units_ptr + start + cols, mask=live, other=0).to(tl.int64)
         rows = (t * TILE + tl.arange(0, TILE)).to(tl.int64)
-        return start, cols, live, units, rows
+        at = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
+        return live, units, rows, at
 
     @triton.jit
     def _popcount32(v):
@@ -312,6 +314,18 @@ if triton is not None:
         return tl.dot(tl.load(blocks_ptr + at), w, acc)
 
     @triton.jit
+    def _h_block(x_ptr, wu_ptr, g_ptr, h_ptr, live, units, rows, at, D, H,
+                 TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # A (tile, block) program's h = relu(g) * (x_tile Wu[units]^T), stored at `at` in h's dtype;
+        # returns u as stored, g and h (float32) for the caller's epilogue.
+        u_stored = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
+        u_stored = u_stored.to(h_ptr.dtype.element_ty)
+        g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        h = tl.maximum(g, 0.0) * u_stored.to(tl.float32)
+        tl.store(h_ptr + at, h.to(h_ptr.dtype.element_ty))
+        return u_stored, g, h
+
+    @triton.jit
     def _tile_h_kernel(
         x_ptr, wu_ptr, g_ptr, units_ptr, starts_ptr, counts_ptr, h_ptr, D, H,
         TILE: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -323,13 +337,8 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
-        u = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
-        u = u.to(h_ptr.dtype.element_ty).to(tl.float32)
-        g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
-        h = tl.maximum(g, 0.0) * u
-        out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
-        tl.store(out, h.to(h_ptr.dtype.element_ty))
+        live, units, rows, at = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
+        _h_block(x_ptr, wu_ptr, g_ptr, h_ptr, live, units, rows, at, D, H, TILE, BLOCK_U, BLOCK_K)
 
     @triton.jit
     def _tile_h_record_kernel(
@@ -345,14 +354,10 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
-        u_stored = _panel_product(x_ptr, wu_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
-        u_stored = u_stored.to(h_ptr.dtype.element_ty)
-        u = u_stored.to(tl.float32)
-        g = tl.load(g_ptr + rows[:, None] * H + units[None, :], mask=live[None, :], other=0.0).to(tl.float32)
-        h = tl.maximum(g, 0.0) * u
-        out = h_ptr + start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
-        tl.store(out, h.to(h_ptr.dtype.element_ty))
+        live, units, rows, at = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
+        u_stored, g, h = _h_block(
+            x_ptr, wu_ptr, g_ptr, h_ptr, live, units, rows, at, D, H, TILE, BLOCK_U, BLOCK_K
+        )
         tl.store(l1_ptr + t * MAX_BLOCKS + block, tl.sum(tl.sum(tl.abs(h), axis=1), axis=0))
         active = (g > 0.0) & live[None, :]
         word_at, word = _row_words(words_ptr, rows, units, live, H)
@@ -374,7 +379,7 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
+        live, units, rows, at = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
         word_at, word = _row_words(words_ptr, rows, units, live, H)
         active = (((word >> (units % 32)[None, :]) & 1) == 1) & live[None, :]
@@ -387,9 +392,8 @@ if triton is not None:
         du = dh * a
         tl.store(dg_rec_ptr + place, dg, mask=active)
         tl.store(du_rec_ptr + place, du, mask=active)
-        out = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
-        tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty))
-        tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty))
+        tl.store(dg_ptr + at, dg.to(dg_ptr.dtype.element_ty))
+        tl.store(du_ptr + at, du.to(du_ptr.dtype.element_ty))
 
     @triton.jit
     def _tile_dh_kernel(
@@ -405,9 +409,8 @@ if triton is not None:
         count = tl.load(counts_ptr + t)
         if block * BLOCK_U >= count:
             return
-        start, cols, live, units, rows = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
+        live, units, rows, at = _block_units(units_ptr, starts_ptr, count, t, block, TILE, BLOCK_U)
         dh = _panel_product(gy_ptr, wdt_ptr, rows, units, live, D, TILE, BLOCK_U, BLOCK_K)
-        at = start.to(tl.int64) * TILE + tl.arange(0, TILE)[:, None] * BLOCK_U + cols[None, :]
         tl.store(dh_ptr + at, dh)
         zero = tl.zeros((TILE, BLOCK_U), dtype=dg_ptr.dtype.element_ty)
         tl.store(dg_ptr + at, zero)
