@@ -124,12 +124,13 @@ class PhaseTimes:
         return self.span_ms - self.busy_ms
 
 
-def phase_times(all_events: list[Launched], start: float, end: float, leads: list[float]) -> PhaseTimes:
+def phase_times(by_start: list[Launched], start: float, end: float, leads: list[float]) -> PhaseTimes:
     """The GPU window [start, end) (us): its length, the union of every device event in it (clipped
-    to it), the NCCL kernels' share of that union's events."""
+    to it; `by_start`: all the trace's device events in start order), the NCCL kernels' share of
+    that union's events."""
     busy = nccl = 0.0
     covered_to = start
-    for event in sorted(all_events, key=lambda e: e.start_us):
+    for event in by_start:
         lo, hi = max(event.start_us, start), min(event.start_us + event.duration_us, end)
         if hi <= lo:
             continue
@@ -148,11 +149,11 @@ def phase_report(
     cut = phases(trace)
     if not cut:  # a CPU run's trace: no device events
         return {}, f"\nThe step's phases on the GPU: no device events in {source}.\n"
-    everything = [e for phase in cut for e in phase.events]
+    by_start = sorted((e for phase in cut for e in phase.events), key=lambda e: e.start_us)
     totals: dict[str, list[PhaseTimes]] = {name: [] for name in PHASES}
     for phase, (start, end) in zip(cut, windows(cut), strict=True):
         leads = [e.lead_us for e in phase.events]
-        totals[phase.name].append(phase_times(everything, start, end, leads))
+        totals[phase.name].append(phase_times(by_start, start, end, leads))
     summary: dict[str, dict[str, float]] = {}
     lines = [
         "",

@@ -29,16 +29,24 @@ def _host(name: str, ts: float, dur: float, tid: int) -> dict:
     return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
-def _trace(launched: list[tuple[float, int, float, float, str]], hosts: list[dict]) -> dict:
-    """(launch time, thread, kernel start, kernel duration, kernel name) each, and host events."""
-    events = list(hosts)
+def _trace(
+    launched: list[tuple[float, int, float, float, str]],
+    backward_at: float,
+    optimizer_steps: list[tuple[float, float]],
+    optimizer: str = "Optimizer.step#AdamW.step",
+) -> dict:
+    """(launch time, thread, kernel start, kernel duration, kernel name) each; autograd's engine at
+    work on its thread at `backward_at`; the optimizer's steps (start, duration) on the main thread."""
+    events = [
+        _host("autograd::engine::evaluate_function: CompiledFunctionBackward", backward_at, 1, AUTOGRAD)
+    ]
+    events += [_host(optimizer, start, dur, MAIN) for start, dur in optimizer_steps]
     for i, (launch, tid, start, dur, name) in enumerate(launched):
         events += [_launch(launch, i, tid), _kernel(start, dur, i, name)]
     return {"traceEvents": events}
 
 
 def _two_steps() -> dict:
-    backward_op = "autograd::engine::evaluate_function: CompiledFunctionBackward"
     return _trace(
         [
             # step 1: forward (idle 200-300), backward (a reduce-scatter, idle 700-800), optimizer
@@ -54,11 +62,8 @@ def _two_steps() -> dict:
             (1020, MAIN, 1400, 50, "adamw"),
             (1040, MAIN, 1500, 10, "cat"),
         ],
-        [
-            _host(backward_op, 15, 20, AUTOGRAD),
-            _host("Optimizer.step#AdamW.step", 35, 15, MAIN),
-            _host("Optimizer.step#AdamW.step", 1015, 15, MAIN),
-        ],
+        backward_at=15,
+        optimizer_steps=[(35, 15), (1015, 15)],
     )
 
 
@@ -68,7 +73,6 @@ def test_phases_by_launching_thread_and_optimizer_step():
 
 
 def test_micro_batches_are_forwards_until_the_optimizer():
-    backward_op = "autograd::engine::evaluate_function: X"
     trace = _trace(
         [
             (0, MAIN, 0, 1, "a"),
@@ -77,7 +81,9 @@ def test_micro_batches_are_forwards_until_the_optimizer():
             (30, AUTOGRAD, 6, 1, "b"),
             (40, MAIN, 8, 1, "adamw"),
         ],
-        [_host(backward_op, 5, 1, AUTOGRAD), _host("Optimizer.step#SGD.step", 35, 10, MAIN)],
+        backward_at=5,
+        optimizer_steps=[(35, 10)],
+        optimizer="Optimizer.step#SGD.step",
     )
     names = [p.name for p in step_phases.phases(trace)]
     assert names == ["forward", "backward", "forward", "backward", "after the backward"]
@@ -106,7 +112,6 @@ def test_the_report_totals_each_phase_a_step(tmp_path: Path, capsys):
 def test_work_after_the_optimizer_counts_in_the_next_forward():
     """A step's bookkeeping after its optimizer's end (not the trace's last step) opens the next
     forward; a launch at the optimizer's very end is still the optimizer's."""
-    backward_op = "autograd::engine::evaluate_function: X"
     trace = _trace(
         [
             (0, MAIN, 0, 1, "a"),
@@ -117,11 +122,8 @@ def test_work_after_the_optimizer_counts_in_the_next_forward():
             (50, AUTOGRAD, 10, 1, "b"),
             (60, MAIN, 12, 1, "adamw"),
         ],
-        [
-            _host(backward_op, 5, 1, AUTOGRAD),
-            _host("Optimizer.step#AdamW.step", 15, 10, MAIN),
-            _host("Optimizer.step#AdamW.step", 55, 10, MAIN),
-        ],
+        backward_at=5,
+        optimizer_steps=[(15, 10), (55, 10)],
     )
     cut = step_phases.phases(trace)
     assert [p.name for p in cut] == ["forward", "backward", "after the backward"] * 2
@@ -131,7 +133,6 @@ def test_work_after_the_optimizer_counts_in_the_next_forward():
 def test_a_phase_starting_beside_the_previous_ones_tail_waits_for_it():
     """The backward's first copy runs beside the loss's kernel: the backward's window opens when the
     forward's compute ends; an NCCL kernel still running then does not hold the forward open."""
-    backward_op = "autograd::engine::evaluate_function: X"
     trace = _trace(
         [
             (0, MAIN, 100, 400, "loss"),
@@ -140,7 +141,8 @@ def test_a_phase_starting_beside_the_previous_ones_tail_waits_for_it():
             (20, AUTOGRAD, 600, 100, "gemm"),
             (30, MAIN, 800, 50, "adamw"),
         ],
-        [_host(backward_op, 8, 1, AUTOGRAD), _host("Optimizer.step#AdamW.step", 25, 10, MAIN)],
+        backward_at=8,
+        optimizer_steps=[(25, 10)],
     )
     cut = step_phases.phases(trace)
     assert step_phases.windows(cut) == [(100, 500), (500, 800), (800, 850)]
