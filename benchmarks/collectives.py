@@ -3,8 +3,9 @@ and how long that takes.
 
 Under configs/accelerate/fsdp2.yaml each decoder layer is one FSDP2 unit and the rest of the model
 (the tied embeddings, the final norm) is the root's. A step all-gathers each unit's parameters in
-bf16 for its forward and again for its backward (`fsdp_reshard_after_forward: true`), and
-reduce-scatters its gradients in fp32 (`trainer.fsdp2_mixed_precision`). This script times those
+bf16 for its forward, again for its backward where they are resharded after the forward
+(`fsdp_reshard_after_forward: true`; the config keeps them), and reduce-scatters its gradients in
+fp32 (`trainer.fsdp2_mixed_precision`). This script times those
 collectives alone, at the preset's unit sizes, over N processes (one GPU each, NCCL; `--cpu`: N CPU
 processes over gloo, the CPU test), and reports for each the median ms, the algorithm bandwidth
 (bytes of the gathered tensor / time) and the bus bandwidth (x (N-1)/N, NCCL's convention), then
@@ -116,17 +117,10 @@ def _measure_one(
     small = torch.randn(shard, device=device).to(dtype)
     full = torch.randn(shard * world, device=device).to(dtype)
     if collective == "all_gather":
-        times = common.call_times_ms(
-            lambda: _all_gather(full, small), device, args["warmup"], args["reps"], lambda: _aligned(device)
-        )
+        call = lambda: _all_gather(full, small)
     else:
-        times = common.call_times_ms(
-            lambda: _reduce_scatter(small, full),
-            device,
-            args["warmup"],
-            args["reps"],
-            lambda: _aligned(device),
-        )
+        call = lambda: _reduce_scatter(small, full)
+    times = common.call_times_ms(call, device, args["warmup"], args["reps"], lambda: _aligned(device))
     return {
         "unit": unit,
         "collective": collective,
