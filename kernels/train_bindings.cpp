@@ -150,7 +150,7 @@ struct LightPass {
   RowSplit split;         // with the forward's lists and sizes ([4] on the device)
   at::Tensor wd_t;        // [H, D]
   at::Tensor y;           // [M, D]: the light rows written
-  at::Tensor cols_cap;    // [M * width]: the light record at its capacity (width entries a row)
+  at::Tensor cols_cap;    // [M * width]: the light record, room for width entries a row (its most)
   at::Tensor a_cap;
   at::Tensor u_cap;
   at::Tensor l1_partial;  // [updown_blocks + extra_l1_slots] float
@@ -304,36 +304,37 @@ constexpr int kOverflowBlocks = 132;
 // flag the GPU sets to 1 once they are there (the host sets -1 before queuing the copies).
 constexpr int64_t kHostSizeFields = 5;
 
-// The training forward with no host read (the capacity path): the reference op's outputs, every
-// record at a capacity the caller gives on the host, `capacities` = (light entries, heavy rows,
-// heavy entries) as a CPU int64 tensor, plus `host_sizes`: a pinned CPU int64 [5] into which the GPU
-// copies the forward's true sizes (light entries, heavy rows, heavy entries, active rows) and then a
-// 1 in the last field. y and l1 are exact whatever the capacities (heavy rows past the heavy-row
-// capacity are computed from g by launch_heavy_overflow_updown); a record is complete where its
-// size fits its capacity, which the backward checks on host_sizes (read there, long after the GPU
-// wrote it in steady state) before it reads the record (ops/ffn/training.py rebuilds an overflowed
-// one). active_rows are all rows (their number is not read), kept_rows a copy of keep.
+// The training forward with no host read (the capacity path): the reference op's outputs, the heavy
+// rows' record at capacities the caller gives on the host, `capacities` = (heavy rows, heavy entries)
+// as a CPU int64 tensor, plus `host_sizes`: a pinned CPU int64 [5] into which the GPU copies the
+// forward's true sizes (light entries, heavy rows, heavy entries, active rows) and then a 1 in the
+// last field. The light record needs no capacity: a light row holds at most `width` entries, so the
+// whole record fits the M x width buffers the light pass fills, returned as they are (entries past
+// the light size unspecified). y and l1 are exact whatever the capacities (heavy rows past the
+// heavy-row capacity are computed from g by launch_heavy_overflow_updown); the heavy record is
+// complete where its sizes fit their capacities, which the backward checks on host_sizes (read
+// there, long after the GPU wrote it in steady state) before it reads the record
+// (ops/ffn/training.py rebuilds an overflowed one). active_rows are all rows (their number is not
+// read), kept_rows a copy of keep.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
                            const std::optional<at::Tensor>& keep, int64_t heavy_threshold,
                            const at::Tensor& capacities) {
   check_forward_args(x, wg, wu, wd, keep, heavy_threshold);
-  SL_CHECK_ARG(capacities.device().is_cpu() && capacities.scalar_type() == at::kLong && capacities.numel() == 3 &&
+  SL_CHECK_ARG(capacities.device().is_cpu() && capacities.scalar_type() == at::kLong && capacities.numel() == 2 &&
                    capacities.is_contiguous(),
-               "capacities must be a contiguous CPU int64 tensor of 3 elements");
+               "capacities must be a contiguous CPU int64 tensor of 2 elements (heavy rows, heavy entries)");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
   const int64_t* cap = capacities.data_ptr<int64_t>();
-  const int64_t width = std::min<int64_t>(heavy_threshold, hidden);
-  // Capacities past what the data can hold buy nothing: the light record has width entries a row at
-  // most, the heavy rows are at most M, their entries at most H a row.
-  const int64_t light_cap = std::clamp<int64_t>(cap[0], 0, rows * width);
-  const int64_t heavy_cap = std::clamp<int64_t>(cap[1], 0, rows);
-  const int64_t heavy_entries_cap = std::clamp<int64_t>(cap[2], 0, heavy_cap * hidden);
+  // Capacities past what the data can hold buy nothing: the heavy rows are at most M, their entries
+  // at most H a row.
+  const int64_t heavy_cap = std::clamp<int64_t>(cap[0], 0, rows);
+  const int64_t heavy_entries_cap = std::clamp<int64_t>(cap[1], 0, heavy_cap * hidden);
 
   const int64_t gate_slot = 0, overflow_slot = kGateL1Blocks;
   LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, kGateL1Blocks + kOverflowBlocks, stream,
@@ -373,11 +374,10 @@ ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::
                                               l1.data_ptr<float>(), stream),
              "csr_l1_finish");
 
-  // The records at their capacities: entries past a capacity are not written (the backward then
-  // finds the size over the capacity on host_sizes and rebuilds that record).
-  const at::Tensor cols = pass.cols_cap.narrow(0, 0, light_cap).clone();
-  const at::Tensor a_vals = pass.a_cap.narrow(0, 0, light_cap).clone();
-  const at::Tensor u_vals = pass.u_cap.narrow(0, 0, light_cap).clone();
+  // The light record whole (the backward cuts it to its size); the heavy one at its capacities:
+  // entries past a capacity are not written (the backward then finds the size over the capacity on
+  // host_sizes and rebuilds the record).
+  const at::Tensor &cols = pass.cols_cap, &a_vals = pass.a_cap, &u_vals = pass.u_cap;
   const at::Tensor heavy_rows = split.heavy_rows.narrow(0, 0, heavy_cap).clone();
   at::Tensor heavy_cols = at::empty({heavy_entries_cap}, cols.options());
   at::Tensor heavy_a = at::empty({heavy_entries_cap}, x.options());
@@ -624,8 +624,8 @@ void register_train_ops(pybind11::module_& m) {
         "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take "
         "the dense path");
   m.def("ffn_train_forward_capacity", sparse_llm_glue::guarded<&ffn_train_forward_capacity>,
-        "the training forward with no host read: the records at the given capacities (light entries, heavy rows, "
-        "heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
+        "the training forward with no host read: the light record whole, the heavy one at the given capacities "
+        "(heavy rows, heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
   m.def("wait_host_sizes", sparse_llm_glue::guarded<&wait_host_sizes>,
         "the four sizes a capacity forward wrote to host_sizes, once they are there");
   m.def("csr_fill_record", sparse_llm_glue::guarded<&csr_fill_record>,

@@ -293,17 +293,20 @@ def ffn_train_fwd_cuda_cap(
     capacities: torch.Tensor,
 ) -> CudaCapacityForwardOutput:
     """The CUDA pair's forward with no host read (kernels/train_bindings.cpp,
-    ffn_train_forward_capacity): its outputs with every record at the capacities on the host
-    (`capacities`, a TrainCapacities tensor), then the pinned host_sizes the GPU writes the true
-    sizes to. y and l1 are exact whatever the capacities; active_rows are all rows."""
+    ffn_train_forward_capacity): its outputs with the light record whole (M x min(heavy_threshold,
+    H) entries, the true size first) and the heavy one at the capacities on the host (`capacities`,
+    a TrainCapacities tensor), then the pinned host_sizes the GPU writes the true sizes to. y and l1
+    are exact whatever the capacities; active_rows are all rows."""
     capacities = TrainCapacities.capacities(capacities)
     return extension().ffn_train_forward_capacity(x, wg, wu, wd, keep, heavy_threshold, capacities)
 
 
 @ffn_train_fwd_cuda_cap.register_fake
 def _(x, wg, wu, wd, keep, heavy_threshold, capacities):
-    # As the CUDA pair's, except that active_rows and kept_rows cover every row (M, not a count).
+    # As the CUDA pair's, except that active_rows and kept_rows cover every row (M, not a count)
+    # and the light record has its room for every row's most.
     m, d = x.shape
+    light = m * min(heavy_threshold, wg.shape[0])
     return (
         x.new_empty(m, d),
         x.new_empty((), dtype=acc_dtype(x.dtype)),
@@ -311,7 +314,9 @@ def _(x, wg, wu, wd, keep, heavy_threshold, capacities):
         x.new_empty(wg.shape[0], dtype=torch.int64),
         x.new_empty(m, dtype=torch.int64),
         x.new_empty(0, d) if keep is None else keep.new_empty(m, keep.shape[1]),
-        *_fake_record(x, torch.int32),
+        x.new_empty(light, dtype=torch.int32),
+        x.new_empty(light),
+        x.new_empty(light),
         x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64),
         *_fake_record(x, torch.int32),
         torch.empty(HOST_SIZE_FIELDS, dtype=torch.int64),
@@ -340,14 +345,14 @@ def ffn_train_bwd_cuda_cap(
 ) -> TrainBackwardOutput:
     """The CUDA backward of a capacity forward: waits for the forward's sizes on the host (written
     long before in steady state), cuts each record to its size, or rebuilds the records exactly where
-    a size was over its capacity (a host read then; rare), sets the layer's capacities for the next
-    step from these sizes, then runs the CUDA backward.
+    a heavy size was over its capacity (a host read then; rare), sets the layer's capacities for the
+    next step from these sizes, then runs the CUDA backward.
 
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
     sizes = extension().wait_host_sizes(host_sizes)
     light, n_heavy, heavy_entries = sizes[:3]
-    fits = light <= cols.numel() and n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()
+    fits = n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()  # the light record is whole
     if fits:
         record = (
             nnz_per_token,
@@ -375,34 +380,37 @@ def _(grad_y, grad_l1, x, wg, wu, wd, *record_and_options):
 
 
 class TrainCapacities:
-    """A layer's record capacities for the capacity path, as host state: a CPU int64 tensor whose
-    first three values are the capacities the forward op reads (light entries, heavy rows, heavy
+    """A layer's capacities for the heavy rows' record on the capacity path, as host state: a CPU
+    int64 tensor whose first two values are the capacities the forward op reads (heavy rows, heavy
     entries), then each capacity's envelope (the most a recent step needed, with headroom and
     rounded up to the granule, forgotten by 1% a step), then the number of the layer's steps that
-    overflowed any capacity, then how many overflowed each one.
+    overflowed any capacity, then how many overflowed each one. (The light record needs none: it
+    is kept whole, ffn_train_fwd_cuda_cap.)
 
     The backward sets them from the sizes it read: an envelope rises at once to what the step
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
-    layer whose heavy rows come and go keeps room for them. Room is cheap (the light record is cut
-    from a buffer of M x threshold entries, the heavy GEMMs are a few dozen rows) and an overflow is
-    not (the overflow kernel in the forward, an exact rebuild of the records with a host read in the
-    backward), so the headroom is wide and the decay slow: a size that peaks every ~40 steps (light
-    entries) or every 64 (a handful of heavy rows: one granule, its envelope down by one a step)
-    finds room each time. (With 25% headroom and a 3% decay a 1b run on one H100 overflowed 692
-    layer-steps in 800.) A fresh tensor is zero: the first step overflows (its backward reads the
-    sizes once, exactly). A "step" here is one backward of the layer, a micro-batch where a step
-    accumulates several; the state is not checkpointed (a resumed run starts from zero)."""
+    layer whose heavy rows come and go keeps room for them. Room is cheap (the heavy GEMMs are a few
+    dozen rows) and an overflow is not (the overflow kernel in the forward, an exact rebuild of the
+    records with a host read in the backward), so the headroom is wide and the decay slow: a handful
+    of heavy rows that comes back every 64 steps (one granule, its envelope down by one a step)
+    finds room each time. A fresh tensor is zero: the first step with heavy rows overflows (its
+    backward reads the sizes once, exactly). A "step" here is one backward of the layer, a
+    micro-batch where a step accumulates several; the state is not checkpointed (a resumed run
+    starts from zero)."""
 
-    SIZE_NAMES = ("light_entries", "heavy_rows", "heavy_entries")
-    HEADROOM = (1.5, 2.0, 2.0)
+    SIZE_NAMES = ("heavy_rows", "heavy_entries")
+    HEADROOM = (2.0, 2.0)
     # Integer decay: an envelope of one heavy-row granule (64) reaches zero in 64 steps without
     # heavy rows, so a layer that never has them stops launching their GEMMs.
     DECAY_PERCENT = 99
-    GRANULES = (4096, 64, 4096)  # rounding of each capacity (64: the heavy GEMMs' row granule)
-    SIZES = 3  # capacities, then as many envelopes
+    GRANULES = (64, 4096)  # rounding of each capacity (64: the heavy GEMMs' row granule)
+    SIZES = 2  # capacities, then as many envelopes
     OVERFLOWS = 2 * SIZES  # steps that overflowed any capacity, then each capacity's count
     FIELDS = OVERFLOWS + 1 + SIZES
+    # Where the capacities' sizes sit among the forward's host sizes (light entries, heavy rows,
+    # heavy entries, active rows).
+    FROM_HOST_SIZES = slice(1, 3)
 
     @classmethod
     def new(cls) -> torch.Tensor:
@@ -425,19 +433,18 @@ class TrainCapacities:
         return dict(zip(cls.SIZE_NAMES, counts, strict=True))
 
     @classmethod
-    def update(cls, state: torch.Tensor, sizes: Sequence[int]) -> None:
-        """Set the next step's capacities from the sizes a step's forward wrote (the first three)."""
+    def update(cls, state: torch.Tensor, host_sizes: Sequence[int]) -> None:
+        """Set the next step's capacities from the sizes a step's forward wrote (its four host sizes)."""
         # Written through numpy: every forward saves this tensor for its backward, and a torch
         # in-place write would bump the version that a pending backward checks it against.
-        if len(sizes) < cls.SIZES:
-            raise ValueError(f"need the forward's {cls.SIZES} record sizes, got {list(sizes)}")
+        if len(host_sizes) < 4:
+            raise ValueError(f"need the forward's 4 host sizes, got {list(host_sizes)}")
+        sizes = [int(size) for size in host_sizes[cls.FROM_HOST_SIZES]]
         values = state.numpy()
-        over = [int(size) > int(values[i]) for i, size in enumerate(sizes[: cls.SIZES])]
+        over = [size > int(values[i]) for i, size in enumerate(sizes)]
         values[cls.OVERFLOWS] += any(over)
         values[cls.OVERFLOWS + 1 :] += over
-        for i, (size, headroom, granule) in enumerate(
-            zip(sizes[: cls.SIZES], cls.HEADROOM, cls.GRANULES, strict=True)
-        ):
+        for i, (size, headroom, granule) in enumerate(zip(sizes, cls.HEADROOM, cls.GRANULES, strict=True)):
             need = -(-int(size * headroom) // granule) * granule
             envelope = max(need, int(values[cls.SIZES + i]) * cls.DECAY_PERCENT // 100)
             values[cls.SIZES + i] = envelope

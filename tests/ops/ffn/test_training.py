@@ -339,7 +339,8 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
 
 def test_capacity_ops_trace_under_fake_tensors():
     """The capacity path's schemas and fakes (what torch.compile sees), checked without a GPU: every
-    row kept (M rows, not a count), the records of dynamic length, the host sizes a CPU tensor."""
+    row kept (M rows, not a count), the light record with room for every row's most (M x
+    min(threshold, H) entries), the heavy one of dynamic length, the host sizes a CPU tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -355,7 +356,7 @@ def test_capacity_ops_trace_under_fake_tensors():
         y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes = outputs
         assert y.shape == x.shape and nnz.shape == (6,) and fire.shape == (24,)
         assert active.shape == (6,) and kept_rows.shape == (6, 16)
-        assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape
+        assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape == (6 * 24,)
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
         assert host_sizes.device.type == "cpu" and host_sizes.shape == (HOST_SIZE_FIELDS,)
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda_cap(
@@ -365,30 +366,28 @@ def test_capacity_ops_trace_under_fake_tensors():
 
 
 def test_train_capacities_grow_at_once_and_shrink_slowly():
-    """A layer's capacities fit the sizes just read with headroom (1.5x light entries, 2x the heavy
-    rows' sizes), rounded up to their granules, at once; when the sizes fall they come down 1% a
-    step, never below what the last step needed; steps whose sizes were over a capacity are
-    counted, in all and by size."""
+    """A layer's capacities fit the heavy sizes just read (the second and third of the forward's
+    four) with 2x headroom, rounded up to their granules, at once; when the sizes fall they come
+    down 1% a step, never below what the last step needed; steps whose sizes were over a capacity
+    are counted, in all and by size."""
     state = TrainCapacities.new()
     capacities = TrainCapacities.capacities
     TrainCapacities.update(state, [10_000, 100, 20_000, 500])  # a fresh layer: every size overflows
-    assert capacities(state).tolist() == [16384, 256, 40960] and TrainCapacities.overflows(state) == 1
-    TrainCapacities.update(state, [10_500, 110, 19_000, 500])  # within the headroom: kept
-    assert capacities(state).tolist() == [16384, 256, 40960]
-    TrainCapacities.update(state, [17_000, 300, 30_000, 500])  # two sizes over: raised at once
-    assert capacities(state).tolist() == [28672, 640, 61440] and TrainCapacities.overflows(state) == 2
-    assert TrainCapacities.overflows_by_size(state) == {
-        "light_entries": 2,
-        "heavy_rows": 2,
-        "heavy_entries": 1,
-    }
+    assert capacities(state).tolist() == [256, 40960] and TrainCapacities.overflows(state) == 1
+    TrainCapacities.update(state, [90_000, 110, 19_000, 500])  # within the headroom: kept
+    assert capacities(state).tolist() == [256, 40960] and TrainCapacities.overflows(state) == 1
+    TrainCapacities.update(state, [17_000, 300, 30_000, 500])  # the heavy rows over: raised at once
+    assert capacities(state).tolist() == [640, 61440] and TrainCapacities.overflows(state) == 2
+    assert TrainCapacities.overflows_by_size(state) == {"heavy_rows": 2, "heavy_entries": 1}
     for _ in range(30):  # far too large: 1% lower a step (in whole granules)
         TrainCapacities.update(state, [100, 1, 100, 500])
-    assert capacities(state).tolist() == [24576, 512, 49152]
+    assert capacities(state).tolist() == [512, 49152]
     for _ in range(1000):
         TrainCapacities.update(state, [100, 1, 100, 500])
     # Down to one granule above what the sizes need, no further.
-    assert capacities(state).tolist() == [4096, 64, 4096] and TrainCapacities.overflows(state) == 2
+    assert capacities(state).tolist() == [64, 4096] and TrainCapacities.overflows(state) == 2
+    with pytest.raises(ValueError, match="4 host sizes"):
+        TrainCapacities.update(state, [100, 1, 100])
 
 
 def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
@@ -398,9 +397,9 @@ def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
     for step in range(400):
         heavy = 12 if step % 60 == 0 else 0
         TrainCapacities.update(state, [80_000, heavy, heavy * 300, 16384])
-        assert TrainCapacities.capacities(state)[1] == 64
+        assert TrainCapacities.capacities(state)[0] == 64
     assert TrainCapacities.overflows(state) == 1  # the fresh layer's first step
     for _ in range(64):
         TrainCapacities.update(state, [80_000, 0, 0, 16384])
     # No heavy rows to compute (their entries' capacity the extension clamps to heavy rows x H).
-    assert TrainCapacities.capacities(state)[1] == 0
+    assert TrainCapacities.capacities(state)[0] == 0
