@@ -294,8 +294,9 @@ def ffn_train_fwd_cuda_cap(
 ) -> CudaCapacityForwardOutput:
     """The CUDA pair's forward with no host read (kernels/train_bindings.cpp,
     ffn_train_forward_capacity): its outputs with the light record whole (M x min(heavy_threshold,
-    H) entries, the true size first) and the heavy one at the capacities on the host (`capacities`,
-    a TrainCapacities tensor), then the pinned host_sizes the GPU writes the true sizes to. y and l1
+    H) entries, the true size first, the rest unset: 8 bytes an entry, so a threshold near H keeps
+    an M x H record) and the heavy one at the capacities on the host (`capacities`, a
+    TrainCapacities tensor), then the pinned host_sizes the GPU writes the true sizes to. y and l1
     are exact whatever the capacities; active_rows are all rows."""
     capacities = TrainCapacities.capacities(capacities)
     return extension().ffn_train_forward_capacity(x, wg, wu, wd, keep, heavy_threshold, capacities)
