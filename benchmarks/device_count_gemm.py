@@ -114,10 +114,11 @@ def bench(kind: str, n: int, shape: dict[str, Any], device: torch.device, args) 
     }
 
 
-def report(rows: list[dict[str, Any]], shape: dict[str, Any], device: torch.device) -> str:
+def report(rows: list[dict[str, Any]], shape: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
-        f"# The heavy rows' GEMMs with their count on the device: {common.run_meta(device).get('device')}",
+        f"# The heavy rows' GEMMs with their count on the device: {meta.get('device')}",
         "",
+        f"Commit {meta.get('commit')}, {meta.get('date')}, torch {meta.get('torch')}. "
         f"M {shape['m']}, D {shape['d']}, H {shape['h']}, bf16; cuBLAS (`torch.mm`) over the padded count "
         f"(granule {ROW_GRANULE}, known on the host) against `torch._grouped_mm` over all M rows with the count "
         "on the device; median ms a call; difference: the largest, relative to cuBLAS's largest value.",
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         lambda kind, n, row: f"{kind} {n}: {row.get('grouped_over_cublas', 'refused')}",
     )
     meta = common.run_meta(device, m=shape["m"], d=shape["d"], h=shape["h"])
-    common.write_report(report(rows, shape, device), meta, rows, args.json, args.md)
+    common.write_report(report(rows, shape, meta), meta, rows, args.json, args.md)
     return rows
 
 
