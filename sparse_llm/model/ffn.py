@@ -19,7 +19,9 @@ and saved in checkpoints): a layer too dense to gain from the sparse path trains
 same function; the fallback changes speed, never the result. A layer that falls back recomputes
 its dense FFN in the backward (unless the whole layer is recomputed already): the dense FFN keeps
 three [tokens, H] tensors for its backward, so a run's dense early phase would otherwise set its
-peak memory well above the sparse steady state's.
+peak memory well above the sparse steady state's. The recompute runs in token chunks
+(`RECOMPUTE_CHUNK_TOKENS`), so the backward holds one chunk's activations and their gradients at a
+time rather than the whole layer's (five [tokens, H] tensors at the early phase's peak).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
 from sparse_llm.ops.ffn.select import KERNEL_DTYPE, PHASES, FFNSelection, select_ffn
 from sparse_llm.ops.ffn.training import TrainCapacities
 from sparse_llm.ops.precision import autocast_dtype
+
+# Tokens a falling-back layer's recompute handles at once: a quarter of a 1b step's 8 x 2048, where
+# the dense GEMMs still run at full rate and one chunk's [tokens, H] tensors are 44 MB each.
+RECOMPUTE_CHUNK_TOKENS = 4096
 
 
 class FFNStats(NamedTuple):
@@ -149,22 +155,53 @@ class GatedMLP(nn.Module):
         self, x: torch.Tensor, with_stats: bool, recompute: bool = False
     ) -> tuple[torch.Tensor, FFNStats | None]:
         """The dense FFN of x, with its statistics if asked for. With `recompute` (and autograd)
-        it keeps x only: the gate, up and hidden activations are made again in the backward."""
+        it keeps x only: the gate, up and hidden activations are made again in the backward, one
+        chunk of RECOMPUTE_CHUNK_TOKENS tokens at a time."""
         if recompute and torch.is_grad_enabled():
-            return checkpoint(self._dense, x, with_stats, use_reentrant=False)
+            return self._dense_recomputed(x, with_stats, RECOMPUTE_CHUNK_TOKENS)
         return self._dense(x, with_stats)
 
     def _dense(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, FFNStats | None]:
-        if with_stats and self.act is F.relu:  # the product and its statistics in one pass
-            g, u = self.gate_proj(x), self.up_proj(x)
-            hidden, l1, nnz_per_token, fire_counts = relu_gate_stats(g.flatten(0, -2), u.flatten(0, -2))
-            return self.down_proj(hidden.view(g.shape)), FFNStats(l1.mean(), nnz_per_token, fire_counts)
-        a = self.act(self.gate_proj(x))
-        hidden = a * self.up_proj(x)
-        y = self.down_proj(hidden)
+        y, *row_stats = self._dense_rows(x.flatten(0, -2), with_stats)
+        return y.view(*x.shape[:-1], -1), _reduce_row_stats(*row_stats)
+
+    def _dense_recomputed(
+        self, x: torch.Tensor, with_stats: bool, chunk_tokens: int
+    ) -> tuple[torch.Tensor, FFNStats | None]:
+        """_dense(x) with each chunk of `chunk_tokens` tokens checkpointed on its own: the same
+        values (the statistics are reduced over all rows as _dense reduces them), but the backward
+        remakes and frees one chunk's [tokens, H] tensors before the next."""
+        chunks = [
+            checkpoint(self._dense_rows, rows, with_stats, use_reentrant=False)
+            for rows in x.flatten(0, -2).split(chunk_tokens)
+        ]
+        ys, l1_rows, nnz_per_token, fire_counts = zip(*chunks, strict=True)
+        y = _concat(ys).view(*x.shape[:-1], -1)
         if not with_stats:
             return y, None
-        return y, _ffn_stats(a.flatten(0, -2), hidden.flatten(0, -2))
+        return y, _reduce_row_stats(
+            _concat(l1_rows), _concat(nnz_per_token), sum(fire_counts[1:], fire_counts[0])
+        )
+
+    def _dense_rows(
+        self, rows: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The dense FFN of rows [tokens, D], with the statistics per row where asked for: (y, L1
+        of each row, its active units, each unit's fire count over these rows), else Nones."""
+        if with_stats and self.act is F.relu:  # the product and its statistics in one pass
+            hidden, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(
+                self.gate_proj(rows), self.up_proj(rows)
+            )
+            return self.down_proj(hidden), l1_rows, nnz_per_token, fire_counts
+        a = self.act(self.gate_proj(rows))
+        hidden = a * self.up_proj(rows)
+        y = self.down_proj(hidden)
+        if not with_stats:
+            return y, None, None, None
+        # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
+        # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
+        nnz_per_token, fire_counts = activation_counts(a.detach())
+        return y, hidden.abs().sum(-1, dtype=torch.float32), nnz_per_token, fire_counts
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, impl: str) -> torch.Tensor:
@@ -274,9 +311,15 @@ class FFNBlock:
             self.mlp.prepare_inference()
 
 
-def _ffn_stats(a: torch.Tensor, hidden: torch.Tensor) -> FFNStats:
-    # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
-    # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
-    l1 = hidden.abs().sum(-1, dtype=torch.float32).mean()
-    nnz_per_token, fire_counts = activation_counts(a.detach())
-    return FFNStats(l1, nnz_per_token, fire_counts)
+def _concat(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The parts one after another along dim 0; a single part as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _reduce_row_stats(
+    l1_rows: torch.Tensor | None, nnz_per_token: torch.Tensor | None, fire_counts: torch.Tensor | None
+) -> FFNStats | None:
+    """A layer's FFNStats from per-row statistics (None without them): L1 is the mean over rows."""
+    if l1_rows is None or nnz_per_token is None or fire_counts is None:
+        return None
+    return FFNStats(l1_rows.mean(), nnz_per_token, fire_counts)

@@ -1,6 +1,7 @@
 """The model equals transformers' LlamaForCausalLM (hidden_act="relu") and reports true FFN statistics."""
 
 import importlib.util
+import weakref
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
+from sparse_llm.model.ffn import GatedMLP
 from sparse_llm.model.hf_export import to_hf_config
 
 
@@ -221,6 +223,50 @@ def test_dense_fallback_recomputes_its_ffn_in_the_backward():
     torch.manual_seed(0)
     checkpointed = build_model(cfg, activation_checkpointing=True)
     assert not any(layer.ffn.recompute_fallback for layer in checkpointed.model.layers)
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_fallback_recompute_in_chunks_matches_the_dense_ffn_and_remakes_one_chunk_at_a_time(act):
+    """The falling-back layer's recompute by token chunks (21 tokens in chunks of 5, the last one
+    short) gives the dense FFN's output, statistics and gradients, and in the backward each chunk's
+    gate activations are remade only after the previous chunk's are freed: one chunk's [tokens, H]
+    tensors alive at a time."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(small_config(hidden_act=act))
+    x = torch.randn(3, 7, 64)
+    remade: list[weakref.ref] = []
+    alive_when_remade: list[int] = []
+    in_backward = False
+
+    def count_alive(module, inputs, output):
+        if in_backward:
+            alive_when_remade.append(sum(ref() is not None for ref in remade))
+            remade.append(weakref.ref(output))
+
+    mlp.gate_proj.register_forward_hook(count_alive)
+
+    def run(chunk_tokens: int | None):
+        nonlocal in_backward
+        xi = x.clone().requires_grad_()
+        y, stats = (
+            mlp._dense(xi, True) if chunk_tokens is None else mlp._dense_recomputed(xi, True, chunk_tokens)
+        )
+        in_backward = chunk_tokens is not None
+        (y.square().sum() + stats.l1).backward()
+        in_backward = False
+        grads = [xi.grad, *(p.grad.clone() for p in mlp.parameters())]
+        mlp.zero_grad(set_to_none=True)
+        return y, stats, grads
+
+    want_y, want_stats, want_grads = run(None)
+    got_y, got_stats, got_grads = run(5)
+    torch.testing.assert_close(got_y, want_y)
+    torch.testing.assert_close(got_stats.l1, want_stats.l1)
+    assert torch.equal(got_stats.nnz_per_token, want_stats.nnz_per_token)
+    assert torch.equal(got_stats.fire_counts, want_stats.fire_counts)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert alive_when_remade == [0] * 5
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):

@@ -228,3 +228,45 @@ def test_compiled_cuda_training_steps_never_wait_on_the_gpu_after_warm_up(monkey
     with_read = _compiled_cuda_steps(cfg, batches, False, monkeypatch)
     sync_free = _compiled_cuda_steps(cfg, batches, True, monkeypatch)
     torch.testing.assert_close(sync_free, with_read, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fallback_recompute_in_chunks_holds_one_chunk_in_the_backward(compiled):
+    """The falling-back layer's recompute by token chunks: the backward's memory high-water mark
+    over what the forward left falls by more than two whole-layer [tokens, H] bf16 tensors when the
+    8192 tokens go in chunks of 2048 rather than at once (eager, and compiled as a run compiles its
+    layers), with the same gradients."""
+    from sparse_llm.model.ffn import GatedMLP
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=4
+    )
+    mlp = GatedMLP(cfg).cuda()
+    x = torch.randn(4, 2048, cfg.hidden_size, device="cuda")
+    tokens = x.shape[0] * x.shape[1]
+
+    def backward_peak(chunk_tokens: int) -> tuple[int, list[torch.Tensor]]:
+        def loss(xi: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, stats = mlp._dense_recomputed(xi, True, chunk_tokens)
+            return y.float().square().mean() + stats.l1
+
+        step = torch.compile(loss) if compiled else loss
+        xi = x.clone().requires_grad_()
+        value = step(xi)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        value.backward()
+        torch.cuda.synchronize()
+        grads = [xi.grad, *(p.grad.clone() for p in mlp.parameters())]
+        mlp.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated() - before, grads
+
+    whole_peak, whole_grads = backward_peak(tokens)
+    chunked_peak, chunked_grads = backward_peak(2048)
+    assert chunked_peak < whole_peak - 2 * tokens * cfg.intermediate_size * 2, (chunked_peak, whole_peak)
+    for got, want in zip(chunked_grads, whole_grads, strict=True):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
