@@ -33,11 +33,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+from sparse_llm.model.ffn import recompute_in_chunks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,8 +76,14 @@ def time_layer(
     sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
     grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses
     times = {}
-    # What the trainer runs in a layer that falls back: dense, recomputed in the backward.
-    recomputed = lambda *inputs: checkpoint(dense, *inputs, use_reentrant=False)
+
+    # What the trainer runs in a layer that falls back: dense, recomputed in the backward one chunk
+    # of tokens at a time (the model's recompute_in_chunks and chunk size).
+    def recomputed(x: torch.Tensor, *ffn_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ys, l1s = recompute_in_chunks(dense, x, *ffn_weights)
+        y = torch.cat(ys)
+        return y, sum(l1 * part.shape[0] for l1, part in zip(l1s, ys, strict=True)) / y.shape[0]
+
     for name, fn in (("dense", dense), ("dense_recomputed", recomputed), ("ours", ours)):
         call = rotating(forward_backward(fn, grad_l1), sets)
         times[f"ms_{name}"] = common.median_ms(call, x.device, args.warmup, args.reps)

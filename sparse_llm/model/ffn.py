@@ -26,9 +26,9 @@ time rather than the whole layer's (five [tokens, H] tensors at the early phase'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -163,25 +163,37 @@ class GatedMLP(nn.Module):
 
     def _dense(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, FFNStats | None]:
         y, *row_stats = self._dense_rows(x.flatten(0, -2), with_stats)
-        return y.view(*x.shape[:-1], -1), _reduce_row_stats(*row_stats)
+        return y.view(*x.shape[:-1], y.shape[-1]), _reduce_row_stats(*row_stats)
 
     def _dense_recomputed(
         self, x: torch.Tensor, with_stats: bool, chunk_tokens: int
     ) -> tuple[torch.Tensor, FFNStats | None]:
-        """_dense(x) with each chunk of `chunk_tokens` tokens checkpointed on its own: the same
-        values (the statistics are reduced over all rows as _dense reduces them), but the backward
-        remakes and frees one chunk's [tokens, H] tensors before the next."""
-        chunks = [
-            checkpoint(self._dense_rows, rows, with_stats, use_reentrant=False)
-            for rows in x.flatten(0, -2).split(chunk_tokens)
-        ]
-        ys, l1_rows, nnz_per_token, fire_counts = zip(*chunks, strict=True)
-        y = _concat(ys).view(*x.shape[:-1], -1)
+        """_dense(x) recomputed in the backward `chunk_tokens` tokens at a time: the same values
+        (the statistics are reduced over all rows as _dense reduces them), but the backward remakes
+        and frees one chunk's [tokens, H] tensors before the next."""
+        ys, l1_rows, nnz_per_token, fire_counts = recompute_in_chunks(
+            self._dense_rows_own_casts, x.flatten(0, -2), with_stats, chunk_tokens=chunk_tokens
+        )
+        y = _concat(ys)
+        y = y.view(*x.shape[:-1], y.shape[-1])
         if not with_stats:
             return y, None
         return y, _reduce_row_stats(
             _concat(l1_rows), _concat(nnz_per_token), sum(fire_counts[1:], fire_counts[0])
         )
+
+    def _dense_rows_own_casts(
+        self, rows: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """_dense_rows with autocast's cast cache off, for one chunk of several: each chunk then
+        casts the weights itself and its weight gradients reach the fp32 weights through their own
+        cast, summed in fp32; with the cache the chunks share one cast and autograd sums their
+        gradients in the cast's dtype first (a bf16 rounding a chunk)."""
+        dtype = autocast_dtype(rows)
+        if dtype is None:
+            return self._dense_rows(rows, with_stats)
+        with torch.autocast(rows.device.type, dtype=dtype, cache_enabled=False):
+            return self._dense_rows(rows, with_stats)
 
     def _dense_rows(
         self, rows: torch.Tensor, with_stats: bool
@@ -309,6 +321,19 @@ class FFNBlock:
         or decode phase runs them, before a graph is traced or captured."""
         if "cuda" in (self.plan.impl("prefill"), self.plan.impl("decode")):
             self.mlp.prepare_inference()
+
+
+def recompute_in_chunks(
+    fn: Callable[..., tuple[torch.Tensor | None, ...]],
+    rows: torch.Tensor,
+    *args: Any,
+    chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS,
+) -> tuple[tuple[torch.Tensor | None, ...], ...]:
+    """fn(chunk, *args) over `rows` in chunks of `chunk_tokens` along dim 0, each call checkpointed
+    on its own (autograd keeps only the chunk; the backward runs fn again on one chunk at a time):
+    fn's outputs grouped by position, each a tuple over the chunks."""
+    outputs = [checkpoint(fn, chunk, *args, use_reentrant=False) for chunk in rows.split(chunk_tokens)]
+    return tuple(zip(*outputs, strict=True))
 
 
 def _concat(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -267,6 +267,38 @@ def test_fallback_recompute_in_chunks_matches_the_dense_ffn_and_remakes_one_chun
     for got, want in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got, want)
     assert alive_when_remade == [0] * 5
+    empty, empty_stats = mlp._dense_recomputed(torch.randn(0, 7, 64), True, 5)
+    assert empty.shape == (0, 7, 64) and empty_stats.nnz_per_token.shape == (0,)
+
+
+def test_fallback_recompute_in_chunks_under_autocast_sums_weight_gradients_in_fp32():
+    """Under bf16 autocast with fp32 weights, 16 chunks' weight gradients are as close to float64's
+    as one chunk's: each chunk casts the weights itself, so its bf16 gradients reach the fp32 weights
+    through their own cast (autocast's shared cast would sum them in bf16 first: dWd's error then
+    1.6x one chunk's)."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(small_config())
+    x = torch.randn(16, 256, 64)
+
+    def weight_grads(chunk_tokens: int | None, dtype: torch.dtype) -> list[torch.Tensor]:
+        model = mlp.to(dtype)
+        xi = x.to(dtype).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+            y, stats = (
+                model._dense(xi, True)
+                if chunk_tokens is None
+                else model._dense_recomputed(xi, True, chunk_tokens)
+            )
+        (y.double().square().mean() + stats.l1).backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    want = weight_grads(None, torch.float64)
+    whole = weight_grads(None, torch.float32)
+    chunked = weight_grads(256, torch.float32)
+    for got, one_chunk, exact in zip(chunked, whole, want, strict=True):
+        assert (got - exact).norm() <= 1.1 * (one_chunk - exact).norm()
 
 
 def test_benchmark_model_tiny_runs_end_to_end(tmp_path):
