@@ -188,7 +188,8 @@ class GatedMLP(nn.Module):
         """_dense_rows with autocast's cast cache off, for one chunk of several: each chunk then
         casts the weights itself and its weight gradients reach the fp32 weights through their own
         cast, summed in fp32; with the cache the chunks share one cast and autograd sums their
-        gradients in the cast's dtype first (a bf16 rounding a chunk)."""
+        gradients in the cast's dtype first (a bf16 rounding a chunk). Parameters that are bf16
+        themselves (FSDP2's gathered ones) have no cast: there the chunks' gradients do add in bf16."""
         dtype = autocast_dtype(rows)
         if dtype is None:
             return self._dense_rows(rows, with_stats)
