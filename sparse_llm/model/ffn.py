@@ -162,8 +162,8 @@ class GatedMLP(nn.Module):
         return self._dense(x, with_stats)
 
     def _dense(self, x: torch.Tensor, with_stats: bool) -> tuple[torch.Tensor, FFNStats | None]:
-        y, *row_stats = self._dense_rows(x.flatten(0, -2), with_stats)
-        return y.view(*x.shape[:-1], y.shape[-1]), _reduce_row_stats(*row_stats)
+        y, *row_stats = self._dense_and_row_stats(x, with_stats)
+        return y, _reduce_row_stats(*row_stats)
 
     def _dense_recomputed(
         self, x: torch.Tensor, with_stats: bool, chunk_tokens: int
@@ -172,7 +172,7 @@ class GatedMLP(nn.Module):
         (the statistics are reduced over all rows as _dense reduces them), but the backward remakes
         and frees one chunk's [tokens, H] tensors before the next."""
         ys, l1_rows, nnz_per_token, fire_counts = recompute_in_chunks(
-            self._dense_rows_own_casts, x.flatten(0, -2), with_stats, chunk_tokens=chunk_tokens
+            self._dense_own_casts, x.flatten(0, -2), with_stats, chunk_tokens=chunk_tokens
         )
         y = _concat(ys)
         y = y.view(*x.shape[:-1], y.shape[-1])
@@ -182,39 +182,39 @@ class GatedMLP(nn.Module):
             _concat(l1_rows), _concat(nnz_per_token), sum(fire_counts[1:], fire_counts[0])
         )
 
-    def _dense_rows_own_casts(
+    def _dense_own_casts(
         self, rows: torch.Tensor, with_stats: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """_dense_rows with autocast's cast cache off, for one chunk of several: each chunk then
-        casts the weights itself and its weight gradients reach the fp32 weights through their own
-        cast, summed in fp32; with the cache the chunks share one cast and autograd sums their
+        """_dense_and_row_stats with autocast's cast cache off, for one chunk of several: each chunk
+        then casts the weights itself and its weight gradients reach the fp32 weights through their
+        own cast, summed in fp32; with the cache the chunks share one cast and autograd sums their
         gradients in the cast's dtype first (a bf16 rounding a chunk). Parameters that are bf16
         themselves (FSDP2's gathered ones) have no cast: there the chunks' gradients do add in bf16."""
         dtype = autocast_dtype(rows)
         if dtype is None:
-            return self._dense_rows(rows, with_stats)
+            return self._dense_and_row_stats(rows, with_stats)
         with torch.autocast(rows.device.type, dtype=dtype, cache_enabled=False):
-            return self._dense_rows(rows, with_stats)
+            return self._dense_and_row_stats(rows, with_stats)
 
-    def _dense_rows(
-        self, rows: torch.Tensor, with_stats: bool
+    def _dense_and_row_stats(
+        self, x: torch.Tensor, with_stats: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The dense FFN of rows [tokens, D], with the statistics per row where asked for: (y, L1
-        of each row, its active units, each unit's fire count over these rows), else Nones."""
+        """The dense FFN of x [..., D] and, where asked for, its statistics by row (x's leading dims
+        flattened): (y, each row's L1, its active units, each unit's fire count over the rows),
+        else Nones."""
         if with_stats and self.act is F.relu:  # the product and its statistics in one pass
-            hidden, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(
-                self.gate_proj(rows), self.up_proj(rows)
-            )
-            return self.down_proj(hidden), l1_rows, nnz_per_token, fire_counts
-        a = self.act(self.gate_proj(rows))
-        hidden = a * self.up_proj(rows)
+            g, u = self.gate_proj(x), self.up_proj(x)
+            hidden, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(g.flatten(0, -2), u.flatten(0, -2))
+            return self.down_proj(hidden.view(g.shape)), l1_rows, nnz_per_token, fire_counts
+        a = self.act(self.gate_proj(x))
+        hidden = a * self.up_proj(x)
         y = self.down_proj(hidden)
         if not with_stats:
             return y, None, None, None
         # Summed in fp32 straight from the compute dtype: a `hidden.float()` copy would be what the
         # compiled graph saves for abs's backward (an fp32 [tokens, H] tensor a layer).
-        nnz_per_token, fire_counts = activation_counts(a.detach())
-        return y, hidden.abs().sum(-1, dtype=torch.float32), nnz_per_token, fire_counts
+        nnz_per_token, fire_counts = activation_counts(a.detach().flatten(0, -2))
+        return y, hidden.flatten(0, -2).abs().sum(-1, dtype=torch.float32), nnz_per_token, fire_counts
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, impl: str) -> torch.Tensor:

@@ -121,7 +121,7 @@ def test_l1_penalty_is_mean_over_layers_of_model_l1():
     out = model(ids, labels=ids, with_stats=True)
     for handle in handles:
         handle.remove()
-    expected = torch.stack([h.flatten(0, 1).abs().sum(-1).mean() for h in hidden]).mean()
+    expected = torch.stack([h.flatten(0, -2).abs().sum(-1).mean() for h in hidden]).mean()
     penalty = l1_penalty(out.ffn_stats)
     torch.testing.assert_close(penalty, expected)
     penalty.backward()  # differentiable all the way to the gate weights
