@@ -96,13 +96,15 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
   return split;
 }
 
-// out = a @ b in out's dtype: a float out takes the product of bf16 a and b unrounded. out is
-// written whole and not read (beta 0), so it may hold anything before.
-void write_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (out.scalar_type() == a.scalar_type())
+// out = a @ b (`overwrite`: out is written whole and not read, so it may hold anything before) or
+// out += a @ b, in out's dtype: a float out takes the product of bf16 a and b unrounded.
+void add_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool overwrite) {
+  if (out.scalar_type() != a.scalar_type())
+    at::addmm_out(out, out, a, b, out.scalar_type(), /*beta=*/overwrite ? 0 : 1, /*alpha=*/1);
+  else if (overwrite)
     at::mm_out(out, a, b);
   else
-    at::addmm_out(out, out, a, b, out.scalar_type(), /*beta=*/0, /*alpha=*/1);
+    out.addmm_(a, b);
 }
 
 // The heavy rows' dense path on the rows list[0, n), or on the first min(*count, n) of them where
@@ -466,6 +468,62 @@ void unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int6
              "csr_backward_units");
 }
 
+// The heavy rows' backward takes them this many at a time: each chunk's dense [rows, H] tensors (a,
+// u, dh: 3 x 44 MB at H = 5632) are freed before the next chunk's, where all of a step's rows at once
+// (a layer turning sparse at L0 100-170 has nearly every row heavy) held 0.55 GB more and set a whole
+// run's peak. A multiple of kHeavyRowsGranule; a step's layers past it (L0 60 and up) pay one more
+// read and write of the three weight gradients a chunk.
+constexpr int64_t kHeavyBackwardChunkRows = 4096;
+
+// The heavy rows' share of the backward: their rows of dx, and the weight gradients written whole
+// (the light rows' share is added after). Padded rows (kHeavyRowsGranule) are zero in x_h, gy_h, a_h
+// and u_h: they add nothing. Chunks after the first add into the weight gradients (bf16 ones through
+// an fp32 sum, so that chunking rounds them once, as one GEMM does).
+void heavy_rows_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& heavy_rows,
+                         const at::Tensor& heavy_ptr, const at::Tensor& heavy_cols, const at::Tensor& heavy_a,
+                         const at::Tensor& heavy_u, const at::Tensor& wg_c, const at::Tensor& wu_c,
+                         const at::Tensor& wd_t, const at::Tensor& l1_grad, at::Tensor& dx, at::Tensor& dwg,
+                         at::Tensor& dwu, at::Tensor& dwd_t, cudaStream_t stream) {
+  const int64_t n_heavy = heavy_rows.size(0);
+  const int64_t rows = x.size(0);
+  const int hidden = static_cast<int>(wg_c.size(0));
+  const bool chunked = n_heavy > kHeavyBackwardChunkRows;
+  const bool sum_in_float = chunked && dwg.scalar_type() != at::kFloat;
+  at::Tensor gwg = sum_in_float ? at::empty(dwg.sizes(), dwg.options().dtype(at::kFloat)) : dwg;
+  at::Tensor gwu = sum_in_float ? at::empty(dwu.sizes(), dwu.options().dtype(at::kFloat)) : dwu;
+  at::Tensor gwd_t = sum_in_float ? at::empty(dwd_t.sizes(), dwd_t.options().dtype(at::kFloat)) : dwd_t;
+  for (int64_t start = 0; start < n_heavy; start += kHeavyBackwardChunkRows) {
+    const at::Tensor list = heavy_rows.narrow(0, start, std::min(kHeavyBackwardChunkRows, n_heavy - start));
+    const int64_t n = list.size(0);
+    const at::Tensor x_h = sparse_llm_glue::gather_rows_padded(x, list);
+    const at::Tensor gy_h = sparse_llm_glue::gather_rows_padded(grad_y, list);
+    const int64_t padded = x_h.size(0);
+    at::Tensor a_h = at::zeros({padded, hidden}, x.options());  // then du
+    at::Tensor u_h = at::zeros({padded, hidden}, x.options());  // then h
+    check_cuda(sparse_llm::launch_csr_scatter_rows(list.data_ptr<int64_t>(), n, hidden, heavy_ptr.data_ptr<int64_t>(),
+                                                   heavy_cols.data_ptr<int32_t>(), bf16_ptr(heavy_a),
+                                                   bf16_ptr(heavy_u), bf16_mut_ptr(a_h), bf16_mut_ptr(u_h), stream),
+               "csr_scatter_rows");
+    at::Tensor dh = at::mm(gy_h, wd_t.t());  // then dg
+    check_cuda(sparse_llm::launch_heavy_backward_elementwise(n, hidden, l1_grad.data_ptr<float>(), rows,
+                                                             bf16_mut_ptr(dh), bf16_mut_ptr(a_h), bf16_mut_ptr(u_h),
+                                                             stream),
+               "heavy_backward_elementwise");
+    at::Tensor dx_h = at::mm(dh, wg_c);
+    dx_h.addmm_(a_h, wu_c);
+    dx.index_copy_(0, list, dx_h.narrow(0, 0, n));
+    const bool first = start == 0;
+    add_product(gwg, dh.t(), x_h, first);
+    add_product(gwu, a_h.t(), x_h, first);
+    add_product(gwd_t, u_h.t(), gy_h, first);
+  }
+  if (sum_in_float) {
+    dwg.copy_(gwg);
+    dwu.copy_(gwu);
+    dwd_t.copy_(gwd_t);
+  }
+}
+
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
 // the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'. The
@@ -520,30 +578,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   // per-unit kernel then adds the light rows' sums to the units they touch only. Adding the GEMMs
   // to the kernel's rows instead read and wrote the three [H, D] gradients once more (fp32 under
   // autocast: ~100 us a layer on an H100, however few the heavy rows).
-  if (n_heavy > 0) {
-    // Padded rows (kHeavyRowsGranule) are zero in x_h, gy_h, a_h and u_h: they add nothing.
-    const at::Tensor x_h = sparse_llm_glue::gather_rows_padded(x, heavy_rows);
-    const at::Tensor gy_h = sparse_llm_glue::gather_rows_padded(grad_y, heavy_rows);
-    const int64_t padded = x_h.size(0);
-    at::Tensor a_h = at::zeros({padded, hidden}, x.options());  // then du
-    at::Tensor u_h = at::zeros({padded, hidden}, x.options());  // then h
-    check_cuda(sparse_llm::launch_csr_scatter_rows(heavy_rows.data_ptr<int64_t>(), n_heavy, hidden,
-                                                   split.heavy_ptr.data_ptr<int64_t>(), heavy_cols.data_ptr<int32_t>(),
-                                                   bf16_ptr(heavy_a), bf16_ptr(heavy_u), bf16_mut_ptr(a_h),
-                                                   bf16_mut_ptr(u_h), stream),
-               "csr_scatter_rows");
-    at::Tensor dh = at::mm(gy_h, wd_t.t());  // then dg
-    check_cuda(sparse_llm::launch_heavy_backward_elementwise(n_heavy, hidden, l1_grad.data_ptr<float>(), rows,
-                                                             bf16_mut_ptr(dh), bf16_mut_ptr(a_h), bf16_mut_ptr(u_h),
-                                                             stream),
-               "heavy_backward_elementwise");
-    at::Tensor dx_h = at::mm(dh, wg_c);
-    dx_h.addmm_(a_h, wu_c);
-    dx.index_copy_(0, heavy_rows, dx_h.narrow(0, 0, n_heavy));
-    write_product(dwg, dh.t(), x_h);
-    write_product(dwu, a_h.t(), x_h);
-    write_product(dwd_t, u_h.t(), gy_h);
-  }
+  if (n_heavy > 0) heavy_rows_backward(grad_y, x, heavy_rows, split.heavy_ptr, heavy_cols, heavy_a, heavy_u, wg_c, wu_c,
+                                       wd_t, l1_grad, dx, dwg, dwu, dwd_t, stream);
   // The light entries' share: added to the heavy rows' GEMMs where there were any.
   unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0, dwg, dwu, dwd_t, stream);
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};

@@ -114,6 +114,16 @@ def test_every_heavy_threshold_matches_fp64(heavy_threshold):
 
 
 @needs_hopper
+@pytest.mark.parametrize("heavy_threshold", [0, 16])
+def test_heavy_rows_past_one_backward_chunk_match_fp64(heavy_threshold):
+    """More heavy rows than the backward takes at once (kHeavyBackwardChunkRows, 4096): 9000 rows,
+    nearly all heavy, in three chunks whose weight-gradient products are summed (for bf16 weights in
+    fp32, rounded once): exact by the contract as one chunk is."""
+    w = make_workload(9000, 256, 1024, 40, seed=heavy_threshold + 5, device="cuda")
+    check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold)
+
+
+@needs_hopper
 def test_largest_dim_and_empty_batch():
     check_contract(gpu_pattern("random", 67, 8192, 128, seed=3))
     x, wg, wu, wd = gpu_pattern("random", 0, 64, 128, seed=4)
@@ -230,13 +240,14 @@ def backward_of_forward(x, weights, heavy_threshold: int, grad_seed: int):
 
 
 @needs_hopper
-@pytest.mark.parametrize("heavy_threshold", [768, 16])
-def test_backward_with_float32_weights_rounds_once(heavy_threshold):
+@pytest.mark.parametrize(("m", "heavy_threshold"), [(1024, 768), (1024, 16), (9000, 16)])
+def test_backward_with_float32_weights_rounds_once(m, heavy_threshold):
     """The backward op given float32 (master) weights reads bf16 casts of them and writes float32
     weight gradients: dx as with the casts; without heavy rows each float32 gradient rounds to the
     bf16 one exactly (same fp32 sums, one rounding fewer); with heavy rows (their products added
-    in fp32 instead of onto a bf16 sum) they differ by about one bf16 rounding."""
-    w = make_workload(1024, 256, 768, 30, seed=9, device="cuda", dtype=torch.float32)
+    in fp32 instead of onto a bf16 sum) they differ by about one bf16 rounding, also where the heavy
+    rows' backward takes them in chunks (9000 rows)."""
+    w = make_workload(m, 256, 768, 30, seed=9, device="cuda", dtype=torch.float32)
     x = w.x.bfloat16()
     masters = [w.wg, w.wu, w.wd]
     casts = [t.bfloat16() for t in masters]
