@@ -97,14 +97,15 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
 }
 
 // out = a @ b (`overwrite`: out is written whole and not read, so it may hold anything before) or
-// out += a @ b, in out's dtype: a float out takes the product of bf16 a and b unrounded.
+// out += a @ b, in out's dtype: a float out takes the product of bf16 a and b unrounded. An out in
+// a's dtype is only overwritten (a sum of products goes through a float out, rounded once).
 void add_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool overwrite) {
-  if (out.scalar_type() != a.scalar_type())
+  if (out.scalar_type() != a.scalar_type()) {
     at::addmm_out(out, out, a, b, out.scalar_type(), /*beta=*/overwrite ? 0 : 1, /*alpha=*/1);
-  else if (overwrite)
-    at::mm_out(out, a, b);
-  else
-    out.addmm_(a, b);
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(overwrite, "add_product adds into a float out only");
+  at::mm_out(out, a, b);
 }
 
 // The heavy rows' dense path on the rows list[0, n), or on the first min(*count, n) of them where

@@ -56,12 +56,15 @@ def outputs_and_grads(fn, inputs, r):
     return (y, l1, nnz, fire, *(t.grad for t in inputs))
 
 
-def check_contract(inputs, heavy_threshold=64) -> dict[str, tuple[float, float]]:
+def check_contract(inputs, heavy_threshold=64, output_grad=True) -> dict[str, tuple[float, float]]:
     """Assert the contract for every output; return {name: (ours, dense bf16)} relative errors.
-    The output gradient r is fresh every run; a failure names its seed."""
+    The output gradient r is fresh every run (zero without `output_grad`: the gradients are then
+    the L1 term's alone); a failure names its seed."""
     r_seed = int(torch.randint(0, 2**31 - 1, ()).item())
     generator = torch.Generator(device="cuda").manual_seed(r_seed)
-    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64, generator=generator)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64, generator=generator) * float(
+        output_grad
+    )
     got = outputs_and_grads(lambda *a: cuda(*a, heavy_threshold=heavy_threshold), inputs, r)
     dense_bf16 = outputs_and_grads(dense, inputs, r)
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
@@ -113,14 +116,25 @@ def test_every_heavy_threshold_matches_fp64(heavy_threshold):
     check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold)
 
 
+HEAVY_BACKWARD_CHUNK_ROWS = 4096  # kHeavyBackwardChunkRows in kernels/train_bindings.cpp
+
+
+def heavy_row_count(w, heavy_threshold: int) -> int:
+    """Rows of the workload with more than `heavy_threshold` active units (the op's heavy rows)."""
+    return int((((w.x @ w.wg.T) > 0).sum(-1) > heavy_threshold).sum().item())
+
+
 @needs_hopper
+@pytest.mark.parametrize("output_grad", [True, False])
 @pytest.mark.parametrize("heavy_threshold", [0, 16])
-def test_heavy_rows_past_one_backward_chunk_match_fp64(heavy_threshold):
-    """More heavy rows than the backward takes at once (kHeavyBackwardChunkRows, 4096): 9000 rows,
-    nearly all heavy, in three chunks whose weight-gradient products are summed (for bf16 weights in
-    fp32, rounded once): exact by the contract as one chunk is."""
+def test_heavy_rows_past_one_backward_chunk_match_fp64(heavy_threshold, output_grad):
+    """More heavy rows than the backward takes at once (kHeavyBackwardChunkRows): 9000 rows, 6000+
+    of them heavy, in two or three chunks whose weight-gradient products are summed (for bf16 weights
+    in fp32, rounded once): exact by the contract as one chunk is; also with the L1 term's gradient
+    alone (its scale divides by all the rows, not a chunk's)."""
     w = make_workload(9000, 256, 1024, 40, seed=heavy_threshold + 5, device="cuda")
-    check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold)
+    assert heavy_row_count(w, heavy_threshold) > HEAVY_BACKWARD_CHUNK_ROWS
+    check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold, output_grad)
 
 
 @needs_hopper
@@ -246,8 +260,11 @@ def test_backward_with_float32_weights_rounds_once(m, heavy_threshold):
     weight gradients: dx as with the casts; without heavy rows each float32 gradient rounds to the
     bf16 one exactly (same fp32 sums, one rounding fewer); with heavy rows (their products added
     in fp32 instead of onto a bf16 sum) they differ by about one bf16 rounding, also where the heavy
-    rows' backward takes them in chunks (9000 rows)."""
+    rows' backward takes them in chunks (9000 rows), where the float32 gradients are also no further
+    from float64's than the bf16 ones."""
     w = make_workload(m, 256, 768, 30, seed=9, device="cuda", dtype=torch.float32)
+    if m > HEAVY_BACKWARD_CHUNK_ROWS:
+        assert heavy_row_count(w, heavy_threshold) > HEAVY_BACKWARD_CHUNK_ROWS
     x = w.x.bfloat16()
     masters = [w.wg, w.wu, w.wd]
     casts = [t.bfloat16() for t in masters]
@@ -255,12 +272,17 @@ def test_backward_with_float32_weights_rounds_once(m, heavy_threshold):
     dx16, *grads16 = backward(casts)
     dx32, *grads32 = backward(masters)
     assert torch.equal(dx16, dx32)
-    for name, g16, g32 in zip(("dWg", "dWu", "dWd"), grads16, grads32, strict=True):
+    # The exact gradients of the same loss (backward_of_forward's grad_y and grad_l1 = LAMBDA).
+    grad_y = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).bfloat16()
+    exact = outputs_and_grads(dense, [x.double(), *(c.double() for c in casts)], grad_y.double())[5:]
+    for name, g16, g32, want in zip(("dWg", "dWu", "dWd"), grads16, grads32, exact, strict=True):
         assert g16.dtype == torch.bfloat16 and g32.dtype == torch.float32, name
         if heavy_threshold == 768:
             assert torch.equal(g32.bfloat16(), g16), name
         else:
             assert rel_err(g32, g16.float()) <= 2**-8, name
+        if m > HEAVY_BACKWARD_CHUNK_ROWS:
+            assert rel_err(g32, want) <= rel_err(g16, want) + 2**-9, name
 
 
 @needs_hopper
