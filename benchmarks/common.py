@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -173,10 +174,9 @@ def busy_us(spans: list[tuple[float, float, str]]) -> float:
     return busy
 
 
-def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
-    """Milliseconds a call of fn() keeps the GPU busy (device events of `calls` calls under
-    torch.profiler, overlaps counted once), without the idle between its kernels that its event
-    time includes. Warm fn up first."""
+def profiled_device_spans(fn: Callable[[], Any], calls: int) -> list[tuple[float, float, str]]:
+    """The device events (start us, end us, name) of `calls` calls of fn() under torch.profiler.
+    Warm fn up first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -184,7 +184,41 @@ def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return busy_us(_device_spans(prof.events())) / 1000 / calls
+    return _device_spans(prof.events())
+
+
+def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
+    """Milliseconds a call of fn() keeps the GPU busy (device events of `calls` calls under
+    torch.profiler, overlaps counted once), without the idle between its kernels that its event
+    time includes. Warm fn up first."""
+    return busy_us(profiled_device_spans(fn, calls)) / 1000 / calls
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's short name for a table: the function's own name without its namespaces, template
+    arguments and parameters (`void ns::(anonymous namespace)::csr_count_kernel<float>(...)` ->
+    `csr_count_kernel`); ATen's generic kernels keep the functor that says what they do
+    (`vectorized_elementwise_kernel[FillFunctor]`); names without a signature (cuBLAS's `nvjet_...`,
+    `Memset (Device)`) stay whole."""
+    if name.startswith(("Memcpy", "Memset")) or "(" not in name.replace("(anonymous namespace)", ""):
+        return name
+    plain = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    label = plain.split("(", 1)[0].split("<", 1)[0].rsplit("::", 1)[-1]
+    if "at::native::" in plain:
+        functor = re.search(r"(\w+Functor|\w+Ops|\w+_kernel_cuda|\w+_kernel_impl)\b", plain)
+        if functor:
+            label += f"[{functor.group(1)}]"
+    return label
+
+
+def kernel_us(spans: Iterable[tuple[float, float, str]], calls: int) -> dict[str, float]:
+    """Microseconds a call of each kernel (by `kernel_label`) over `calls` calls' device events,
+    largest first. Kernels that overlap each count their own time."""
+    per_label: dict[str, float] = {}
+    for start, end, name in spans:
+        label = kernel_label(name)
+        per_label[label] = per_label.get(label, 0.0) + (end - start) / calls
+    return dict(sorted(per_label.items(), key=lambda kv: -kv[1]))
 
 
 def step_time_split(events: Any, steps: int = 1) -> dict[str, float]:

@@ -23,6 +23,10 @@ summed over the model's layers, dense over ours in every layer) and `speedup` (t
 event-timed calls), the figures of issue 50; `synthetic` holds the synthetic rows.
 
     python -m benchmarks.layer_ffn --model runs/sparse_1b --synthetic 30 60 120 --json ffn_layer_mix_h100.json
+
+`--kernels` (GPU) also keeps ours' GPU time kernel by kernel in each layer (the JSON rows'
+`kernel_us_ours`) and adds a table of each kernel's time summed over the layers and over the
+layers of each L0 band: where the op's time goes on the layers a run produces.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         help="also the synthetic workload at these non-zeros a token",
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also ours' GPU time kernel by kernel in each layer (GPU only): where the op's time goes",
     )
     return parse_model_args(p, argv)
 
@@ -88,7 +97,10 @@ def time_layer(
         call = rotating(forward_backward(fn, grad_l1), sets)
         times[f"ms_{name}"] = common.median_ms(call, x.device, args.warmup, args.reps)
         if x.is_cuda:
-            times[f"gpu_ms_{name}"] = common.gpu_busy_ms(call, calls=args.sets)
+            spans = common.profiled_device_spans(call, calls=args.sets)
+            times[f"gpu_ms_{name}"] = common.busy_us(spans) / 1000 / args.sets
+            if name == "ours" and args.kernels:
+                times["kernel_us_ours"] = common.kernel_us(spans, calls=args.sets)
     return times
 
 
@@ -105,6 +117,50 @@ def totals(rows: list[dict], hidden: int, max_density: float, prefix: str = "ms"
         ),
         f"{prefix}_best_per_layer": sum(min(r[recomputed], r[ours]) for r in rows),
     }
+
+
+L0_BANDS = ((0.0, 20.0), (20.0, 50.0), (50.0, float("inf")))
+
+
+def kernel_markdown(rows: list[dict], top: int = 20) -> str:
+    """Where ours' GPU time goes: each kernel's milliseconds summed over the layers, and over the
+    layers in each L0 band (the sparse middle layers and the denser ones pay for different
+    kernels); the `top` largest, the rest in one line. Empty without per-kernel times."""
+    if "kernel_us_ours" not in rows[0]:
+        return ""
+    bands = [[r for r in rows if low <= r["l0"] < high] for low, high in L0_BANDS]
+    total: dict[str, float] = {}
+    for r in rows:
+        for label, us in r["kernel_us_ours"].items():
+            total[label] = total.get(label, 0.0) + us
+    busy = sum(r["gpu_ms_ours"] for r in rows)
+
+    def band_ms(band: list[dict], labels: list[str]) -> str:
+        return f"{sum(r['kernel_us_ours'].get(label, 0.0) for r in band for label in labels) / 1000:.2f}"
+
+    heads = " | ".join(
+        f"L0 {low:g}+ ({len(b)} layers), ms"
+        if high == float("inf")
+        else f"L0 {low:g}-{high:g} ({len(b)} layers), ms"
+        for (low, high), b in zip(L0_BANDS, bands, strict=True)
+    )
+    lines = [
+        "",
+        f"Ours kernel by kernel, summed over the layers (GPU busy {busy:.2f} ms; kernels that overlap "
+        "each count their own time):",
+        "",
+        f"| kernel | all layers, ms | share of busy | {heads} |",
+        "|---|---:|---:|" + "---:|" * len(L0_BANDS),
+    ]
+    ranked = sorted(total, key=lambda label: -total[label])
+    groups = [[label] for label in ranked[:top]] + ([ranked[top:]] if len(ranked) > top else [])
+    for labels in groups:
+        name = labels[0] if len(labels) == 1 else f"(the other {len(labels)})"
+        ms = sum(total[label] for label in labels) / 1000
+        lines.append(
+            f"| {name} | {ms:.2f} | {ms / busy:.1%} | " + " | ".join(band_ms(b, labels) for b in bands) + " |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
@@ -142,6 +198,8 @@ def markdown(meta: dict, rows: list[dict], sums: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.bench_device(cpu=args.tiny)
+    if args.kernels and device.type != "cuda":
+        raise SystemExit("--kernels times ours kernel by kernel on a GPU; this run is on the CPU")
     model, inputs, text, name = model_inputs(args, device)
     mlps = [layer.mlp for layer in model.model.layers]
     nnz = torch.stack([common.gate_active(x, mlp).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)])
@@ -174,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     headline = {"speedup": sums["ms_dense"] / sums["ms_ours"]}
     if "gpu_ms_ours" in sums:
         headline["busy_speedup"] = sums["gpu_ms_dense"] / sums["gpu_ms_ours"]
-    text = markdown(meta, rows, sums) + synthetic_markdown(synthetic)
+    text = markdown(meta, rows, sums) + kernel_markdown(rows) + synthetic_markdown(synthetic)
     common.write_report(text, meta, rows, args.json, args.md, headline | {"synthetic": synthetic})
     return rows
 

@@ -1,5 +1,5 @@
 """The benchmark scripts' shared helpers (benchmarks/common.py): the median time, the GPU idle
-table, the CPU kernel table, the memory peak table."""
+table, the kernel tables and labels, the memory peak table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from benchmarks.common import (
     busy_us,
     device_kernel_table,
     gpu_idle_table,
+    kernel_label,
     kernel_table,
+    kernel_us,
     median_ms,
     memory_peak_table,
     step_time_split,
@@ -65,6 +67,32 @@ def test_step_time_split_separates_compute_exposed_communication_and_idle():
 
 def test_gpu_idle_table_without_device_events_is_empty():
     assert gpu_idle_table([_event("host_op", 0, 10, DeviceType.CPU)]) == ""
+
+
+def test_kernel_label_keeps_a_kernels_own_name():
+    assert kernel_label(
+        "void ns::(anonymous namespace)::csr_units_kernel<__nv_bfloat16>(float const*, long)"
+    ) == ("csr_units_kernel")
+    assert kernel_label("ns::(anonymous namespace)::csr_count_kernel(int const*, long)") == "csr_count_kernel"
+    assert (
+        kernel_label("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN")
+        == "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN"
+    )
+    fill = "void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>, std::array<char*, 1ul> >(int)"
+    assert kernel_label(fill) == "vectorized_elementwise_kernel[FillFunctor]"
+    assert kernel_label("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+    assert kernel_label("Memset (Device)") == "Memset (Device)"
+
+
+def test_kernel_us_sums_each_kernel_per_call_largest_first():
+    spans = [
+        (0, 100, "void ns::a_kernel<float>(int)"),
+        (100, 130, "ns::b_kernel(int)"),
+        (130, 230, "void ns::a_kernel<__nv_bfloat16>(int)"),  # another instance: the same kernel
+        (230, 290, "ns::b_kernel(int)"),
+    ]
+    assert kernel_us(spans, calls=2) == {"a_kernel": 100.0, "b_kernel": 45.0}
+    assert list(kernel_us(spans, calls=2)) == ["a_kernel", "b_kernel"]
 
 
 def test_device_kernel_table_lists_every_kernel_per_call():

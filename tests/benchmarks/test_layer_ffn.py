@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import ffn_inputs
-from benchmarks.layer_ffn import main, totals
+from benchmarks.layer_ffn import kernel_markdown, main, totals
 from benchmarks.row_density import RANDOM_TINY
 from sparse_llm.config import ModelConfig
 from sparse_llm.model import build_model
@@ -59,3 +59,23 @@ def test_tiny_end_to_end(tmp_path):
     assert [r["nnz"] for r in synthetic] == [8, 30] and synthetic[0]["l0"] < synthetic[1]["l0"]
     assert all(r["ms_dense"] > 0 and r["ms_ours"] > 0 for r in synthetic)
     assert "| 30 |" in (tmp_path / "r.md").read_text()
+
+
+def test_kernel_table_sums_each_kernel_over_the_layers_and_their_l0_bands():
+    rows = [
+        {"l0": 8.0, "gpu_ms_ours": 2.0, "kernel_us_ours": {"gate_gemm": 500.0, "rows_kernel": 300.0}},
+        {"l0": 30.0, "gpu_ms_ours": 3.0, "kernel_us_ours": {"gate_gemm": 500.0, "heavy_gemm": 1000.0}},
+        {"l0": 80.0, "gpu_ms_ours": 5.0, "kernel_us_ours": {"gate_gemm": 500.0, "heavy_gemm": 3000.0}},
+    ]
+    table = kernel_markdown(rows, top=2)
+    assert "GPU busy 10.00 ms" in table
+    assert "| heavy_gemm | 4.00 | 40.0% | 0.00 | 1.00 | 3.00 |" in table
+    assert "| gate_gemm | 1.50 | 15.0% | 0.50 | 0.50 | 0.50 |" in table
+    assert "| rows_kernel | 0.30 | 3.0% | 0.30 | 0.00 | 0.00 |" in table  # one left over: named
+    assert "L0 0-20 (1 layers), ms | L0 20-50 (1 layers), ms | L0 50+ (1 layers), ms" in table
+    assert kernel_markdown([{"l0": 8.0, "gpu_ms_ours": 2.0}]) == ""  # no per-kernel times: no table
+
+
+def test_kernels_need_a_gpu():
+    with pytest.raises(SystemExit, match="on a GPU"):
+        main(["--tiny", "--kernels"])
