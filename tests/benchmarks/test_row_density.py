@@ -82,6 +82,20 @@ def test_tile_rows_on_a_round_robin_pattern():
     assert rd.tile_rows(mask, threshold=0)["bound_as_built"] == 1.0
 
 
+def test_heavy_rows_over_their_union_count_only_the_units_heavy_rows_use():
+    # 16 units; tokens 0-3 fire units 0-5 (heavy at threshold 4), tokens 4-7 fire unit 10 alone.
+    mask = _mask(16, [list(range(6))] * 4 + [[10]] * 4)
+    row = rd.tile_rows(mask, threshold=4)
+    assert row["units_active"] == 7 and row["units_active_heavy"] == 6
+    assert row["bound_as_built"] == rd.speedup_bound(4 + 4 * 16, 8, 16)
+    assert row["bound_heavy_union"] == rd.speedup_bound(4 + 4 * 6, 8, 16)
+    # Here every heavy row uses every unit of the union: the union bound is the gather bound.
+    assert row["bound_heavy_union"] == row["bound_gather"]
+    # No heavy rows: the union is empty and the bound is the as-built one.
+    light = rd.tile_rows(mask, threshold=8)
+    assert light["units_active_heavy"] == 0 and light["bound_heavy_union"] == light["bound_as_built"]
+
+
 def test_saved_inputs_reload_identical_and_report_the_same(tmp_path):
     saved, out = tmp_path / "inputs", tmp_path / "rows.json"
     first = rd.main(["--tiny", "--save-inputs", str(saved), "--json", str(out)])
