@@ -191,7 +191,12 @@ def gpu_busy_ms(fn: Callable[[], Any], calls: int) -> float:
     """Milliseconds a call of fn() keeps the GPU busy (device events of `calls` calls under
     torch.profiler, overlaps counted once), without the idle between its kernels that its event
     time includes. Warm fn up first."""
-    return busy_us(profiled_device_spans(fn, calls)) / 1000 / calls
+    return busy_ms(profiled_device_spans(fn, calls), calls)
+
+
+def busy_ms(spans: list[tuple[float, float, str]], calls: int) -> float:
+    """Milliseconds a call keeps the GPU busy, from `calls` calls' device events."""
+    return busy_us(spans) / 1000 / calls
 
 
 def kernel_label(name: str) -> str:

@@ -98,7 +98,7 @@ def time_layer(
         times[f"ms_{name}"] = common.median_ms(call, x.device, args.warmup, args.reps)
         if x.is_cuda:
             spans = common.profiled_device_spans(call, calls=args.sets)
-            times[f"gpu_ms_{name}"] = common.busy_us(spans) / 1000 / args.sets
+            times[f"gpu_ms_{name}"] = common.busy_ms(spans, calls=args.sets)
             if name == "ours" and args.kernels:
                 times["kernel_us_ours"] = common.kernel_us(spans, calls=args.sets)
     return times

@@ -438,8 +438,8 @@ class TrainCapacities:
         """Set the next step's capacities from the sizes a step's forward wrote (its four host sizes)."""
         # Written through numpy: every forward saves this tensor for its backward, and a torch
         # in-place write would bump the version that a pending backward checks it against.
-        if len(host_sizes) < 4:
-            raise ValueError(f"need the forward's 4 host sizes, got {list(host_sizes)}")
+        if len(host_sizes) < HOST_SIZE_FIELDS - 1:  # the sizes, without the ready flag
+            raise ValueError(f"need the forward's {HOST_SIZE_FIELDS - 1} host sizes, got {list(host_sizes)}")
         sizes = [int(size) for size in host_sizes[cls.FROM_HOST_SIZES]]
         values = state.numpy()
         over = [size > int(values[i]) for i, size in enumerate(sizes)]
