@@ -1,0 +1,288 @@
+"""A column hybrid of the FFN training op, prototyped on a trained model's layers: the units that
+fire on many tokens of the step (hot units) as a dense FFN over their columns, on tensor cores; the
+other units' entries through the sparse op. Is it faster than the op, layer by layer?
+
+    python -m benchmarks.column_hybrid --model runs/sparse_1b [--shares 0.0025 0.005 0.01 0.02 0.04]
+    python -m benchmarks.column_hybrid --tiny      # CPU, seconds: the script end to end
+
+Why: the op's per-entry kernels (up/down, the row backward, the unit backward) read a weight row
+(or an x and a grad_y row) per active entry and run at a few TFLOP/s of useful work, where a dense
+GEMM column over all M tokens runs at cuBLAS's rate. For a unit firing on more than ~1% of the
+tokens its column computed densely (gate, up, down and their backward over all M tokens) costs less
+than its entries gathered one by one. A trained layer concentrates its entries on few units (a
+layer at L0 6 has ~600 units active in a step of 5632), so a small dense block may take most of
+its entries off the gather path.
+
+Exact by construction, for any choice of hot units S: with a = relu(x Wg^T), the FFN's output
+y = sum over units j of a_j u_j Wd[:, j] and its L1 sum |a_j u_j| split over units, so
+y = FFN(units not in S) + FFN(units in S), and their gradients too. The prototype computes
+FFN(not S) with `ops.ffn_forward_train` on Wg with S's rows zeroed (those units never fire: g = 0
+is not active) and FFN(S) with the model's dense FFN (compiled on a GPU) on the panels Wg[S],
+Wu[S], Wd[:, S], its down GEMM adding into the op's y. Separate leaves for the panels: their
+gradients are S's rows of the full ones (the real design writes them in place; the prototype
+leaves them apart, uncounted).
+
+What the prototype overstates against a built hybrid: the op still runs its gate GEMM over all H
+units (S's rows zero) and the dense part runs S's gate again; dx is summed from the two parts by an
+add. So its times bound a built hybrid's from above.
+
+Per layer and per share s in `--shares`: S = the units firing on at least s x M of the step's
+tokens; its size, the share of the step's active entries it takes, the heavy rows left to the op,
+and the forward+backward (with the L1 term) timed as `layer_ffn.py` times it: dense (compiled), the
+op alone, the hybrid. Then the error of the op and of the hybrid at the layer's fastest share against
+an float32 dense reference (relative Frobenius norm of y, dx and the three weight gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from benchmarks.ffn import dense_train, forward_backward, train_ours
+from benchmarks.layer_ffn import rotating
+from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+
+DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04)  # of the step's tokens a hot unit fires on
+GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
+GRADIENTS = ("y", "dx", "dwg", "dwu", "dwd")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = model_parser(__doc__)
+    p.add_argument("--shares", type=float, nargs="+", default=list(DEFAULT_SHARES))
+    p.add_argument("--sets", type=int, default=3, help="copies of a layer's weights the timed calls rotate")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    args = parse_model_args(p, argv)
+    if not all(0.0 < s <= 1.0 for s in args.shares):
+        p.error(f"--shares are fractions of the step's tokens in (0, 1]; got {args.shares}")
+    return args
+
+
+def hot_units(active: torch.Tensor, share: float) -> torch.Tensor:
+    """The units (ascending int64 indices) of active [M, H] that fire on at least share x M tokens."""
+    fires = active.sum(dim=0)
+    return torch.nonzero(fires >= share * active.shape[0]).flatten()
+
+
+def split_stats(active: torch.Tensor, hot: torch.Tensor, threshold: int) -> dict[str, float]:
+    """What taking `hot` out of the sparse op leaves it: S's size, the share of the step's active
+    entries S takes, and the rows still heavy (more than `threshold` active units outside S)."""
+    entries = active.sum()
+    hot_entries = active[:, hot].sum()
+    cold_per_row = active.sum(dim=1) - active[:, hot].sum(dim=1)
+    return {
+        "hot_units": hot.numel(),
+        "hot_entry_share": (hot_entries / entries.clamp(min=1)).item(),
+        "heavy_rows_left": int((cold_per_row > threshold).sum()),
+    }
+
+
+def hybrid_leaves(
+    x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], hot: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The hybrid's inputs: x, Wg with S's rows zeroed, Wu, Wd (the op's), and the panels Wg[S],
+    Wu[S], Wd[:, S] (the dense part's), each a fresh leaf that wants its gradient."""
+    wg, wu, wd = weights
+    cold_wg = wg.index_fill(0, hot, 0)
+    leaves = (x, cold_wg, wu, wd, wg[hot], wu[hot], wd[:, hot])
+    return tuple(t.detach().clone().requires_grad_(True) for t in leaves)
+
+
+def hot_dense(y_cold: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor):
+    """The dense FFN over the hot units' panels, its output added to the op's by the down GEMM:
+    (y_cold + y_hot, l1_hot)."""
+    h = torch.relu(x @ wg.T) * (x @ wu.T)
+    return torch.addmm(y_cold, h, wd.T), h.float().abs().sum(-1).mean()
+
+
+def hybrid_call(ours: Callable, dense_part: Callable) -> Callable:
+    """(x, Wg with S zeroed, Wu, Wd, Wg[S], Wu[S], Wd[:, S]) -> (y, l1): the op over the units
+    outside S plus the dense FFN over S."""
+
+    def call(x, cold_wg, wu, wd, hot_wg, hot_wu, hot_wd):
+        y_cold, l1_cold = ours(x, cold_wg, wu, wd)
+        y, l1_hot = dense_part(y_cold, x, hot_wg, hot_wu, hot_wd)
+        return y, l1_cold + l1_hot
+
+    return call
+
+
+def timed(fn: Callable, sets: list[tuple[torch.Tensor, ...]], args: argparse.Namespace) -> dict[str, float]:
+    """The training call's median event-timed ms (`ms`) and, on a GPU, its GPU busy ms (`gpu_ms`)."""
+    call = rotating(forward_backward(fn, torch.tensor(GRAD_L1, device=sets[0][0].device)), sets)
+    out = {"ms": common.median_ms(call, sets[0][0].device, args.warmup, args.reps)}
+    if sets[0][0].is_cuda:
+        out["gpu_ms"] = common.busy_ms(common.profiled_device_spans(call, calls=args.sets), calls=args.sets)
+    return out
+
+
+def gradients(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """y and the gradients of <1, y> + GRAD_L1 * l1 for x and the full weights (a hybrid's panels'
+    gradients put back at their units' rows), float32."""
+    y, l1 = fn(*inputs)
+    torch.autograd.backward(
+        (y, l1), (torch.ones_like(y), torch.tensor(GRAD_L1, device=y.device, dtype=l1.dtype))
+    )
+    out = {"y": y.detach().float(), "dx": inputs[0].grad.float()}
+    out |= {name: t.grad.float() for name, t in zip(("dwg", "dwu", "dwd"), inputs[1:4], strict=True)}
+    return out
+
+
+def hybrid_gradients(
+    fn: Callable, inputs: tuple[torch.Tensor, ...], hot: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    out = gradients(fn, inputs)
+    out["dwg"][hot] = inputs[4].grad.float()
+    out["dwu"][hot] = inputs[5].grad.float()
+    out["dwd"][:, hot] = inputs[6].grad.float()
+    return out
+
+
+def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {
+        name: ((got[name] - want[name]).norm() / want[name].norm().clamp(min=1e-30)).item()
+        for name in GRADIENTS
+    }
+
+
+def time_layer(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    active: torch.Tensor,
+    args: argparse.Namespace,
+    fns: dict[str, Callable],
+) -> dict[str, Any]:
+    """One layer: dense, the op, and the hybrid at each share, timed; errors at the fastest share."""
+    key = "gpu_ms" if x.is_cuda else "ms"
+    full_sets = [
+        tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)) for _ in range(args.sets)
+    ]
+    row: dict[str, Any] = {f"{k}_dense": v for k, v in timed(fns["dense"], full_sets, args).items()}
+    row |= {f"{k}_ours": v for k, v in timed(fns["ours"], full_sets, args).items()}
+    del full_sets
+    row["shares"] = []
+    for share in args.shares:
+        hot = hot_units(active, share)
+        sets = [hybrid_leaves(x, weights, hot) for _ in range(args.sets)]
+        row["shares"].append(
+            {
+                "share": share,
+                **split_stats(active, hot, args.heavy_threshold),
+                **timed(fns["hybrid"], sets, args),
+            }
+        )
+        del sets
+    best = min(row["shares"], key=lambda s: s[key])
+    row["best_share"] = best["share"]
+    row[f"{key}_hybrid"] = best[key]
+
+    reference = gradients(dense_train, tuple(t.detach().float().requires_grad_(True) for t in (x, *weights)))
+    ours_grads = gradients(fns["ours"], tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)))
+    row["err_ours"] = relative_errors(ours_grads, reference)
+    del ours_grads
+    hot = hot_units(active, best["share"])
+    row["err_hybrid"] = relative_errors(
+        hybrid_gradients(fns["hybrid"], hybrid_leaves(x, weights, hot), hot), reference
+    )
+    return row
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    key = "gpu_ms" if "gpu_ms_ours" in rows[0] else "ms"
+    what = "GPU busy ms" if key == "gpu_ms" else "event-timed ms"
+    shares = [s["share"] for s in rows[0]["shares"]]
+    lines = [
+        f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
+        f"{meta['tokens']} tokens ({meta['text']}); the op: ffn_forward_train impl={meta['impl']}, heavy threshold "
+        f"{meta['heavy_threshold']}; dense: {meta['dense']}; forward+backward with the L1 term; {what} "
+        f"(median of {meta['reps']} calls over {meta['sets']} weight copies for event times).",
+        "",
+        "Hot units S = those firing on at least the share of the step's tokens; each cell: |S|, the share of "
+        f"active entries S takes, the hybrid's {what}.",
+        "",
+        "| layer | L0 | dense | op | "
+        + " | ".join(f"share {s:g}" for s in shares)
+        + " | hybrid best | op / best |",
+        "|---:|---:|---:|---:|" + "---|" * len(shares) + "---:|---:|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{s['hot_units']}, {s['hot_entry_share']:.0%}: {s[key]:.3f}" for s in r["shares"])
+        lines.append(
+            f"| {r['layer']} | {r['l0']:.1f} | {r[f'{key}_dense']:.3f} | {r[f'{key}_ours']:.3f} | {cells} | "
+            f"{r[f'{key}_hybrid']:.3f} ({r['best_share']:g}) | {r[f'{key}_ours'] / r[f'{key}_hybrid']:.2f}x |"
+        )
+    sums = meta["totals"]
+    lines += [
+        "",
+        f"Sum over layers, {what}: dense {sums['dense']:.2f}, the op {sums['ours']:.2f} "
+        f"(dense / op {sums['dense'] / sums['ours']:.2f}x), the hybrid at each layer's best share {sums['hybrid']:.2f} "
+        f"(dense / hybrid {sums['dense'] / sums['hybrid']:.2f}x).",
+        "",
+        "Relative error against a float32 dense reference (Frobenius), the op / the hybrid at its best share:",
+        "",
+        "| layer | " + " | ".join(GRADIENTS) + " |",
+        "|---:|" + "---|" * len(GRADIENTS),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layer']} | "
+            + " | ".join(f"{r['err_ours'][g]:.1e} / {r['err_hybrid'][g]:.1e}" for g in GRADIENTS)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = common.bench_device(cpu=args.tiny)
+    model, inputs, text, name = model_inputs(args, device)
+    impl, _ = common.sparse_path(
+        "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    ours = train_ours(impl, args.heavy_threshold)
+    compiled = device.type == "cuda"
+    fns = {
+        "dense": torch.compile(dense_train, dynamic=False) if compiled else dense_train,
+        "ours": ours,
+        # One graph for every |S| (dynamic): a graph per layer and share would compile ~90 times.
+        "hybrid": hybrid_call(ours, torch.compile(hot_dense, dynamic=True) if compiled else hot_dense),
+    }
+    mlps = [layer.mlp for layer in model.model.layers]
+    rows = []
+    for x, mlp in zip(inputs, mlps, strict=True):
+        active = common.gate_active(x, mlp)
+        row = layer_rows(active.sum(-1, keepdim=False)[None].cpu(), args.heavy_threshold)[0]
+        row["layer"] = len(rows)
+        row.update(time_layer(x, common.ffn_weights(mlp, x.dtype), active, args, fns))
+        rows.append(row)
+        del active
+    key = "gpu_ms" if device.type == "cuda" else "ms"
+    meta = common.run_meta(
+        device,
+        model=name,
+        tokens=inputs[0].shape[0],
+        text=text,
+        impl=impl,
+        dense="compiled" if compiled else "eager",
+        heavy_threshold=args.heavy_threshold,
+        reps=args.reps,
+        sets=args.sets,
+        shares=args.shares,
+    )
+    meta["totals"] = {part: sum(r[f"{key}_{part}"] for r in rows) for part in ("dense", "ours", "hybrid")}
+    headline = {
+        "timing": key,
+        "speedup_ours": meta["totals"]["dense"] / meta["totals"]["ours"],
+        "speedup_hybrid": meta["totals"]["dense"] / meta["totals"]["hybrid"],
+    }
+    common.write_report(markdown(meta, rows), meta, rows, args.json, args.md, headline)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
