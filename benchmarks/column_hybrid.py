@@ -46,7 +46,10 @@ from benchmarks.ffn import dense_train, forward_backward, train_ours
 from benchmarks.layer_ffn import rotating
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
 
-DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04)  # of the step's tokens a hot unit fires on
+DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08)  # of the step's tokens a hot unit fires on
+# |S| rounded up to this: a bf16 GEMM whose sizes are not multiples of 8 falls off cuBLAS's fast
+# kernels (2-5x slower at |S| = 2678 than at 2144 on an H200); 64 fills whole GEMM tiles.
+HOT_MULTIPLE = 64
 GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
 GRADIENTS = ("y", "dx", "dwg", "dwu", "dwd")
 
@@ -63,10 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def hot_units(active: torch.Tensor, share: float) -> torch.Tensor:
-    """The units (ascending int64 indices) of active [M, H] that fire on at least share x M tokens."""
+def hot_units(active: torch.Tensor, share: float, multiple: int = HOT_MULTIPLE) -> torch.Tensor:
+    """The units (ascending int64 indices) of active [M, H] that fire on at least share x M tokens,
+    and the next most firing ones up to a multiple of `multiple` units (or all H)."""
     fires = active.sum(dim=0)
-    return torch.nonzero(fires >= share * active.shape[0]).flatten()
+    wanted = int((fires >= share * active.shape[0]).sum())
+    count = min(active.shape[1], -(-wanted // multiple) * multiple)
+    return torch.topk(fires, count, sorted=False).indices.sort().values
 
 
 def split_stats(active: torch.Tensor, hot: torch.Tensor, threshold: int) -> dict[str, float]:
@@ -98,6 +104,15 @@ def hot_dense(y_cold: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch
     (y_cold + y_hot, l1_hot)."""
     h = torch.relu(x @ wg.T) * (x @ wu.T)
     return torch.addmm(y_cold, h, wd.T), h.float().abs().sum(-1).mean()
+
+
+def hot_only(dense_part: Callable) -> Callable:
+    """(x, Wg[S], Wu[S], Wd[:, S]) -> (y, l1): the hybrid's dense part alone, added to zeros."""
+
+    def call(x, hot_wg, hot_wu, hot_wd):
+        return dense_part(x.new_zeros(x.shape[0], hot_wd.shape[0]), x, hot_wg, hot_wu, hot_wd)
+
+    return call
 
 
 def hybrid_call(ours: Callable, dense_part: Callable) -> Callable:
@@ -169,13 +184,14 @@ def time_layer(
     for share in args.shares:
         hot = hot_units(active, share)
         sets = [hybrid_leaves(x, weights, hot) for _ in range(args.sets)]
-        row["shares"].append(
-            {
-                "share": share,
-                **split_stats(active, hot, args.heavy_threshold),
-                **timed(fns["hybrid"], sets, args),
-            }
-        )
+        cell = {
+            "share": share,
+            **split_stats(active, hot, args.heavy_threshold),
+            **timed(fns["hybrid"], sets, args),
+        }
+        # The dense part alone (x and the panels; its output added to zeros): the rest is the op's.
+        cell |= {f"{k}_hot": v for k, v in timed(fns["hot"], [(t[0], *t[4:]) for t in sets], args).items()}
+        row["shares"].append(cell)
         del sets
     best = min(row["shares"], key=lambda s: s[key])
     row["best_share"] = best["share"]
@@ -185,6 +201,11 @@ def time_layer(
     ours_grads = gradients(fns["ours"], tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)))
     row["err_ours"] = relative_errors(ours_grads, reference)
     del ours_grads
+    dense_grads = gradients(
+        fns["dense"], tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights))
+    )
+    row["err_dense"] = relative_errors(dense_grads, reference)
+    del dense_grads
     hot = hot_units(active, best["share"])
     row["err_hybrid"] = relative_errors(
         hybrid_gradients(fns["hybrid"], hybrid_leaves(x, weights, hot), hot), reference
@@ -202,8 +223,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{meta['heavy_threshold']}; dense: {meta['dense']}; forward+backward with the L1 term; {what} "
         f"(median of {meta['reps']} calls over {meta['sets']} weight copies for event times).",
         "",
-        "Hot units S = those firing on at least the share of the step's tokens; each cell: |S|, the share of "
-        f"active entries S takes, the hybrid's {what}.",
+        "Hot units S = those firing on at least the share of the step's tokens (then the next most firing, "
+        f"to a multiple of {HOT_MULTIPLE}); each cell: |S|, the share of active entries S takes, the hybrid's "
+        f"{what} (its dense part's alone).",
         "",
         "| layer | L0 | dense | op | "
         + " | ".join(f"share {s:g}" for s in shares)
@@ -211,7 +233,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "|---:|---:|---:|---:|" + "---|" * len(shares) + "---:|---:|",
     ]
     for r in rows:
-        cells = " | ".join(f"{s['hot_units']}, {s['hot_entry_share']:.0%}: {s[key]:.3f}" for s in r["shares"])
+        cells = " | ".join(
+            f"{s['hot_units']}, {s['hot_entry_share']:.0%}: {s[key]:.3f} ({s[f'{key}_hot']:.3f})"
+            for s in r["shares"]
+        )
         lines.append(
             f"| {r['layer']} | {r['l0']:.1f} | {r[f'{key}_dense']:.3f} | {r[f'{key}_ours']:.3f} | {cells} | "
             f"{r[f'{key}_hybrid']:.3f} ({r['best_share']:g}) | {r[f'{key}_ours'] / r[f'{key}_hybrid']:.2f}x |"
@@ -223,7 +248,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"(dense / op {sums['dense'] / sums['ours']:.2f}x), the hybrid at each layer's best share {sums['hybrid']:.2f} "
         f"(dense / hybrid {sums['dense'] / sums['hybrid']:.2f}x).",
         "",
-        "Relative error against a float32 dense reference (Frobenius), the op / the hybrid at its best share:",
+        "Relative error against a float32 dense reference (Frobenius), the bf16 dense FFN / the op / the hybrid "
+        "at its best share:",
         "",
         "| layer | " + " | ".join(GRADIENTS) + " |",
         "|---:|" + "---|" * len(GRADIENTS),
@@ -231,7 +257,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['layer']} | "
-            + " | ".join(f"{r['err_ours'][g]:.1e} / {r['err_hybrid'][g]:.1e}" for g in GRADIENTS)
+            + " | ".join(
+                f"{r['err_dense'][g]:.1e} / {r['err_ours'][g]:.1e} / {r['err_hybrid'][g]:.1e}"
+                for g in GRADIENTS
+            )
             + " |"
         )
     return "\n".join(lines) + "\n"
@@ -246,11 +275,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     ours = train_ours(impl, args.heavy_threshold)
     compiled = device.type == "cuda"
+    # One graph for every |S| (dynamic): a graph per layer and share would compile ~100 times.
+    dense_part = torch.compile(hot_dense, dynamic=True) if compiled else hot_dense
     fns = {
         "dense": torch.compile(dense_train, dynamic=False) if compiled else dense_train,
         "ours": ours,
-        # One graph for every |S| (dynamic): a graph per layer and share would compile ~90 times.
-        "hybrid": hybrid_call(ours, torch.compile(hot_dense, dynamic=True) if compiled else hot_dense),
+        "hybrid": hybrid_call(ours, dense_part),
+        "hot": hot_only(dense_part),
     }
     mlps = [layer.mlp for layer in model.model.layers]
     rows = []

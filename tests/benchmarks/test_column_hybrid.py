@@ -27,9 +27,12 @@ def test_hot_units_fire_on_at_least_the_share_of_tokens():
     active[:, 1] = True  # 10 of 10 tokens
     active[:3, 3] = True  # 3 of 10
     active[0, 4] = True  # 1 of 10
-    assert hot_units(active, 0.3).tolist() == [1, 3]
-    assert hot_units(active, 0.31).tolist() == [1]
-    stats = split_stats(active, hot_units(active, 0.3), threshold=0)
+    assert hot_units(active, 0.3, multiple=1).tolist() == [1, 3]
+    assert hot_units(active, 0.31, multiple=1).tolist() == [1]
+    assert hot_units(active, 0.31, multiple=3).tolist() == [1, 3, 4]  # the next most firing, to 3
+    assert hot_units(active, 0.05, multiple=8).tolist() == [0, 1, 2, 3, 4]  # never past H
+    assert hot_units(active, 1.1).numel() == 0
+    stats = split_stats(active, hot_units(active, 0.3, multiple=1), threshold=0)
     assert stats == {"hot_units": 2, "hot_entry_share": pytest.approx(13 / 14), "heavy_rows_left": 1}
 
 
@@ -41,7 +44,7 @@ def test_hybrid_equals_the_dense_ffn(share):
     weights = tuple(torch.randn(*shape, dtype=torch.float64) * 0.3 for shape in ((h, d), (h, d), (d, h)))
     weights[0][:, 0] -= 0.4  # a spread of densities: some units rarely fire
     active = x @ weights[0].T > 0
-    hot = hot_units(active, share) if share > 0 else torch.arange(h)
+    hot = hot_units(active, share, multiple=1) if share > 0 else torch.arange(h)
     want = gradients(dense_train, tuple(t.clone().requires_grad_(True) for t in (x, *weights)))
     hybrid = hybrid_call(train_ours("reference", threshold=4), hot_dense)
     got = hybrid_gradients(hybrid, hybrid_leaves(x, weights, hot), hot)
@@ -60,4 +63,5 @@ def test_tiny_end_to_end(tmp_path):
         assert [s["share"] for s in r["shares"]] == [0.05, 0.5]
         assert r["shares"][0]["hot_units"] >= r["shares"][1]["hot_units"]
         assert max(r["err_hybrid"].values()) < 1e-4  # float32 on CPU: both parts exact
+        assert r["shares"][0]["ms_hot"] > 0 and r["err_dense"]["y"] < 1e-4
     assert "hybrid at each layer's best share" in (tmp_path / "r.md").read_text()
