@@ -40,9 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from benchmarks import common
-from benchmarks.ffn import dense_train, forward_backward, train_ours
+from benchmarks.ffn import dense_train, forward_backward, saved_bytes, train_ours
 from benchmarks.layer_ffn import rotating
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
 
@@ -111,6 +112,15 @@ def hot_only(dense_part: Callable) -> Callable:
 
     def call(x, hot_wg, hot_wu, hot_wd):
         return dense_part(x.new_zeros(x.shape[0], hot_wd.shape[0]), x, hot_wg, hot_wu, hot_wd)
+
+    return call
+
+
+def recomputed(dense_part: Callable) -> Callable:
+    """dense_part made again in the backward (keeping its inputs only)."""
+
+    def call(*inputs: torch.Tensor):
+        return checkpoint(dense_part, *inputs, use_reentrant=False)
 
     return call
 
@@ -196,6 +206,16 @@ def time_layer(
     best = min(row["shares"], key=lambda s: s[key])
     row["best_share"] = best["share"]
     row[f"{key}_hybrid"] = best[key]
+    # At the best share: the dense part recomputed in the backward (it then keeps x and the panels,
+    # not its three [M, |S|] activations), and what autograd keeps for the backward, each way.
+    hot = hot_units(active, best["share"])
+    sets = [hybrid_leaves(x, weights, hot) for _ in range(args.sets)]
+    row[f"{key}_hybrid_recomputed"] = timed(fns["hybrid_recomputed"], sets, args)[key]
+    row["saved_mb"] = {
+        name: saved_bytes(fns[name], inputs) / 1e6
+        for name, inputs in (("ours", sets[0][:4]), ("hybrid", sets[0]), ("hybrid_recomputed", sets[0]))
+    }
+    del sets
 
     reference = gradients(dense_train, tuple(t.detach().float().requires_grad_(True) for t in (x, *weights)))
     ours_grads = gradients(fns["ours"], tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)))
@@ -229,8 +249,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "",
         "| layer | L0 | dense | op | "
         + " | ".join(f"share {s:g}" for s in shares)
-        + " | hybrid best | op / best |",
-        "|---:|---:|---:|---:|" + "---|" * len(shares) + "---:|---:|",
+        + " | hybrid best | op / best | best, dense part recomputed | saved MB: op / hybrid / recomputed |",
+        "|---:|---:|---:|---:|" + "---|" * len(shares) + "---:|---:|---:|---|",
     ]
     for r in rows:
         cells = " | ".join(
@@ -239,14 +259,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['layer']} | {r['l0']:.1f} | {r[f'{key}_dense']:.3f} | {r[f'{key}_ours']:.3f} | {cells} | "
-            f"{r[f'{key}_hybrid']:.3f} ({r['best_share']:g}) | {r[f'{key}_ours'] / r[f'{key}_hybrid']:.2f}x |"
+            f"{r[f'{key}_hybrid']:.3f} ({r['best_share']:g}) | {r[f'{key}_ours'] / r[f'{key}_hybrid']:.2f}x | "
+            f"{r[f'{key}_hybrid_recomputed']:.3f} | "
+            + " / ".join(f"{r['saved_mb'][n]:.0f}" for n in ("ours", "hybrid", "hybrid_recomputed"))
+            + " |"
         )
     sums = meta["totals"]
     lines += [
         "",
         f"Sum over layers, {what}: dense {sums['dense']:.2f}, the op {sums['ours']:.2f} "
         f"(dense / op {sums['dense'] / sums['ours']:.2f}x), the hybrid at each layer's best share {sums['hybrid']:.2f} "
-        f"(dense / hybrid {sums['dense'] / sums['hybrid']:.2f}x).",
+        f"(dense / hybrid {sums['dense'] / sums['hybrid']:.2f}x); with its dense part recomputed in the backward "
+        f"{sums['hybrid_recomputed']:.2f} ({sums['dense'] / sums['hybrid_recomputed']:.2f}x).",
         "",
         "Relative error against a float32 dense reference (Frobenius), the bf16 dense FFN / the op / the hybrid "
         "at its best share:",
@@ -282,6 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "ours": ours,
         "hybrid": hybrid_call(ours, dense_part),
         "hot": hot_only(dense_part),
+        "hybrid_recomputed": hybrid_call(ours, recomputed(dense_part)),
     }
     mlps = [layer.mlp for layer in model.model.layers]
     rows = []
@@ -305,11 +330,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sets=args.sets,
         shares=args.shares,
     )
-    meta["totals"] = {part: sum(r[f"{key}_{part}"] for r in rows) for part in ("dense", "ours", "hybrid")}
+    meta["totals"] = {
+        part: sum(r[f"{key}_{part}"] for r in rows)
+        for part in ("dense", "ours", "hybrid", "hybrid_recomputed")
+    }
     headline = {
         "timing": key,
         "speedup_ours": meta["totals"]["dense"] / meta["totals"]["ours"],
         "speedup_hybrid": meta["totals"]["dense"] / meta["totals"]["hybrid"],
+        "speedup_hybrid_recomputed": meta["totals"]["dense"] / meta["totals"]["hybrid_recomputed"],
     }
     common.write_report(markdown(meta, rows), meta, rows, args.json, args.md, headline)
     return rows

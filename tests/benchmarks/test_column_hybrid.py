@@ -64,4 +64,6 @@ def test_tiny_end_to_end(tmp_path):
         assert r["shares"][0]["hot_units"] >= r["shares"][1]["hot_units"]
         assert max(r["err_hybrid"].values()) < 1e-4  # float32 on CPU: both parts exact
         assert r["shares"][0]["ms_hot"] > 0 and r["err_dense"]["y"] < 1e-4
+        assert r["ms_hybrid_recomputed"] > 0
+        assert r["saved_mb"]["hybrid_recomputed"] < r["saved_mb"]["hybrid"]  # the dense part's inputs only
     assert "hybrid at each layer's best share" in (tmp_path / "r.md").read_text()
