@@ -46,11 +46,9 @@ from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, saved_bytes, train_ours
 from benchmarks.layer_ffn import rotating
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+from sparse_llm.ops.ffn.hot_units import HOT_UNITS_MULTIPLE, choose_hot_units
 
 DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08)  # of the step's tokens a hot unit fires on
-# |S| rounded up to this: a bf16 GEMM whose sizes are not multiples of 8 falls off cuBLAS's fast
-# kernels (2-5x slower at |S| = 2678 than at 2144 on an H200); 64 fills whole GEMM tiles.
-HOT_MULTIPLE = 64
 GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
 GRADIENTS = ("y", "dx", "dwg", "dwu", "dwd")
 
@@ -67,13 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def hot_units(active: torch.Tensor, share: float, multiple: int = HOT_MULTIPLE) -> torch.Tensor:
-    """The units (ascending int64 indices) of active [M, H] that fire on at least share x M tokens,
-    and the next most firing ones up to a multiple of `multiple` units (or all H)."""
-    fires = active.sum(dim=0)
-    wanted = int((fires >= share * active.shape[0]).sum())
-    count = min(active.shape[1], -(-wanted // multiple) * multiple)
-    return torch.topk(fires, count, sorted=False).indices.sort().values
+def hot_units(active: torch.Tensor, share: float) -> torch.Tensor:
+    """S for a layer from its active [M, H] mask, as the trainer chooses it (`choose_hot_units`)."""
+    return choose_hot_units(active.sum(dim=0), active.shape[0], share)
 
 
 def split_stats(active: torch.Tensor, hot: torch.Tensor, threshold: int) -> dict[str, float]:
@@ -244,7 +238,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"(median of {meta['reps']} calls over {meta['sets']} weight copies for event times).",
         "",
         "Hot units S = those firing on at least the share of the step's tokens (then the next most firing, "
-        f"to a multiple of {HOT_MULTIPLE}); each cell: |S|, the share of active entries S takes, the hybrid's "
+        f"to a multiple of {HOT_UNITS_MULTIPLE}); each cell: |S|, the share of active entries S takes, the hybrid's "
         f"{what} (its dense part's alone).",
         "",
         "| layer | L0 | dense | op | "

@@ -11,7 +11,6 @@ import torch
 from benchmarks.column_hybrid import (
     gradients,
     hot_dense,
-    hot_units,
     hybrid_call,
     hybrid_gradients,
     hybrid_leaves,
@@ -20,19 +19,15 @@ from benchmarks.column_hybrid import (
 )
 from benchmarks.ffn import dense_train, train_ours
 from benchmarks.row_density import RANDOM_TINY
+from sparse_llm.ops.ffn.hot_units import choose_hot_units
 
 
-def test_hot_units_fire_on_at_least_the_share_of_tokens():
+def test_split_stats_count_what_the_hot_units_take():
     active = torch.zeros(10, 5, dtype=torch.bool)
     active[:, 1] = True  # 10 of 10 tokens
     active[:3, 3] = True  # 3 of 10
     active[0, 4] = True  # 1 of 10
-    assert hot_units(active, 0.3, multiple=1).tolist() == [1, 3]
-    assert hot_units(active, 0.31, multiple=1).tolist() == [1]
-    assert hot_units(active, 0.31, multiple=3).tolist() == [1, 3, 4]  # the next most firing, to 3
-    assert hot_units(active, 0.05, multiple=8).tolist() == [0, 1, 2, 3, 4]  # never past H
-    assert hot_units(active, 1.1).numel() == 0
-    stats = split_stats(active, hot_units(active, 0.3, multiple=1), threshold=0)
+    stats = split_stats(active, torch.tensor([1, 3]), threshold=0)
     assert stats == {"hot_units": 2, "hot_entry_share": pytest.approx(13 / 14), "heavy_rows_left": 1}
 
 
@@ -44,7 +39,7 @@ def test_hybrid_equals_the_dense_ffn(share):
     weights = tuple(torch.randn(*shape, dtype=torch.float64) * 0.3 for shape in ((h, d), (h, d), (d, h)))
     weights[0][:, 0] -= 0.4  # a spread of densities: some units rarely fire
     active = x @ weights[0].T > 0
-    hot = hot_units(active, share, multiple=1) if share > 0 else torch.arange(h)
+    hot = choose_hot_units(active.sum(0), m, share, multiple=1) if share > 0 else torch.arange(h)
     want = gradients(dense_train, tuple(t.clone().requires_grad_(True) for t in (x, *weights)))
     hybrid = hybrid_call(train_ours("reference", threshold=4), hot_dense)
     got = hybrid_gradients(hybrid, hybrid_leaves(x, weights, hot), hot)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from sparse_llm.ops.ffn.checks import DEFAULT_HEAVY_THRESHOLD
+from sparse_llm.ops.ffn.hot_units import check_hot_units, hot_backward, hot_forward, hot_panels
 from sparse_llm.ops.ffn.reference import acc_dtype
 from sparse_llm.ops.ffn.training import (
     FFNTrainOutput,
@@ -60,6 +61,7 @@ class _FFNBlock(torch.autograd.Function):
         impl: str,
         heavy_threshold: int,
         capacities: torch.Tensor | None,
+        hot: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:
         # rms_norm, with the normalised rows kept for the backward rather than x: in the compute
         # dtype where it is narrower (bf16 under autocast: half the fp32 residual's bytes; at L0
@@ -70,37 +72,58 @@ class _FFNBlock(torch.autograd.Function):
         # The op returns those rows where a unit is active (`keep`): as an output of a custom op
         # they are what torch.compile saves, where an index_select here would be moved into the
         # backward and the whole input kept for it.
+        # With hot units S, the sparse op runs on Wg with S's rows zeroed (a copy: the cast may be
+        # the parameter itself) and S's dense FFN on its panels (ops/ffn/hot_units.py).
+        sparse_wg = (
+            wg.to(compute_dtype) if hot is None else wg.to(compute_dtype, copy=True).index_fill_(0, hot, 0)
+        )
         out = train_forward(
             impl,
             normed,
-            *(w.to(compute_dtype) for w in (wg, wu, wd)),
+            sparse_wg,
+            *(w.to(compute_dtype) for w in (wu, wd)),
             heavy_threshold,
-            keep=kept,
+            keep=kept if hot is None else None,
             capacities=capacities,
         )
         record = out.record.tensors()  # flat: what save_for_backward and an output take
+        ctx.capacity_path = out.record.host_sizes is not None
         # The capacity path (taken on the CUDA kernels when capacities are given) keeps every row,
         # reading no count of the active ones (no indexing then), and its backward sets the
-        # capacities: they are kept for it.
-        ctx.all_rows = out.record.host_sizes is not None
+        # capacities: they are kept for it. With hot units every row is kept too: a row active in S
+        # only needs its input in the backward (at L0 ~30 nearly every row is active anyway).
+        ctx.all_rows = ctx.capacity_path or hot is not None
+        kept_rows = kept if hot is not None else out.kept_rows
         ctx.heavy_threshold = heavy_threshold
-        extra = (capacities,) if ctx.all_rows else ()
+        y, l1, fire_counts = out.y, out.l1, out.fire_counts
+        hot_saved: tuple[torch.Tensor, ...] = ()
+        hot_nnz = x.new_empty(0, dtype=torch.int64)
+        if hot is not None:
+            part = hot_forward(y, normed, hot_panels(wg, wu, wd, hot, compute_dtype))
+            y, l1, hot_nnz = part.y, l1 + part.l1, part.nnz_per_token
+            fire_counts = fire_counts.index_add(0, hot, part.fire_counts)
+            hot_saved = (hot, part.a, part.u)
+        extra = (capacities,) if ctx.capacity_path else ()
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,
         # inside the op, where torch.compile cannot merge that cast with this one.
-        ctx.save_for_backward(out.kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *extra, *record)
+        ctx.save_for_backward(
+            kept_rows, r, out.active_rows, norm_weight, wg, wu, wd, *extra, *hot_saved, *record
+        )
+        ctx.n_hot_saved = len(hot_saved)
         ctx.impl, ctx.rows, ctx.compute_dtype, ctx.x_dtype = impl, x.shape[0], compute_dtype, x.dtype
         # The saved tensors of data-dependent length are returned too (and dropped by the caller):
         # torch.compile traces this function only if every such length reaches an output.
-        ctx.mark_non_differentiable(out.fire_counts, out.kept_rows, out.active_rows, *record)
-        return x + out.y, out.l1, out.fire_counts, out.kept_rows, out.active_rows, *record
+        ctx.mark_non_differentiable(fire_counts, hot_nnz, kept_rows, out.active_rows, *record)
+        return x + y, l1, fire_counts, hot_nnz, kept_rows, out.active_rows, *record
 
     @staticmethod
     def backward(ctx, grad_out, grad_l1, *_unused):
         saved = ctx.saved_tensors
         xhat_active, r, active_rows, norm_weight, wg, wu, wd = saved[:7]
-        capacities = saved[7] if ctx.all_rows else None
-        record = saved[8:] if ctx.all_rows else saved[7:]
+        capacities = saved[7] if ctx.capacity_path else None
+        rest = saved[8:] if ctx.capacity_path else saved[7:]
+        hot_saved, record = rest[: ctx.n_hot_saved], rest[ctx.n_hot_saved :]
         dtype = ctx.compute_dtype
         xhat_active = xhat_active.to(ctx.x_dtype)  # as the forward had it, to the kept rounding
         if grad_out is None:
@@ -119,18 +142,29 @@ class _FFNBlock(torch.autograd.Function):
             normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
+        # With hot units: the sparse op's backward on Wg with S's rows zeroed as its forward had it
+        # (a record it rebuilds is then the forward's; its gradient rows of S come out zero), then
+        # S's dense backward, which writes those rows.
+        hot = hot_saved[0] if hot_saved else None
         grad_normed, grad_wg, grad_wu, grad_wd = train_backward(
             ctx.impl,
             grad_y,
             grad_l1,
             normed,
-            wg,
+            wg if hot is None else wg.index_fill(0, hot, 0),
             wu,
             wd,
             TrainRecord(*record),
             capacities,
             ctx.heavy_threshold,
         )
+        if hot is not None:
+            grad_normed, grad_hot_wg, grad_hot_wu, grad_hot_wd = hot_backward(
+                grad_y, grad_l1, grad_normed, normed, hot_panels(wg, wu, wd, hot, dtype), *hot_saved[1:]
+            )
+            grad_wg = grad_wg.index_copy(0, hot, grad_hot_wg.to(grad_wg.dtype))
+            grad_wu = grad_wu.index_copy(0, hot, grad_hot_wu.to(grad_wu.dtype))
+            grad_wd = grad_wd.index_copy(1, hot, grad_hot_wd.to(grad_wd.dtype))
         if ctx.all_rows:
             grad_x_rows, grad_norm_weight = rms_norm_backward_from(
                 grad_normed, xhat_active, r, norm_weight, ctx.x_dtype
@@ -146,7 +180,7 @@ class _FFNBlock(torch.autograd.Function):
                 ctx.x_dtype,
             )
             grad_x = grad_out.index_add(0, active_rows, grad_x_active.to(grad_out.dtype))
-        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None, None
+        return grad_x, grad_norm_weight, grad_wg, grad_wu, grad_wd, None, None, None, None, None, None
 
 
 def ffn_block_train(
@@ -160,6 +194,7 @@ def ffn_block_train(
     *,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
     capacities: torch.Tensor | None = None,
+    hot_units: torch.Tensor | None = None,
 ) -> FFNTrainOutput:
     """x + FFN(rms_norm(x)) with the FFN's statistics, differentiable in x, the norm weight and
     the three FFN weights; `out.y` is that sum.
@@ -170,6 +205,11 @@ def ffn_block_train(
     normalised rows of every token rather than of the active ones, and its backward reads the
     sizes the GPU wrote (long done in steady state) and rebuilds a record that overflowed its
     capacity. Same function, same exactness.
+
+    `hot_units` (S: ascending int64 unit indices on x's device, `ops.ffn.hot_units.choose_hot_units`)
+    computes those units as a dense FFN over their columns and the others through the sparse op
+    (ops/ffn/hot_units.py): the same function, faster where S holds most of the active entries.
+    Empty or None: every unit through the sparse op.
 
     x: [..., D] (the residual stream); norm_weight: [D]; Wg, Wu: [H, D]; Wd: [D, H]. The FFN
     runs in the autocast dtype (weights cast as autocast casts a matmul's), or in the weights'
@@ -183,11 +223,16 @@ def ffn_block_train(
     ffn_input = x.new_empty((0, x.shape[-1]), dtype=compute_dtype)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
     check_train_weights(ffn_input, wg, wu, wd, impl, heavy_threshold)
+    if hot_units is not None:
+        check_hot_units(hot_units, wg.shape[0], x.device)
+        hot_units = hot_units if hot_units.shape[0] > 0 else None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        out, l1, fire_counts, _kept, _active, *record = _FFNBlock.apply(
-            x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold, capacities
+        out, l1, fire_counts, hot_nnz, _kept, _active, *record = _FFNBlock.apply(
+            x2, norm_weight, wg, wu, wd, compute_dtype, eps, impl, heavy_threshold, capacities, hot_units
         )
     nnz_per_token = TrainRecord(*record).nnz_per_token
+    if hot_units is not None:
+        nnz_per_token = nnz_per_token + hot_nnz
     l0 = nnz_per_token.to(acc_dtype(compute_dtype)).mean()
     return FFNTrainOutput(out.view(x.shape), l0, l1, nnz_per_token, fire_counts)

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.ffn.block import ffn_block_train
+from sparse_llm.ops.ffn.hot_units import choose_hot_units
 from sparse_llm.ops.ffn.training import TrainCapacities, ffn_forward_train
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
@@ -30,9 +31,9 @@ NAMES = ("out", "l1", "nnz_per_token", "fire_counts", "dx", "d_norm_weight", "dW
 FORWARD_NAMES = NAMES[:4]  # out, l1 and the counts: what the forward computes
 
 
-def block(impl):
+def block(impl, hot_units=None):
     def run(x, norm_weight, wg, wu, wd):
-        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl=impl)
+        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl=impl, hot_units=hot_units)
         return out.y, out.l1, out.nnz_per_token, out.fire_counts
 
     return run
@@ -270,7 +271,7 @@ def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):
     return [x.float(), norm_weight, wg.float(), wu.float(), wd.float()]
 
 
-def check_block_contract(inputs):
+def check_block_contract(inputs, hot_units=None):
     """Under bf16 autocast (fp32 residual and master weights): every output and gradient of the
     CUDA block within 2x the dense bf16 block's error against float64 (plus a floor); the integer
     statistics equal the dense bf16 block's; the forward's outputs the same as the unfused CUDA
@@ -278,7 +279,7 @@ def check_block_contract(inputs):
     unfused ops in fp32, so theirs differ by that rounding, within the contract.)"""
     gen = torch.Generator(device="cuda").manual_seed(inputs[0].shape[0])
     r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64, generator=gen)
-    got = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
+    got = outputs_and_grads(block("cuda", hot_units), inputs, r, autocast_device="cuda")
     before = outputs_and_grads(unfused("cuda"), inputs, r, autocast_device="cuda")
     dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cuda")
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
@@ -392,19 +393,21 @@ def test_block_op_repeats_bitwise_with_hot_units_after_poisoned_memory():
 # --- the capacity path (no host read in the forward; ops.ffn.training.TrainCapacities) ------------
 
 
-def capacity_block(capacities: torch.Tensor):
+def capacity_block(capacities: torch.Tensor, hot_units: torch.Tensor | None = None):
     def run(x, norm_weight, wg, wu, wd):
-        out = ffn_block_train(x, norm_weight, EPS, wg, wu, wd, impl="cuda", capacities=capacities)
+        out = ffn_block_train(
+            x, norm_weight, EPS, wg, wu, wd, impl="cuda", capacities=capacities, hot_units=hot_units
+        )
         return out.y, out.l1, out.nnz_per_token, out.fire_counts
 
     return run
 
 
-def check_capacity_contract(inputs, capacities: torch.Tensor) -> None:
+def check_capacity_contract(inputs, capacities: torch.Tensor, hot_units: torch.Tensor | None = None) -> None:
     """The capacity path's outputs and gradients within the contract against float64 (2x the dense
     bf16 block's error plus the floors), its counts those of the dense bf16 block."""
     r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
-    got = outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    got = outputs_and_grads(capacity_block(capacities, hot_units), inputs, r, autocast_device="cuda")
     dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cuda")
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
     active_units, active_rows = dense_bf16[2].sum(), (dense_bf16[2] > 0).sum()
@@ -500,3 +503,128 @@ def test_capacity_path_compiled_and_checkpointed_match_eager():
         else:
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3, msg=f"compiled {name}")
             torch.testing.assert_close(c, a, rtol=1e-2, atol=1e-3, msg=f"checkpointed {name}")
+
+
+# --- hot units: a dense FFN over the units that fire most, the rest through the sparse op ---------
+
+
+def firing_units(inputs, share: float, multiple: int) -> torch.Tensor:
+    """S as the trainer chooses it, from the dense block's fire counts on these inputs."""
+    with torch.no_grad():
+        *_, fire = dense(*inputs)
+    return choose_hot_units(
+        fire, tokens=inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], share=share, multiple=multiple
+    )
+
+
+def hot_sets(inputs, h: int) -> dict[str, torch.Tensor]:
+    """The hot-unit sets the tests run: none (empty), the most firing few, every unit, and units that
+    never fire (the last quarter, pushed off by the gate's column 0 in some patterns)."""
+    device = inputs[0].device
+    return {
+        "empty": torch.empty(0, dtype=torch.int64, device=device),
+        "most_firing": firing_units(inputs, share=0.2, multiple=4),
+        "every_unit": torch.arange(h, device=device),
+        "strided": torch.arange(1, h, 3, device=device),
+    }
+
+
+@pytest.mark.parametrize("pattern", ["random", "all_inactive", "all_active", "empty_and_dense_rows"])
+@pytest.mark.parametrize(("m", "d", "h", "lead"), [(1, 4, 3, ()), (29, 16, 40, ()), (13, 8, 24, (2,))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hot_units_compute_the_same_block(pattern, m, d, h, lead, dtype):
+    """With any hot units (none, the most firing, every unit, a stride of them) the block is the
+    block without: outputs, statistics and every gradient, to the dtype's rounding."""
+    inputs = cpu_inputs(m, d, h, pattern, seed=m + h, dtype=dtype, lead=lead)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = outputs_and_grads(block("reference"), inputs, r)
+    for name, hot in hot_sets(inputs, h).items():
+        got = outputs_and_grads(block("reference", hot), inputs, r)
+        # The norm runs in float32 at either dtype (as in the test against the unfused ops).
+        assert_close_all(got, want, tol=1e-6 if dtype == torch.float64 else 1e-5), name
+
+
+def test_hot_units_under_autocast_within_the_contract():
+    """Under bf16 autocast with fp32 master weights: every gradient of the block with hot units
+    within twice the dense bf16 path's error against float64, the counts the dense bf16 path's."""
+    m, d, h = 128, 64, 176
+    for seed, pattern in enumerate(("random", "all_active", "empty_and_dense_rows")):
+        inputs = cpu_inputs(m, d, h, pattern, seed=seed, dtype=torch.float32)
+        r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cpu")
+        exact = outputs_and_grads(dense, [t.double() for t in inputs], r)
+        for set_name, hot in hot_sets(inputs, h).items():
+            ours = outputs_and_grads(block("reference", hot), inputs, r, autocast_device="cpu")
+            assert all(g.dtype == torch.float32 for g in ours[4:])
+            for name, got, base, want in zip(NAMES, ours, dense_bf16, exact, strict=True):
+                if want.dtype == torch.int64:
+                    assert torch.equal(got, base), (pattern, set_name, name)
+                    continue
+                scale = want.double().norm().clamp_min(1e-30)
+                err, err_dense = ((t.double() - want.double()).norm() / scale for t in (got, base))
+                assert err <= 2 * err_dense + ABS_FLOOR, (
+                    pattern,
+                    set_name,
+                    name,
+                    err.item(),
+                    err_dense.item(),
+                )
+
+
+def test_hot_units_compile_and_checkpoint_like_eager():
+    inputs = cpu_inputs(40, 16, 48, "random", seed=6, dtype=torch.float32)
+    r = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    hot = firing_units(inputs, share=0.6, multiple=4)
+    assert 0 < hot.numel() < 48
+    eager = outputs_and_grads(block("reference", hot), inputs, r)
+    compiled = outputs_and_grads(torch.compile(block("reference", hot), fullgraph=True), inputs, r)
+    recomputed = outputs_and_grads(
+        lambda *a: checkpoint(block("reference", hot), *a, use_reentrant=False), inputs, r
+    )
+    assert_close_all(compiled, eager, tol=1e-6)
+    for name, a, b in zip(NAMES, eager, recomputed, strict=True):
+        assert torch.equal(a, b), f"checkpointed {name}"
+
+
+def test_hot_units_never_change_the_weights_they_read():
+    """The sparse part runs on Wg with S's rows zeroed: a copy, even where the cast is the parameter."""
+    x, norm_weight, wg, wu, wd = cpu_inputs(16, 8, 24, "random", seed=2, dtype=torch.float32)
+    before = wg.clone()
+    ffn_block_train(x, norm_weight, EPS, wg, wu, wd, "reference", hot_units=torch.arange(0, 24, 2))
+    assert torch.equal(wg, before)
+
+
+def test_bad_hot_units_are_clear_errors():
+    x, norm_weight, wg, wu, wd = cpu_inputs(4, 8, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="1-D int64"):
+        ffn_block_train(
+            x, norm_weight, EPS, wg, wu, wd, "reference", hot_units=torch.arange(4, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="17 hot units for an FFN of 16"):
+        ffn_block_train(x, norm_weight, EPS, wg, wu, wd, "reference", hot_units=torch.arange(17))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("m", "d", "h"), [(13, 24, 40), (1003, 256, 1000), (2051, 2048, 5632)])
+def test_cuda_block_with_hot_units_matches_fp64(pattern, m, d, h):
+    inputs = gpu_block_inputs(pattern, m, d, h, seed=m + d + h)
+    for hot in hot_sets(inputs, h).values():
+        check_block_contract(inputs, hot)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("start", ["zero", "roomy"])
+def test_capacity_block_with_hot_units_matches_fp64(pattern, start):
+    """The capacity path with hot units, whether its records fit (a step like the last) or are
+    rebuilt in the backward (from Wg with S's rows zeroed, as the forward had it)."""
+    inputs = gpu_block_inputs(pattern, 1003, 256, 1000, seed=5)
+    for hot in hot_sets(inputs, 1000).values():
+        capacities = TrainCapacities.new()
+        if start == "roomy":
+            r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+            outputs_and_grads(capacity_block(capacities, hot), inputs, r, autocast_device="cuda")
+        check_capacity_contract(inputs, capacities, hot)
