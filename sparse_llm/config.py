@@ -135,6 +135,10 @@ class ModelConfig:
     # dense FFN (recomputed in the backward) until it is sparse again; a fresh run starts dense
     # (sparse_llm.training.ffn_fallback, which says where 3% comes from).
     ffn_dense_above: float = checked(0.03, gt=0, le=1)
+    # A sparse training FFN: the units that fired on at least this share of a step's tokens run as a
+    # dense FFN over their columns, the others through the sparse op (the same function, faster where
+    # few units hold most entries; docs/kernels.md, design review part 5). None: off.
+    ffn_hot_share: float | None = checked(None, gt=0, le=1, optional=True)
     attn_impl: str = checked("sdpa", choices=ATTN_IMPLS)
 
 

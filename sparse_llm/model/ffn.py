@@ -277,6 +277,10 @@ class FFNBlock:
         # Training state, not a mode: set from the measured density (training/ffn_fallback.py),
         # saved in checkpoints.
         self.dense_fallback = False
+        # Training state, not a mode: the units this layer's sparse training op computes as a dense
+        # FFN over their columns (ops/ffn/hot_units.py; ascending int64 indices on the weights'
+        # device, or None), set from the fire counts (training/hot_units.py), saved in checkpoints.
+        self.hot_units: torch.Tensor | None = None
         # Fixed at build: whether a layer falling back recomputes its dense FFN in the backward.
         self.recompute_fallback = recompute_fallback
         # The layer's record capacities on the capacity path (host state the sparse training op
@@ -311,7 +315,13 @@ class FFNBlock:
         active units (no dense M x H tensor, no norm output), and gives the layer's statistics from
         the same call."""
         out = ffn_block_train(
-            x, self.norm.weight, self.norm.eps, *self.mlp.weights(), impl, capacities=self.train_capacities
+            x,
+            self.norm.weight,
+            self.norm.eps,
+            *self.mlp.weights(),
+            impl,
+            capacities=self.train_capacities,
+            hot_units=self.hot_units,
         )
         if not with_stats:
             return out.y, None

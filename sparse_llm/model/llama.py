@@ -137,6 +137,7 @@ class SparseLlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             other.lm_head.weight = other.model.embed_tokens.weight
         other.set_ffn_dense_fallback(self.ffn_dense_fallback())
+        other.set_ffn_hot_units(self.ffn_hot_units())
         for mine, theirs in zip(self.model.layers, other.model.layers, strict=True):
             # One copy of each derived weight for models that share their weights.
             theirs.mlp.down_t_cache = mine.mlp.down_t_cache
@@ -175,6 +176,23 @@ class SparseLlamaForCausalLM(nn.Module):
             )
         for layer, flag in zip(self.model.layers, flags, strict=True):
             layer.ffn.dense_fallback = bool(flag)
+
+    def ffn_hot_units(self) -> list[torch.Tensor | None]:
+        """Per layer: the units its sparse training op computes as a dense block (training state,
+        saved in checkpoints; see model/ffn.py), or None."""
+        return [layer.ffn.hot_units for layer in self.model.layers]
+
+    def set_ffn_hot_units(self, units: Sequence[torch.Tensor | Sequence[int] | None]) -> None:
+        """Set every layer's hot units: index tensors or lists (moved to the layer's weights'
+        device); None or empty: every unit through the sparse op."""
+        if len(units) != len(self.model.layers):
+            raise ValueError(f"got hot units for {len(units)} layers, the model has {len(self.model.layers)}")
+        for layer, hot in zip(self.model.layers, units, strict=True):
+            if hot is not None and len(hot) > 0:
+                hot = torch.as_tensor(hot, dtype=torch.int64, device=layer.mlp.gate_proj.weight.device)
+                # Its length follows the run: one compiled graph for every length, not one each.
+                torch._dynamo.maybe_mark_dynamic(hot, 0)
+            layer.ffn.hot_units = hot if hot is not None and len(hot) > 0 else None
 
     def reset_parameters(self) -> None:
         std = self.config.initializer_range

@@ -50,6 +50,7 @@ class SparsityMonitor:
         self._step_has_data = False
         self._window_steps = 0
         self._last_step_hist: torch.Tensor | None = None  # the last completed step's, global
+        self._last_step_fire: torch.Tensor | None = None  # [L, H], the last completed step's, global
         # Histogram of the last summarised window: what `save_histograms` falls back to when
         # the run ends right after a log step.
         self._last_window_hist: torch.Tensor | None = None
@@ -104,10 +105,18 @@ class SparsityMonitor:
         self._window_hist.add_(nnz_hist)
         self._window_steps += 1
         self._last_step_hist = nnz_hist  # a fresh tensor every step (the reduction's output)
+        self._last_step_fire = fire_counts
         # Zeroed only now: with an identity reduction, l1_sum is _step_l1 itself.
         for t in (self._step_l1, self._step_hist, self._step_fire):
             t.zero_()
         self._step_has_data = False
+
+    def last_step_fire_counts(self) -> tuple[torch.Tensor, int]:
+        """([L, H] on how many tokens each unit fired, the tokens) of the last completed step,
+        global over ranks; the token count syncs with the host."""
+        if self._last_step_hist is None or self._last_step_fire is None:
+            raise RuntimeError("SparsityMonitor.last_step_fire_counts() called before any end_step()")
+        return self._last_step_fire, int(self._last_step_hist[0].sum())
 
     def last_step_l0(self) -> list[float]:
         """Per-layer L0 (active units per token) of the last completed step, global over ranks:

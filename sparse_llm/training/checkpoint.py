@@ -318,6 +318,7 @@ def save_training_state(
             "scheduler": parts.scheduler.state_dict(),
             "data": data_state,  # the global stream's position: the same on every rank
             "ffn_dense_fallback": parts.model.ffn_dense_fallback(),
+            "ffn_hot_units": [None if hot is None else hot.tolist() for hot in parts.model.ffn_hot_units()],
         }
         if parts.l1_controller is not None:
             state["l1_controller"] = parts.l1_controller.state_dict()
@@ -363,6 +364,10 @@ def restore_training_state(path: Path, parts: TrainingState) -> Checkpoint:
     fallback = ckpt.state.get("ffn_dense_fallback")
     if fallback is not None:
         parts.model.set_ffn_dense_fallback(fallback)
+    # Checkpoints from before hot units were saved, or of runs without them: none.
+    parts.model.set_ffn_hot_units(
+        ckpt.state.get("ffn_hot_units") or [None] * len(parts.model.ffn_hot_units())
+    )
     torch.set_rng_state(ckpt.tensors["rng/torch_cpu"])
     parts.reinit_generator.set_state(ckpt.tensors["rng/reinit"])
     if parts.device.type == "cuda" and "rng/torch_cuda" in ckpt.tensors:

@@ -50,6 +50,7 @@ from sparse_llm.training.dtensor_leak import fix_dtensor_op_schema_leak
 from sparse_llm.training.ffn_fallback import DensityFallback
 from sparse_llm.training.ffn_summary import describe_ffn
 from sparse_llm.training.garbage import ScheduledCollection
+from sparse_llm.training.hot_units import HotUnits
 from sparse_llm.training.metrics import MetricsLogger, peak_flops, peak_memory_gib
 from sparse_llm.training.optim import build_optimizer, build_scheduler
 from sparse_llm.training.preemption import StopSignals, TrainingPreempted
@@ -237,6 +238,11 @@ class Trainer:
             if model.ffn_plan.impl("train") != "dense"
             else None
         )
+        # The units each layer's sparse training op computes as a dense block (model.ffn_hot_share;
+        # chosen from the fire counts every few steps; a resumed run takes the checkpoint's).
+        self.hot_units = (
+            HotUnits(model, cfg.model.ffn_hot_share) if cfg.model.ffn_hot_share is not None else None
+        )
         self.state = ckpt_io.TrainingState(
             model=model,
             optimizer=optimizer,
@@ -346,6 +352,8 @@ class Trainer:
                 record.update(self.sparsity.summary())
                 if self.ffn_fallback is not None:
                     record.update(self.ffn_fallback.metrics())
+                if self.hot_units is not None:
+                    record.update(self.hot_units.metrics())
                 # Steps whose sparse op rebuilt a record (this rank's), by size and layer.
                 record.update(self.model.ffn_capacity_overflows())
                 window_start, window_tokens = time.perf_counter(), 0
@@ -447,6 +455,8 @@ class Trainer:
         self.scheduler.step()
         self.prepared_optimizer.zero_grad(set_to_none=True)
         self.sparsity.end_step(self._all_reduce_sum)
+        if self.hot_units is not None and self.hot_units.due(self.step + 1):  # this step's number
+            self.hot_units.choose(*self.sparsity.last_step_fire_counts())
         record: dict[str, Any] = {
             "l1_coeff": coeff,  # the one this step used; per layer: their mean
             "lr": lr,
