@@ -162,9 +162,10 @@ class _FFNBlock(torch.autograd.Function):
             grad_normed, grad_hot_wg, grad_hot_wu, grad_hot_wd = hot_backward(
                 grad_y, grad_l1, grad_normed, normed, hot_panels(wg, wu, wd, hot, dtype), *hot_saved[1:]
             )
-            grad_wg = grad_wg.index_copy(0, hot, grad_hot_wg.to(grad_wg.dtype))
-            grad_wu = grad_wu.index_copy(0, hot, grad_hot_wu.to(grad_wu.dtype))
-            grad_wd = grad_wd.index_copy(1, hot, grad_hot_wd.to(grad_wd.dtype))
+            # In place: the gradients are the backward op's fresh outputs (no [H, D] copy a weight).
+            grad_wg.index_copy_(0, hot, grad_hot_wg.to(grad_wg.dtype))
+            grad_wu.index_copy_(0, hot, grad_hot_wu.to(grad_wu.dtype))
+            grad_wd.index_copy_(1, hot, grad_hot_wd.to(grad_wd.dtype))
         if ctx.all_rows:
             grad_x_rows, grad_norm_weight = rms_norm_backward_from(
                 grad_normed, xhat_active, r, norm_weight, ctx.x_dtype
