@@ -30,7 +30,12 @@ Per layer and per share s in `--shares`: S = the units firing on at least s x M 
 tokens; its size, the share of the step's active entries it takes, the heavy rows left to the op,
 and the forward+backward (with the L1 term) timed as `layer_ffn.py` times it: dense (compiled), the
 op alone, the hybrid. Then the error of the op and of the hybrid at the layer's fastest share against
-an float32 dense reference (relative Frobenius norm of y, dx and the three weight gradients).
+a float32 dense reference (relative Frobenius norm of y, dx and the three weight gradients).
+
+Beside the prototype, the built op as a training step runs it (`ffn_block_train(hot_units=S)`, the
+trainer's `model.ffn_hot_share`; norm, FFN and residual add, bf16 autocast with fp32 master weights):
+the dense block, the block op without hot units and with S at each share (JSON keys `*_block*`,
+headline `speedup_block` and `speedup_block_hot`).
 """
 
 from __future__ import annotations
@@ -46,11 +51,15 @@ from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, saved_bytes, train_ours
 from benchmarks.layer_ffn import rotating
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.hot_units import HOT_UNITS_MULTIPLE, choose_hot_units
+from sparse_llm.ops.precision import autocast_dtype
+from sparse_llm.ops.rms_norm import rms_norm
 
 DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08)  # of the step's tokens a hot unit fires on
 GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
 GRADIENTS = ("y", "dx", "dwg", "dwu", "dwd")
+BLOCK_EPS = 1e-5  # the norm's eps in the built block op's timing (the presets' rms_norm_eps)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -210,6 +219,7 @@ def time_layer(
         for name, inputs in (("ours", sets[0][:4]), ("hybrid", sets[0]), ("hybrid_recomputed", sets[0]))
     }
     del sets
+    row |= time_blocks(x, weights, active, args, fns)
 
     reference = gradients(dense_train, tuple(t.detach().float().requires_grad_(True) for t in (x, *weights)))
     ours_grads = gradients(fns["ours"], tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)))
@@ -225,6 +235,52 @@ def time_layer(
         hybrid_gradients(fns["hybrid"], hybrid_leaves(x, weights, hot), hot), reference
     )
     return row
+
+
+def block_call(impl: str, hot: torch.Tensor | None) -> Callable:
+    """(x, norm weight, Wg, Wu, Wd) -> (y, l1): the trainer's block op (`ffn_block_train`: norm, FFN,
+    residual add) with hot units S, under bf16 autocast on a GPU (fp32 residual and master weights, as
+    a step has them)."""
+
+    def call(x, norm_weight, wg, wu, wd):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
+            out = ffn_block_train(x, norm_weight, BLOCK_EPS, wg, wu, wd, impl, hot_units=hot)
+        return out.y, out.l1
+
+    return call
+
+
+def dense_block(x, norm_weight, wg, wu, wd):
+    """The dense block as the model runs it: x + FFN(rms_norm(x)), under bf16 autocast on a GPU."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
+        y, l1 = dense_train(rms_norm(x, norm_weight, BLOCK_EPS, autocast_dtype(x)), wg, wu, wd)
+    return x + y, l1
+
+
+def time_blocks(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    active: torch.Tensor,
+    args: argparse.Namespace,
+    fns: dict[str, Callable],
+) -> dict[str, Any]:
+    """The built op: the block dense, without hot units, and with them at each share (`*_block*`).
+    Its input is the layer's FFN input as the residual and a norm weight of ones: the norm rescales
+    each row, which leaves the pattern of active units as it was (g scales with the row)."""
+    key = "gpu_ms" if x.is_cuda else "ms"
+    inputs = (x.float(), torch.ones(x.shape[1], device=x.device), *(w.float() for w in weights))
+    sets = [tuple(t.detach().clone().requires_grad_(True) for t in inputs) for _ in range(args.sets)]
+    out = {
+        f"{key}_dense_block": timed(fns["dense_block"], sets, args)[key],
+        f"{key}_block": timed(block_call(fns["impl"], None), sets, args)[key],
+    }
+    out["block_shares"] = {
+        share: timed(block_call(fns["impl"], hot_units(active, share)), sets, args)[key]
+        for share in args.shares
+    }
+    out["best_block_share"] = min(out["block_shares"], key=out["block_shares"].get)
+    out[f"{key}_block_hot"] = out["block_shares"][out["best_block_share"]]
+    return out
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -266,6 +322,25 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"(dense / hybrid {sums['dense'] / sums['hybrid']:.2f}x); with its dense part recomputed in the backward "
         f"{sums['hybrid_recomputed']:.2f} ({sums['dense'] / sums['hybrid_recomputed']:.2f}x).",
         "",
+        "The built op as a training step runs it (`ffn_block_train`: norm, FFN and residual add; bf16 autocast "
+        f"with fp32 master weights on a GPU), without hot units and with S at each share, {what}:",
+        "",
+        "| layer | dense block | block | "
+        + " | ".join(f"share {s:g}" for s in shares)
+        + " | best | block / best |",
+        "|---:|---:|---:|" + "---:|" * len(shares) + "---:|---:|",
+        *(
+            f"| {r['layer']} | {r[f'{key}_dense_block']:.3f} | {r[f'{key}_block']:.3f} | "
+            + " | ".join(f"{r['block_shares'][s]:.3f}" for s in shares)
+            + f" | {r[f'{key}_block_hot']:.3f} ({r['best_block_share']:g}) | "
+            f"{r[f'{key}_block'] / r[f'{key}_block_hot']:.2f}x |"
+            for r in rows
+        ),
+        "",
+        f"Sum over layers, {what}: dense block {sums['dense_block']:.2f}, the block op {sums['block']:.2f} "
+        f"(dense / block {sums['dense_block'] / sums['block']:.2f}x), with hot units at each layer's best share "
+        f"{sums['block_hot']:.2f} ({sums['dense_block'] / sums['block_hot']:.2f}x).",
+        "",
         "Relative error against a float32 dense reference (Frobenius), the bf16 dense FFN / the op / the hybrid "
         "at its best share:",
         "",
@@ -296,6 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # One graph for every |S| (dynamic): a graph per layer and share would compile ~100 times.
     dense_part = torch.compile(hot_dense, dynamic=True) if compiled else hot_dense
     fns = {
+        "impl": impl,
+        "dense_block": torch.compile(dense_block, dynamic=False) if compiled else dense_block,
         "dense": torch.compile(dense_train, dynamic=False) if compiled else dense_train,
         "ours": ours,
         "hybrid": hybrid_call(ours, dense_part),
@@ -324,15 +401,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sets=args.sets,
         shares=args.shares,
     )
-    meta["totals"] = {
-        part: sum(r[f"{key}_{part}"] for r in rows)
-        for part in ("dense", "ours", "hybrid", "hybrid_recomputed")
-    }
+    parts = ("dense", "ours", "hybrid", "hybrid_recomputed", "dense_block", "block", "block_hot")
+    meta["totals"] = {part: sum(r[f"{key}_{part}"] for r in rows) for part in parts}
     headline = {
         "timing": key,
         "speedup_ours": meta["totals"]["dense"] / meta["totals"]["ours"],
         "speedup_hybrid": meta["totals"]["dense"] / meta["totals"]["hybrid"],
         "speedup_hybrid_recomputed": meta["totals"]["dense"] / meta["totals"]["hybrid_recomputed"],
+        # The built op, as the trainer runs it: dense block over the block op, without and with S.
+        "speedup_block": meta["totals"]["dense_block"] / meta["totals"]["block"],
+        "speedup_block_hot": meta["totals"]["dense_block"] / meta["totals"]["block_hot"],
     }
     common.write_report(markdown(meta, rows), meta, rows, args.json, args.md, headline)
     return rows

@@ -53,12 +53,15 @@ def test_tiny_end_to_end(tmp_path):
     rows = main([*args, "--json", str(tmp_path / "r.json"), "--md", str(tmp_path / "r.md")])
     assert [r["layer"] for r in rows] == list(range(RANDOM_TINY["num_hidden_layers"]))
     written = json.loads((tmp_path / "r.json").read_text())
-    assert written["timing"] == "ms" and written["speedup_hybrid"] > 0
+    assert written["timing"] == "ms" and written["speedup_hybrid"] > 0 and written["speedup_block_hot"] > 0
     for r in rows:
         assert [s["share"] for s in r["shares"]] == [0.05, 0.5]
         assert r["shares"][0]["hot_units"] >= r["shares"][1]["hot_units"]
         assert max(r["err_hybrid"].values()) < 1e-4  # float32 on CPU: both parts exact
         assert r["shares"][0]["ms_hot"] > 0 and r["err_dense"]["y"] < 1e-4
         assert r["ms_hybrid_recomputed"] > 0
+        # The built block op, without and with the hot units of each share.
+        assert r["ms_dense_block"] > 0 and r["ms_block"] > 0 and set(r["block_shares"]) == {0.05, 0.5}
+        assert r["ms_block_hot"] == min(r["block_shares"].values())
         assert r["saved_mb"]["hybrid_recomputed"] < r["saved_mb"]["hybrid"]  # the dense part's inputs only
     assert "hybrid at each layer's best share" in (tmp_path / "r.md").read_text()
