@@ -72,3 +72,46 @@ def test_steps_between_logging_steps_never_wait_on_the_gpu(tmp_path: Path, compi
     last = trainer.step_metrics()
     assert torch.isfinite(torch.tensor([last["loss"], last["grad_norm"]])).all()
     assert trainer.l1_controller.state_dict()["integral"] != [1e-3]  # it adapted
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_run_with_hot_units_trains_like_one_without(tmp_path: Path, compile: bool, monkeypatch):
+    """model.ffn_hot_share on the kernels (the capacity path), eager and compiled: the units are
+    chosen every 2 steps (sizes multiples of 64) and the last loss is the run without hot units' to
+    within the drift of bf16 rounding over 8 steps."""
+    import functools
+
+    from sparse_llm.training import trainer as trainer_module
+    from sparse_llm.training.hot_units import HotUnits
+
+    monkeypatch.setattr(trainer_module, "HotUnits", functools.partial(HotUnits, refresh_steps=2))
+    losses = {}
+    for share in (None, 0.02):
+        cfg = tiny_run_config(
+            tmp_path / f"run_{share}",
+            model=dict(
+                hidden_size=256,
+                intermediate_size=704,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                ffn_impl="cuda",
+                ffn_dense_above=1.0,
+                ffn_hot_share=share,
+            ),
+            sparsity=dict(l1_coeff=1e-3, l1_warmup_end=0),
+            seq_len=128,
+            global_batch_size=8,
+            micro_batch_size=4,
+            max_steps=8,
+            log_every=1,
+            compile=compile,
+        )
+        trainer = Trainer(cfg, Path(cfg.run_dir))
+        trainer.fit()
+        if share is not None:
+            sizes = [0 if hot is None else hot.numel() for hot in trainer.model.ffn_hot_units()]
+            assert all(n % 64 == 0 for n in sizes) and sum(sizes) > 0, sizes
+        losses[share] = trainer.step_metrics()["loss"]
+    assert abs(losses[0.02] - losses[None]) <= 2e-2 * abs(losses[None]), losses
