@@ -239,10 +239,14 @@ class Trainer:
             else None
         )
         # The units each layer's sparse training op computes as a dense block (model.ffn_hot_share;
-        # chosen from the fire counts every few steps; a resumed run takes the checkpoint's).
-        self.hot_units = (
-            HotUnits(model, cfg.model.ffn_hot_share) if cfg.model.ffn_hot_share is not None else None
-        )
+        # chosen from the fire counts every few steps; a resumed run takes the checkpoint's). Off
+        # where the training FFN is dense (`auto` without the kernels): the same config runs anywhere.
+        self.hot_units = None
+        if cfg.model.ffn_hot_share is not None:
+            if self.ffn_fallback is None:
+                logger.info("model.ffn_hot_share is set but the training FFN is dense: no hot units")
+            else:
+                self.hot_units = HotUnits(model, cfg.model.ffn_hot_share)
         self.state = ckpt_io.TrainingState(
             model=model,
             optimizer=optimizer,

@@ -126,3 +126,10 @@ def test_the_compiled_model_takes_hot_units_of_any_length_in_one_more_graph():
         eager = model(ids, labels=ids, with_stats=True).loss
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     assert compiled_graphs() - before <= 2  # the variant with hot units (and at most one re-trace)
+
+
+def test_a_dense_training_ffn_ignores_the_hot_share(tmp_path: Path):
+    """`auto` without the kernels trains dense: the same config runs, with no hot units."""
+    cfg = tiny_run_config(tmp_path, model={"ffn_impl": "dense", "ffn_hot_share": 0.1}, max_steps=1)
+    trainer = Trainer(cfg, tmp_path)
+    assert trainer.hot_units is None
