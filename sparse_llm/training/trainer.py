@@ -247,6 +247,12 @@ class Trainer:
                 logger.info("model.ffn_hot_share is set but the training FFN is dense: no hot units")
             else:
                 self.hot_units = HotUnits(model, cfg.model.ffn_hot_share)
+                logger.info(
+                    "hot units: each layer's units firing on >= %g of a step's tokens run as a dense "
+                    "block in its sparse training FFN, chosen every %d steps",
+                    self.hot_units.share,
+                    self.hot_units.refresh_steps,
+                )
         self.state = ckpt_io.TrainingState(
             model=model,
             optimizer=optimizer,
