@@ -52,16 +52,28 @@ def test_the_model_computes_the_same_with_hot_units():
 
 
 def test_hot_units_are_chosen_from_the_fire_counts_to_a_multiple_of_64():
-    model = sparse_model(intermediate_size=256)
+    model = sparse_model(intermediate_size=512)
     chooser = HotUnits(model, share=0.25, refresh_steps=10)
     assert [chooser.due(step) for step in (1, 9, 10, 20)] == [False, False, True, True]
-    fire = torch.zeros(2, 256, dtype=torch.int64)
+    fire = torch.zeros(2, 512, dtype=torch.int64)
     fire[0, :70] = 30  # 70 units on 30 of 100 tokens: 128 units once filled to a multiple of 64
     fire[1, 3] = 10  # nothing reaches 25 tokens: no hot units
     chooser.choose(fire, tokens=100)
     first, second = model.ffn_hot_units()
     assert first.shape == (128,) and set(range(70)) <= set(first.tolist()) and second is None
     assert chooser.metrics() == {"ffn_hot/layer_00": 128.0, "ffn_hot/layer_01": 0.0, "ffn_hot/units": 128.0}
+
+
+def test_hot_units_stay_under_a_quarter_of_h_and_off_dense_layers():
+    """A layer falling back to dense gets none (its counts are the dense phase's); a sparse layer
+    where most units fire gets at most a quarter of H, its most firing units."""
+    model = sparse_model(intermediate_size=512)
+    chooser = HotUnits(model, share=0.01)
+    fire = torch.arange(512).expand(2, 512).contiguous()  # unit j fired on j of 1000 tokens
+    model.set_ffn_dense_fallback([True, False])
+    chooser.choose(fire, tokens=1000)
+    dense, sparse = model.ffn_hot_units()
+    assert dense is None and sparse.tolist() == list(range(384, 512))  # 128 = 512 / 4, the top ones
 
 
 def test_bad_hot_unit_settings_are_clear_errors():
@@ -87,7 +99,8 @@ def test_a_resumed_run_keeps_the_checkpoints_hot_units(tmp_path: Path, monkeypat
     """Units chosen every 3 steps (at 3 and 6): a run killed after its step-4 checkpoint resumes with
     the units of step 3 (a fresh trainer has none) and logs the uninterrupted run's losses bit for bit."""
     monkeypatch.setattr(trainer_module, "HotUnits", functools.partial(HotUnits, refresh_steps=3))
-    model = {"ffn_impl": "reference", "ffn_dense_above": 1.0, "ffn_hot_share": 0.2}
+    # H = 256: a quarter of it holds one multiple of 64.
+    model = {"ffn_impl": "reference", "ffn_dense_above": 1.0, "ffn_hot_share": 0.2, "intermediate_size": 256}
     run = dict(max_steps=8, checkpoint_every=4)
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     Trainer(tiny_run_config(straight_dir, model=model, **run), straight_dir).fit()

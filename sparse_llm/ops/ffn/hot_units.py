@@ -28,15 +28,22 @@ HOT_UNITS_MULTIPLE = 64
 
 
 def choose_hot_units(
-    fire_counts: torch.Tensor, tokens: int, share: float, multiple: int = HOT_UNITS_MULTIPLE
+    fire_counts: torch.Tensor,
+    tokens: int,
+    share: float,
+    multiple: int = HOT_UNITS_MULTIPLE,
+    max_units: int | None = None,
 ) -> torch.Tensor:
     """S for a layer: the units whose `fire_counts` ([H], on how many of `tokens` tokens each unit
     fired) reach share x tokens, then the next most firing ones up to a multiple of `multiple` (or
-    all H); ascending int64 indices, on fire_counts' device. Empty where no unit reaches the share."""
+    all H), and at most the `max_units` most firing (rounded down to the multiple); ascending int64
+    indices, on fire_counts' device. Empty where no unit reaches the share."""
     if not 0.0 < share <= 1.0:
         raise ValueError(f"the hot-unit share is a fraction of the step's tokens in (0, 1]; got {share}")
     wanted = int((fire_counts >= share * tokens).sum())
     count = min(fire_counts.shape[0], -(-wanted // multiple) * multiple)
+    if max_units is not None:
+        count = min(count, max_units // multiple * multiple)
     # Ties at the boundary: topk's order, fixed for given counts on a device.
     return torch.topk(fire_counts, count, sorted=False).indices.sort().values
 

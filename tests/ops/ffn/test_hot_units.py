@@ -14,6 +14,9 @@ def test_hot_units_fire_on_at_least_the_share_then_fill_to_the_multiple():
     assert choose_hot_units(fires, 10, 0.31, multiple=1).tolist() == [1]
     assert choose_hot_units(fires, 10, 0.31, multiple=3).tolist() == [1, 3, 4]  # the next most firing
     assert choose_hot_units(fires, 10, 0.05, multiple=8).tolist() == [0, 1, 2, 3, 4]  # never past H
+    # At most the max_units most firing, rounded down to the multiple.
+    assert choose_hot_units(fires, 10, 0.05, multiple=1, max_units=2).tolist() == [1, 3]
+    assert choose_hot_units(fires, 10, 0.05, multiple=2, max_units=3).tolist() == [1, 3]
     empty = choose_hot_units(fires, 11, 1.0)
     assert empty.dtype == torch.int64 and empty.numel() == 0  # no unit fires on all 11 tokens
 
