@@ -27,7 +27,8 @@ units (S's rows zero) and the dense part runs S's gate again; dx is summed from 
 add. So its times bound a built hybrid's from above.
 
 Per layer and per share s in `--shares`: S = the units firing on at least s x M of the step's
-tokens; its size, the share of the step's active entries it takes, the heavy rows left to the op,
+tokens (as the trainer chooses them: to a multiple of 64, at most a quarter of H; the results of
+88296fc and 86cc380 were taken without that cap); its size, the share of the step's active entries it takes, the heavy rows left to the op,
 and the forward+backward (with the L1 term) timed as `layer_ffn.py` times it: dense (compiled), the
 op alone, the hybrid. Then the error of the op and of the hybrid at the layer's fastest share against
 a float32 dense reference (relative Frobenius norm of y, dx and the three weight gradients).
@@ -55,6 +56,7 @@ from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.hot_units import HOT_UNITS_MULTIPLE, choose_hot_units
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm
+from sparse_llm.training.hot_units import MAX_HOT_FRACTION
 
 DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08)  # of the step's tokens a hot unit fires on
 GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
@@ -75,8 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def hot_units(active: torch.Tensor, share: float) -> torch.Tensor:
-    """S for a layer from its active [M, H] mask, as the trainer chooses it (`choose_hot_units`)."""
-    return choose_hot_units(active.sum(dim=0), active.shape[0], share)
+    """S for a layer from its active [M, H] mask, as the trainer chooses it (`choose_hot_units`, at
+    most MAX_HOT_FRACTION of H)."""
+    return choose_hot_units(
+        active.sum(dim=0), active.shape[0], share, max_units=int(MAX_HOT_FRACTION * active.shape[1])
+    )
 
 
 def split_stats(active: torch.Tensor, hot: torch.Tensor, threshold: int) -> dict[str, float]:
