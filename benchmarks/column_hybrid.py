@@ -49,8 +49,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks import common
-from benchmarks.ffn import dense_train, forward_backward, saved_bytes, train_ours
-from benchmarks.layer_ffn import rotating
+from benchmarks.ffn import dense_train, saved_bytes, train_ours
+from benchmarks.layer_ffn import GRAD_L1, timed
 from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
 from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.hot_units import HOT_UNITS_MULTIPLE, choose_hot_units
@@ -59,7 +59,6 @@ from sparse_llm.ops.rms_norm import rms_norm
 from sparse_llm.training.hot_units import MAX_HOT_FRACTION
 
 DEFAULT_SHARES = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08)  # of the step's tokens a hot unit fires on
-GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses (layer_ffn.py)
 GRADIENTS = ("y", "dx", "dwg", "dwu", "dwd")
 BLOCK_EPS = 1e-5  # the norm's eps in the built block op's timing (the presets' rms_norm_eps)
 
@@ -143,15 +142,6 @@ def hybrid_call(ours: Callable, dense_part: Callable) -> Callable:
         return y, l1_cold + l1_hot
 
     return call
-
-
-def timed(fn: Callable, sets: list[tuple[torch.Tensor, ...]], args: argparse.Namespace) -> dict[str, float]:
-    """The training call's median event-timed ms (`ms`) and, on a GPU, its GPU busy ms (`gpu_ms`)."""
-    call = rotating(forward_backward(fn, torch.tensor(GRAD_L1, device=sets[0][0].device)), sets)
-    out = {"ms": common.median_ms(call, sets[0][0].device, args.warmup, args.reps)}
-    if sets[0][0].is_cuda:
-        out["gpu_ms"] = common.busy_ms(common.profiled_device_spans(call, calls=args.sets), calls=args.sets)
-    return out
 
 
 def gradients(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:

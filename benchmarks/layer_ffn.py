@@ -70,6 +70,26 @@ def rotating(fn: Callable, sets: list[tuple[torch.Tensor, ...]]) -> Callable[[],
     return lambda: fn(*sets[next(turn) % len(sets)])
 
 
+GRAD_L1 = 2e-5  # the L1 coefficient the headline step uses
+
+
+def timed(
+    fn: Callable, sets: list[tuple[torch.Tensor, ...]], args: argparse.Namespace, kernels: bool = False
+) -> dict[str, Any]:
+    """One training call of fn over `sets` in turn (forward, backward with GRAD_L1): its median
+    event-timed ms (`ms`) and, on a GPU, its GPU busy ms (`gpu_ms`) and, with `kernels`, each
+    kernel's us (`kernel_us`)."""
+    device = sets[0][0].device
+    call = rotating(forward_backward(fn, torch.tensor(GRAD_L1, device=device)), sets)
+    out: dict[str, Any] = {"ms": common.median_ms(call, device, args.warmup, args.reps)}
+    if device.type == "cuda":
+        spans = common.profiled_device_spans(call, calls=args.sets)
+        out["gpu_ms"] = common.busy_ms(spans, calls=args.sets)
+        if kernels:
+            out["kernel_us"] = common.kernel_us(spans, calls=args.sets)
+    return out
+
+
 def time_layer(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -83,7 +103,6 @@ def time_layer(
     busy (`gpu_ms_*`; the difference is host-bound idle, which a model's step partly hides)."""
     x = x.detach().requires_grad_(True)
     sets = [(x, *(w.clone().requires_grad_(True) for w in weights)) for _ in range(args.sets)]
-    grad_l1 = torch.tensor(2e-5, device=x.device)  # the L1 coefficient the headline step uses
     times = {}
 
     # What the trainer runs in a layer that falls back: dense, recomputed in the backward one chunk
@@ -94,13 +113,10 @@ def time_layer(
         return y, sum(l1 * part.shape[0] for l1, part in zip(l1s, ys, strict=True)) / y.shape[0]
 
     for name, fn in (("dense", dense), ("dense_recomputed", recomputed), ("ours", ours)):
-        call = rotating(forward_backward(fn, grad_l1), sets)
-        times[f"ms_{name}"] = common.median_ms(call, x.device, args.warmup, args.reps)
-        if x.is_cuda:
-            spans = common.profiled_device_spans(call, calls=args.sets)
-            times[f"gpu_ms_{name}"] = common.busy_ms(spans, calls=args.sets)
-            if name == "ours" and args.kernels:
-                times["kernel_us_ours"] = common.kernel_us(spans, calls=args.sets)
+        times |= {
+            f"{k}_{name}": v
+            for k, v in timed(fn, sets, args, kernels=name == "ours" and args.kernels).items()
+        }
     return times
 
 

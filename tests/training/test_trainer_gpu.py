@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,21 @@ import torch
 from ffn_patterns import needs_hopper
 from tiny import tiny_run_config
 
+from sparse_llm.training import trainer as trainer_module
 from sparse_llm.training.callbacks import Callback
+from sparse_llm.training.hot_units import HotUnits
 from sparse_llm.training.trainer import Trainer
 
 LOG_EVERY = 10
+# A model the kernels run, sparse from step 3 (step 1's L0 acts after step 2) and never back.
+KERNEL_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_impl="cuda",
+    ffn_dense_above=1.0,
+)
 
 
 class SyncsRaise(Callback):
@@ -43,14 +55,7 @@ def test_steps_between_logging_steps_never_wait_on_the_gpu(tmp_path: Path, compi
     (from the scalars read one step late) and the logged steps still carry their loss."""
     cfg = tiny_run_config(
         tmp_path / "run",
-        model=dict(
-            hidden_size=256,
-            intermediate_size=704,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            ffn_impl="cuda",
-            ffn_dense_above=1.0,  # sparse from step 3 (step 1's L0 acts after step 2), never back
-        ),
+        model=KERNEL_MODEL,
         sparsity=dict(l1_coeff=1e-3, target_l0=40.0, l1_warmup_end=0),
         prefetch=2,
         seq_len=128,
@@ -81,25 +86,12 @@ def test_a_run_with_hot_units_trains_like_one_without(tmp_path: Path, compile: b
     """model.ffn_hot_share on the kernels (the capacity path), eager and compiled: the units are
     chosen every 2 steps (sizes multiples of 64) and the last loss is the run without hot units' to
     within the drift of bf16 rounding over 8 steps."""
-    import functools
-
-    from sparse_llm.training import trainer as trainer_module
-    from sparse_llm.training.hot_units import HotUnits
-
     monkeypatch.setattr(trainer_module, "HotUnits", functools.partial(HotUnits, refresh_steps=2))
     losses = {}
     for share in (None, 0.02):
         cfg = tiny_run_config(
             tmp_path / f"run_{share}",
-            model=dict(
-                hidden_size=256,
-                intermediate_size=704,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                ffn_impl="cuda",
-                ffn_dense_above=1.0,
-                ffn_hot_share=share,
-            ),
+            model={**KERNEL_MODEL, "ffn_hot_share": share},
             sparsity=dict(l1_coeff=1e-3, l1_warmup_end=0),
             seq_len=128,
             global_batch_size=8,

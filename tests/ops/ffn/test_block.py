@@ -518,8 +518,8 @@ def firing_units(inputs, share: float, multiple: int) -> torch.Tensor:
 
 
 def hot_sets(inputs, h: int) -> dict[str, torch.Tensor]:
-    """The hot-unit sets the tests run: none (empty), the most firing few, every unit, and units that
-    never fire (the last quarter, pushed off by the gate's column 0 in some patterns)."""
+    """The hot-unit sets the tests run: none (empty), the most firing few, every unit, and every third
+    unit (some of which never fire in the sparser patterns)."""
     device = inputs[0].device
     return {
         "empty": torch.empty(0, dtype=torch.int64, device=device),
