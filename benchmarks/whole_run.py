@@ -236,6 +236,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     "peak_mem_gib",
                     "ffn_fallback/dense_layers",
                     "ffn/capacity_overflows",
+                    "ffn_hot/units",
                     "gc_s",
                 )
             }
@@ -317,6 +318,8 @@ def summarize(
         "final_val_loss": final.get("val_loss"),
         "final_train_ce": final.get("ce"),
         "train_l0_last": final.get("l0/mean"),
+        # model.ffn_hot_share's units over the layers at the end (None for a run without them)
+        "hot_units_at_end": final.get("ffn_hot/units"),
     }
 
 
@@ -484,6 +487,7 @@ TABLE_ROWS = (
     ("steps a layer's record overflowed its capacity (rank 0)", "capacity_overflows", ".0f", "", "", False),
     ("of them in the steady phase", "capacity_overflows_steady", ".0f", "", "", False),
     ("layers running dense at the end", "dense_layers_at_end", ".0f", "", "", False),
+    ("hot units over the layers at the end (model.ffn_hot_share)", "hot_units_at_end", ".0f", "", "", False),
     ("final held-out loss", "final_val_loss", ".4f", "final_loss_ratio", ".4f", False),
     ("L0 of the final weights, held-out text", "heldout_l0", ".2f", "", "", False),
     ("whole process (build, compile, eval, checkpoint), s", "process_s", ".0f", "", "", False),
