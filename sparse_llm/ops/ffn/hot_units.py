@@ -93,9 +93,12 @@ def hot_forward(y_sparse: torch.Tensor, x: torch.Tensor, panels: HotPanels) -> H
     down GEMM."""
     a = torch.relu(x @ panels.wg.T)
     u = x @ panels.wu.T
-    h = a * u
+    # The L1 term from the unrounded products, as the sparse kernels take it (a bf16 h would put
+    # S's share 4-8e-5 off theirs on a GPU); h for the down GEMM in the compute dtype.
+    h_acc = a.to(acc_dtype(x.dtype)) * u.to(acc_dtype(x.dtype))
+    h = h_acc.to(x.dtype)
     active = a > 0
-    l1 = h.abs().sum(dtype=acc_dtype(x.dtype)) / x.shape[0]
+    l1 = h_acc.abs().sum() / x.shape[0]
     return HotForward(torch.addmm(y_sparse, h, panels.wd.T), l1, active.sum(-1), active.sum(0), a, u)
 
 
