@@ -18,7 +18,8 @@ the difference. Per layer, each variant's forward+backward (with the L1 term) is
     block_cap_hot the capacity path with the hot units at --share (model.ffn_hot_share)
     dense_block   the model's dense block (norm, FFN, residual; compiled on a GPU)
 
-The block's input is the layer's FFN input as the residual with a norm weight of ones, as
+The block variants run eager unless `--compile` (torch.compile of each, as the trainer compiles its
+model: the norm's and the casts' elementwise kernels are then fused). The block's input is the layer's FFN input as the residual with a norm weight of ones, as
 column_hybrid.py's: the norm rescales each row, which leaves the pattern of active units as it was.
 The capacity variants need the CUDA kernels; on the CPU (--tiny) they are left out.
 """
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=25, help="kernels listed one by one; the rest in one line")
+    p.add_argument("--compile", action="store_true", help="compile the block variants (as the trainer does)")
     return parse_model_args(p, argv)
 
 
@@ -75,6 +77,10 @@ def time_layer(
 ) -> dict[str, Any]:
     """Each variant's timing (`layer_ffn.timed`, with kernels on a GPU) on one layer."""
     kernels = x.is_cuda
+
+    def built(fn: Callable) -> Callable:
+        return torch.compile(fn) if args.compile else fn
+
     op_sets = [
         tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)) for _ in range(args.sets)
     ]
@@ -88,12 +94,12 @@ def time_layer(
     del active
     calls: dict[str, tuple[Callable, list]] = {
         "op": (train_ours(impl, args.heavy_threshold), op_sets),
-        "block": (block_call(impl, None, None), block_sets),
+        "block": (built(block_call(impl, None, None)), block_sets),
         "dense_block": (dense, block_sets),
     }
     if impl == "cuda":
-        calls["block_cap"] = (block_call(impl, TrainCapacities.new(), None), block_sets)
-        calls["block_cap_hot"] = (block_call(impl, TrainCapacities.new(), hot), block_sets)
+        calls["block_cap"] = (built(block_call(impl, TrainCapacities.new(), None)), block_sets)
+        calls["block_cap_hot"] = (built(block_call(impl, TrainCapacities.new(), hot)), block_sets)
     for name, (fn, sets) in calls.items():
         row[name] = timed(fn, sets, args, kernels=kernels)
     return row
@@ -115,7 +121,8 @@ def markdown(meta: dict, rows: list[dict], top: int) -> str:
     lines = [
         f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
         f"{meta['tokens']} tokens ({meta['text']}); impl {meta['impl']}; hot-unit share {meta['share']:g}; "
-        f"forward+backward with the L1 term, {what}.",
+        f"forward+backward with the L1 term, {what}; the block variants {meta['block_mode']}, dense_block "
+        f"{meta['dense_mode']}.",
         "",
         "| layer | L0 | hot units | " + " | ".join(variants) + " |",
         "|---:|---:|---:|" + "---:|" * len(variants),
@@ -175,7 +182,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row)
     key = "gpu_ms" if device.type == "cuda" else "ms"
     meta = common.run_meta(
-        device, model=name, tokens=inputs[0].shape[0], text=text, impl=impl, share=args.share
+        device,
+        model=name,
+        tokens=inputs[0].shape[0],
+        text=text,
+        impl=impl,
+        share=args.share,
+        block_mode="compiled" if args.compile else "eager",
+        dense_mode="compiled" if device.type == "cuda" else "eager",
     )
     meta["totals"] = {v: sum(r[v][key] for r in rows) for v in VARIANTS if v in rows[0]}
     headline = {

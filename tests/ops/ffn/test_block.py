@@ -271,6 +271,28 @@ def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):
     return [x.float(), norm_weight, wg.float(), wu.float(), wd.float()]
 
 
+def rounding_level_gates(inputs) -> torch.Tensor:
+    """[M, H]: where the gate g = rms_norm(x) Wg^T (bf16 operands) is within the float32 dot
+    product's worst-case accumulation error of 0, K * 2^-24 * (|x| |Wg|^T): there two GEMMs that sum
+    in different orders may disagree on whether a unit fires (seen on an H200: |g| / bound 1e-8 and
+    0, where the bound is 1.2e-4)."""
+    x, norm_weight, wg = inputs[0], inputs[1], inputs[2]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        normed = rms_norm(x, norm_weight, EPS, torch.bfloat16)
+        g = (normed @ wg.T).float()
+    scale = normed.float().abs() @ wg.bfloat16().float().abs().T
+    return g.abs() <= x.shape[-1] * 2.0**-24 * scale
+
+
+def assert_counts_within_rounding(name: str, got: torch.Tensor, want: torch.Tensor, inputs) -> None:
+    """With hot units, S's gate is a GEMM of its own ([M, |S|], where the dense block's and the op's
+    is [M, H]): the counts may differ from the dense block's only by units whose gate is at the
+    rounding level (`rounding_level_gates`), which contribute nothing above rounding to any output."""
+    gates = rounding_level_gates(inputs)
+    slack = gates.sum(-1) if name == "nnz_per_token" else gates.sum(0)
+    assert ((got - want).abs() <= slack).all(), (name, int((got != want).sum()), int(slack.sum()))
+
+
 def check_block_contract(inputs, hot_units=None):
     """Under bf16 autocast (fp32 residual and master weights): every output and gradient of the
     CUDA block within 2x the dense bf16 block's error against float64 (plus a floor); the integer
@@ -287,7 +309,10 @@ def check_block_contract(inputs, hot_units=None):
     active_units, active_rows = dense_bf16[2].sum(), (dense_bf16[2] > 0).sum()
     for name, g, b, d, w in zip(NAMES, got, before, dense_bf16, want, strict=True):
         if w.dtype == torch.int64:
-            assert torch.equal(g, d) and torch.equal(g, b), name
+            if hot_units is None or hot_units.numel() == 0:
+                assert torch.equal(g, d) and torch.equal(g, b), name
+            else:
+                assert_counts_within_rounding(name, g, d, inputs)
             continue
         assert torch.isfinite(g).all() and g.dtype == torch.float32, name
         if w.norm() == 0:
@@ -413,7 +438,10 @@ def check_capacity_contract(inputs, capacities: torch.Tensor, hot_units: torch.T
     active_units, active_rows = dense_bf16[2].sum(), (dense_bf16[2] > 0).sum()
     for name, g, d, w in zip(NAMES, got, dense_bf16, want, strict=True):
         if w.dtype == torch.int64:
-            assert torch.equal(g, d), name
+            if hot_units is None or hot_units.numel() == 0:
+                assert torch.equal(g, d), name
+            else:
+                assert_counts_within_rounding(name, g, d, inputs)
             continue
         assert torch.isfinite(g).all(), name
         if w.norm() == 0:
@@ -620,11 +648,27 @@ def test_cuda_block_with_hot_units_matches_fp64(pattern, m, d, h):
 @pytest.mark.parametrize("start", ["zero", "roomy"])
 def test_capacity_block_with_hot_units_matches_fp64(pattern, start):
     """The capacity path with hot units, whether its records fit (a step like the last) or are
-    rebuilt in the backward (from Wg with S's rows zeroed, as the forward had it)."""
-    inputs = gpu_block_inputs(pattern, 1003, 256, 1000, seed=5)
+    rebuilt in the backward (from Wg with S's rows zeroed, as the forward had it). The inputs of
+    `test_capacity_block_matches_fp64_at_any_capacity` at this size: the op without hot units holds
+    the contract on them (on seed 5 it does not, with S empty too: the xfail below)."""
+    inputs = gpu_block_inputs(pattern, 1003, 256, 1000, seed=1003 + 256 + 1000)
     for hot in hot_sets(inputs, 1000).values():
         capacities = TrainCapacities.new()
         if start == "roomy":
             r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
             outputs_and_grads(capacity_block(capacities, hot), inputs, r, autocast_device="cuda")
         check_capacity_contract(inputs, capacities, hot)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="the op's L1 on mixed_rows, seed 5: see docstring"
+)
+def test_capacity_block_l1_on_mixed_rows_seed_5():
+    """Found on an H200 (2026-12-01, benchmarks/results/gpu_tests_hot_units_h200.log): on these
+    inputs the block op's L1 value, host-read and capacity paths alike, is 3.6e-4 off float64
+    (8532.50 against 8529.44) where the dense bf16 block's is 1.1e-4 off (8530.38): past the
+    contract's 2x. Every other output and gradient holds it. Strict: this test fails once the op's
+    L1 sum is fixed, and the marker goes."""
+    check_capacity_contract(gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=5), TrainCapacities.new())
