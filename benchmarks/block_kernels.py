@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.column_hybrid import BLOCK_EPS, dense_block, hot_units
+from benchmarks.column_hybrid import block_call, dense_block, hot_units
 from benchmarks.ffn import train_ours
 from benchmarks.layer_ffn import timed
-from benchmarks.row_density import model_inputs, model_parser, parse_model_args
-from sparse_llm.ops.ffn.block import ffn_block_train
+from benchmarks.row_density import model_inputs, model_parser, parse_model_args, training_impl
 from sparse_llm.ops.ffn.training import TrainCapacities
 
 VARIANTS = ("op", "block", "block_cap", "block_cap_hot", "dense_block")
@@ -53,19 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=25, help="kernels listed one by one; the rest in one line")
     p.add_argument("--compile", action="store_true", help="compile the block variants (as the trainer does)")
     return parse_model_args(p, argv)
-
-
-def block_call(impl: str, capacities: TrainCapacities | None, hot: torch.Tensor | None) -> Callable:
-    """(x, norm weight, Wg, Wu, Wd) -> (y, l1): the block op under bf16 autocast on a GPU."""
-
-    def call(x, norm_weight, wg, wu, wd):
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
-            out = ffn_block_train(
-                x, norm_weight, BLOCK_EPS, wg, wu, wd, impl, capacities=capacities, hot_units=hot
-            )
-        return out.y, out.l1
-
-    return call
 
 
 def time_layer(
@@ -94,12 +80,12 @@ def time_layer(
     del active
     calls: dict[str, tuple[Callable, list]] = {
         "op": (train_ours(impl, args.heavy_threshold), op_sets),
-        "block": (built(block_call(impl, None, None)), block_sets),
+        "block": (built(block_call(impl, None)), block_sets),
         "dense_block": (dense, block_sets),
     }
     if impl == "cuda":
-        calls["block_cap"] = (built(block_call(impl, TrainCapacities.new(), None)), block_sets)
-        calls["block_cap_hot"] = (built(block_call(impl, TrainCapacities.new(), hot)), block_sets)
+        calls["block_cap"] = (built(block_call(impl, None, TrainCapacities.new())), block_sets)
+        calls["block_cap_hot"] = (built(block_call(impl, hot, TrainCapacities.new())), block_sets)
     for name, (fn, sets) in calls.items():
         row[name] = timed(fn, sets, args, kernels=kernels)
     return row
@@ -169,9 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.bench_device(cpu=args.tiny)
     model, inputs, text, name = model_inputs(args, device)
-    impl, _ = common.sparse_path(
-        "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
+    impl = training_impl(model, device)
     dense = torch.compile(dense_block, dynamic=False) if device.type == "cuda" else dense_block
     layers = args.layers if args.layers is not None else list(range(len(inputs)))
     rows = []

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks import common
 from benchmarks.ffn import dense_train, saved_bytes, train_ours
 from benchmarks.layer_ffn import GRAD_L1, timed
-from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args, training_impl
 from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.hot_units import HOT_UNITS_MULTIPLE, choose_hot_units
 from sparse_llm.ops.precision import autocast_dtype
@@ -232,14 +232,16 @@ def time_layer(
     return row
 
 
-def block_call(impl: str, hot: torch.Tensor | None) -> Callable:
+def block_call(impl: str, hot: torch.Tensor | None, capacities: torch.Tensor | None = None) -> Callable:
     """(x, norm weight, Wg, Wu, Wd) -> (y, l1): the trainer's block op (`ffn_block_train`: norm, FFN,
     residual add) with hot units S, under bf16 autocast on a GPU (fp32 residual and master weights, as
-    a step has them)."""
+    a step has them); with `capacities` (TrainCapacities) on the capacity path."""
 
     def call(x, norm_weight, wg, wu, wd):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
-            out = ffn_block_train(x, norm_weight, BLOCK_EPS, wg, wu, wd, impl, hot_units=hot)
+            out = ffn_block_train(
+                x, norm_weight, BLOCK_EPS, wg, wu, wd, impl, capacities=capacities, hot_units=hot
+            )
         return out.y, out.l1
 
     return call
@@ -358,9 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = common.bench_device(cpu=args.tiny)
     model, inputs, text, name = model_inputs(args, device)
-    impl, _ = common.sparse_path(
-        "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
+    impl = training_impl(model, device)
     ours = train_ours(impl, args.heavy_threshold)
     compiled = device.type == "cuda"
     # One graph for every |S| (dynamic): a graph per layer and share would compile ~100 times.

@@ -40,7 +40,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.ffn import dense_train, forward_backward, train_ours
-from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args
+from benchmarks.row_density import layer_rows, model_inputs, model_parser, parse_model_args, training_impl
 from sparse_llm.model.ffn import recompute_in_chunks
 
 
@@ -220,9 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     mlps = [layer.mlp for layer in model.model.layers]
     nnz = torch.stack([common.gate_active(x, mlp).sum(-1) for x, mlp in zip(inputs, mlps, strict=True)])
     rows = layer_rows(nnz.cpu(), args.heavy_threshold)
-    impl, _ = common.sparse_path(
-        "train", model.config, device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
+    impl = training_impl(model, device)
     dense = torch.compile(dense_train, dynamic=False) if device.type == "cuda" else dense_train
     ours = train_ours(impl, args.heavy_threshold)
     for row, x, mlp in zip(rows, inputs, mlps, strict=True):

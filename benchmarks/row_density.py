@@ -274,6 +274,13 @@ def load_inputs(directory: Path, cfg: Any, device: torch.device) -> tuple[list[t
     return [load_file(f, device=str(device))["x"] for f in files], meta
 
 
+def training_impl(model: Any, device: torch.device) -> str:
+    """The training FFN the package picks for `model` on `device` (bf16 on a GPU, float32 on the
+    CPU): what a per-layer training benchmark times as ours."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return common.sparse_path("train", model.config, device, dtype)[0]
+
+
 def model_inputs(args: argparse.Namespace, device: torch.device) -> tuple[Any, list[torch.Tensor], str, str]:
     """(model, every layer's FFN input [M, D], what the text is, the model's name): loaded from
     `--inputs`, else from one forward over the held-out text (rows x seq-len tokens; --tiny: 2 x 64
