@@ -274,8 +274,8 @@ def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):
 def rounding_level_gates(inputs) -> torch.Tensor:
     """[M, H]: where the gate g = rms_norm(x) Wg^T (bf16 operands) is within the float32 dot
     product's worst-case accumulation error of 0, K * 2^-24 * (|x| |Wg|^T): there two GEMMs that sum
-    in different orders may disagree on whether a unit fires (seen on an H200: |g| / bound 1e-8 and
-    0, where the bound is 1.2e-4)."""
+    in different orders may disagree on whether a unit fires (seen on an H200: |g| / (|x| |Wg|^T) of
+    1e-8 and 0 at such units, where K * 2^-24 is 1.2e-4)."""
     x, norm_weight, wg = inputs[0], inputs[1], inputs[2]
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         normed = rms_norm(x, norm_weight, EPS, torch.bfloat16)
