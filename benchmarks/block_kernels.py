@@ -57,11 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def time_layer(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    active: torch.Tensor,
     impl: str,
     args: argparse.Namespace,
     dense: Callable,
 ) -> dict[str, Any]:
-    """Each variant's timing (`layer_ffn.timed`, with kernels on a GPU) on one layer."""
+    """Each variant's timing (`layer_ffn.timed`, with kernels on a GPU) on one layer whose active
+    units are `active` ([M, H])."""
     kernels = x.is_cuda
 
     def built(fn: Callable) -> Callable:
@@ -74,10 +76,8 @@ def time_layer(
     block_sets = [
         tuple(t.detach().clone().requires_grad_(True) for t in block_inputs) for _ in range(args.sets)
     ]
-    active = torch.relu(x @ weights[0].T) > 0
     hot = hot_units(active, args.share)
     row: dict[str, Any] = {"l0": active.sum(-1).float().mean().item(), "hot_units": int(hot.numel())}
-    del active
     calls: dict[str, tuple[Callable, list]] = {
         "op": (train_ours(impl, args.heavy_threshold), op_sets),
         "block": (built(block_call(impl, None)), block_sets),
@@ -160,9 +160,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layers = args.layers if args.layers is not None else list(range(len(inputs)))
     rows = []
     for layer in layers:
-        mlp = model.model.layers[layer].mlp
+        x, mlp = inputs[layer], model.model.layers[layer].mlp
         row = {"layer": layer}
-        row.update(time_layer(inputs[layer], common.ffn_weights(mlp, inputs[layer].dtype), impl, args, dense))
+        row.update(
+            time_layer(x, common.ffn_weights(mlp, x.dtype), common.gate_active(x, mlp), impl, args, dense)
+        )
         rows.append(row)
     key = "gpu_ms" if device.type == "cuda" else "ms"
     meta = common.run_meta(

@@ -25,21 +25,13 @@ CASES = (  # (pattern, m, d, h, seed): the failures of the first GPU run of the 
 SHOWN = ("out", "l1", "dx", "dWg")
 
 
-def gate_levels(inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|g|, |x| |Wg|^T) of the dense bf16 block's gate, [M, H] each."""
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        normed = tb.rms_norm(inputs[0], inputs[1], tb.EPS, torch.bfloat16)
-        g = (normed @ inputs[2].T).float()
-    return g.abs(), normed.float().abs() @ inputs[2].bfloat16().float().abs().T
-
-
 def main() -> None:
     for pattern, m, d, h, seed in CASES:
         inputs = tb.gpu_block_inputs(pattern, m, d, h, seed=seed)
         r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
         dense_bf16 = tb.outputs_and_grads(tb.dense, inputs, r, autocast_device="cuda")
         want = tb.outputs_and_grads(tb.dense, [t.double() for t in inputs], r)
-        g, scale = gate_levels(inputs)
+        g, scale = tb.gate_levels(inputs)
         print(
             f"== {pattern} {m}x{d}x{h} seed {seed}: dense bf16 L1 error {tb.rel_err(dense_bf16[1], want[1]):.2e}"
         )
