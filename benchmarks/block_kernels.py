@@ -18,9 +18,11 @@ the difference. Per layer, each variant's forward+backward (with the L1 term) is
     block_cap_hot the capacity path with the hot units at --share (model.ffn_hot_share)
     dense_block   the model's dense block (norm, FFN, residual; compiled on a GPU)
 
-The block variants run eager unless `--compile` (torch.compile of each, as the trainer compiles its
-model: the norm's and the casts' elementwise kernels are then fused). The block's input is the layer's FFN input as the residual with a norm weight of ones, as
-column_hybrid.py's: the norm rescales each row, which leaves the pattern of active units as it was.
+The block variants run eager unless `--compile` (each compiled as the trainer compiles a layer,
+`model.compiling.compile_region`: the norm's and the casts' elementwise kernels are then fused; a
+plain torch.compile would break the graph at the sparse op and run its autograd function eager;
+the report counts the graph breaks and the graphs compiled). The block's input is the layer's FFN
+input as the residual with a norm weight of ones, as column_hybrid.py's: the norm rescales each row, which leaves the pattern of active units as it was.
 The capacity variants need the CUDA kernels; on the CPU (--tiny) they are left out.
 """
 
@@ -37,6 +39,7 @@ from benchmarks.column_hybrid import block_call, dense_block, hot_units
 from benchmarks.ffn import train_ours
 from benchmarks.layer_ffn import timed
 from benchmarks.row_density import model_inputs, model_parser, parse_model_args, training_impl
+from sparse_llm.model.compiling import compile_region, compiled_graphs
 from sparse_llm.ops.ffn.training import TrainCapacities
 
 VARIANTS = ("op", "block", "block_cap", "block_cap_hot", "dense_block")
@@ -67,7 +70,7 @@ def time_layer(
     kernels = x.is_cuda
 
     def built(fn: Callable) -> Callable:
-        return torch.compile(fn) if args.compile else fn
+        return compile_region(fn) if args.compile else fn
 
     op_sets = [
         tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)) for _ in range(args.sets)
@@ -91,6 +94,11 @@ def time_layer(
     return row
 
 
+def graph_breaks() -> int:
+    """Graph breaks dynamo has met in this process so far."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
 def kernel_totals(rows: list[dict], variant: str) -> dict[str, float]:
     """A variant's microseconds by kernel, summed over the layers."""
     total: dict[str, float] = {}
@@ -108,7 +116,7 @@ def markdown(meta: dict, rows: list[dict], top: int) -> str:
         f"Device: {meta['device']}; commit {meta['commit']}; date {meta['date']}; model {meta['model']}; "
         f"{meta['tokens']} tokens ({meta['text']}); impl {meta['impl']}; hot-unit share {meta['share']:g}; "
         f"forward+backward with the L1 term, {what}; the block variants {meta['block_mode']}, dense_block "
-        f"{meta['dense_mode']}.",
+        f"{meta['dense_mode']}; {meta['graph_breaks']} graph breaks, {meta['graphs']} graphs compiled.",
         "",
         "| layer | L0 | hot units | " + " | ".join(variants) + " |",
         "|---:|---:|---:|" + "---:|" * len(variants),
@@ -157,15 +165,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model, inputs, text, name = model_inputs(args, device)
     impl = training_impl(model, device)
     dense = torch.compile(dense_block, dynamic=False) if device.type == "cuda" else dense_block
+    breaks_before, graphs_before = graph_breaks(), compiled_graphs()
     layers = args.layers if args.layers is not None else list(range(len(inputs)))
     rows = []
-    for layer in layers:
-        x, mlp = inputs[layer], model.model.layers[layer].mlp
-        row = {"layer": layer}
-        row.update(
-            time_layer(x, common.ffn_weights(mlp, x.dtype), common.gate_active(x, mlp), impl, args, dense)
-        )
-        rows.append(row)
+    # Every layer's variants share their code objects, and S's length differs between layers: room
+    # for their graphs, so that none falls back to eager at dynamo's default limit of 8.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for layer in layers:
+            x, mlp = inputs[layer], model.model.layers[layer].mlp
+            active = common.gate_active(x, mlp)
+            row = {
+                "layer": layer,
+                **time_layer(x, common.ffn_weights(mlp, x.dtype), active, impl, args, dense),
+            }
+            rows.append(row)
     key = "gpu_ms" if device.type == "cuda" else "ms"
     meta = common.run_meta(
         device,
@@ -176,6 +189,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         share=args.share,
         block_mode="compiled" if args.compile else "eager",
         dense_mode="compiled" if device.type == "cuda" else "eager",
+        graph_breaks=graph_breaks() - breaks_before,
+        graphs=compiled_graphs() - graphs_before,
     )
     meta["totals"] = {v: sum(r[v][key] for r in rows) for v in VARIANTS if v in rows[0]}
     headline = {

@@ -46,12 +46,15 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         )
     core = cores[0]
     for layer in core.model.layers:
-        layer.forward = _compiled(layer.forward, compile_kwargs)
-    core.output = _compiled(core.output, compile_kwargs)
+        layer.forward = compile_region(layer.forward, **compile_kwargs)
+    core.output = compile_region(core.output, **compile_kwargs)
     return model
 
 
-def _compiled(fn: Callable[..., Any], compile_kwargs: dict[str, Any]) -> Callable[..., Any]:
+def compile_region(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
+    """`fn` compiled as the trainer compiles a layer: torch.compile with `compile_kwargs`, its calls
+    run with the sparse ops' data-dependent sizes captured (a plain torch.compile of a function that
+    calls `ops.ffn_block_train` breaks the graph there and runs the op's autograd function eager)."""
     compiled = torch.compile(fn, **compile_kwargs)
     # One patch object for every call: each new one adds a ContextVar to the thread's context for
     # good, so a patch made per call grew the context (and what the garbage collector walks) by

@@ -19,6 +19,16 @@ def test_tiny_end_to_end(tmp_path):
     assert "block_mode" in written["meta"] and "| sum |" in (tmp_path / "r.md").read_text()
 
 
+def test_compiled_blocks_compile_as_the_trainer_does(tmp_path):
+    # A plain torch.compile breaks the graph at the sparse op and runs the block eager: the
+    # benchmark compiles as the trainer does, with no break.
+    args = ["--tiny", "--compile", "--warmup", "1", "--reps", "1", "--sets", "1", "--layers", "0"]
+    main([*args, "--json", str(tmp_path / "r.json")])
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["block_mode"] == "compiled"
+    assert meta["graph_breaks"] == 0 and meta["graphs"] >= 1
+
+
 def test_kernel_table_ranks_by_what_the_block_adds():
     def variant(us: dict[str, float]) -> dict:
         return {"gpu_ms": sum(us.values()) / 1000, "kernel_us": us}
@@ -48,6 +58,8 @@ def test_kernel_table_ranks_by_what_the_block_adds():
         "impl": "cuda",
         "share": 0.01,
         "block_mode": "eager",
+        "graph_breaks": 0,
+        "graphs": 0,
         "dense_mode": "compiled",
         "totals": {
             v: sum(r[v]["gpu_ms"] for r in rows)
