@@ -233,16 +233,18 @@ def time_layer(
 
 
 def block_call(impl: str, hot: torch.Tensor | None, capacities: torch.Tensor | None = None) -> Callable:
-    """(x, norm weight, Wg, Wu, Wd) -> (y, l1): the trainer's block op (`ffn_block_train`: norm, FFN,
-    residual add) with hot units S, under bf16 autocast on a GPU (fp32 residual and master weights, as
-    a step has them); with `capacities` (TrainCapacities) on the capacity path."""
+    """(x, norm weight, Wg, Wu, Wd) -> (y, l1, nnz_per_token, fire_counts): the trainer's block op
+    (`ffn_block_train`: norm, FFN, residual add) with hot units S, under bf16 autocast on a GPU (fp32
+    residual and master weights, as a step has them); with `capacities` (TrainCapacities) on the
+    capacity path. The statistics are returned because a step reads them: compiled, a block whose
+    caller dropped them would not compute them."""
 
     def call(x, norm_weight, wg, wu, wd):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
             out = ffn_block_train(
                 x, norm_weight, BLOCK_EPS, wg, wu, wd, impl, capacities=capacities, hot_units=hot
             )
-        return out.y, out.l1
+        return out.y, out.l1, out.nnz_per_token, out.fire_counts
 
     return call
 

@@ -257,13 +257,14 @@ def saved_bytes(fn: Callable, inputs: Sequence[torch.Tensor]) -> int:
 
 
 def forward_backward(fn: Callable, grad_l1: torch.Tensor) -> Callable:
-    """fn(x, wg, wu, wd, ...) -> (y, l1) as one training call: the forward, the backward of
-    <1, y> + grad_l1 * l1, the gradients dropped. `grad_l1` is made once, on fn's device: a tensor
+    """fn(x, wg, wu, wd, ...) -> (y, l1, ...) as one training call: the forward, the backward of
+    <1, y> + grad_l1 * l1, the gradients dropped; further outputs (statistics a step reads, which
+    a compiled fn would otherwise not compute) are dropped too. `grad_l1` is made once, on fn's device: a tensor
     built from a Python float inside the timed call is a pageable host-to-device copy, which waits
     for the GPU to drain, and the backward's launches then start from an idle GPU."""
 
     def run(*inputs: torch.Tensor) -> None:
-        y, l1 = fn(*inputs)
+        y, l1, *_ = fn(*inputs)
         torch.autograd.backward((y, l1), (torch.ones_like(y), grad_l1.to(l1.dtype)))
         for t in inputs:
             t.grad = None
