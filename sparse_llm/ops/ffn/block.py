@@ -102,7 +102,7 @@ class _FFNBlock(torch.autograd.Function):
             part = hot_forward(y, normed, hot_panels(wg, wu, wd, hot, compute_dtype))
             y, l1, hot_nnz = part.y, l1 + part.l1, part.nnz_per_token
             fire_counts = fire_counts.index_add(0, hot, part.fire_counts)
-            hot_saved = (hot, part.a, part.u)
+            hot_saved = (hot, part.g, part.u)
         extra = (capacities,) if ctx.capacity_path else ()
         # The parameters, not their casts: a parameter costs nothing to keep, the bf16 casts of
         # the three FFN weights 66 MiB a layer on the 1b preset. The backward op casts again,

@@ -19,8 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from sparse_llm.ops.activation_counts import activation_counts
-from sparse_llm.ops.ffn.reference import acc_dtype
+from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
 
 # |S| is rounded up to this: a bf16 GEMM with a size off a multiple of 8 falls off cuBLAS's fast
 # kernels (2-5x slower at |S| = 2678 than at 2144 on an H200, benchmarks/column_hybrid.py); 64
@@ -85,24 +84,22 @@ class HotForward(NamedTuple):
     l1: torch.Tensor  # []: S's share of the L1 term (mean over rows of sum over S of |h|)
     nnz_per_token: torch.Tensor  # [M] int64: units of S active on each row
     fire_counts: torch.Tensor  # [|S|] int64: rows on which each unit of S fired
-    a: torch.Tensor  # [M, |S|]: relu(g), kept for the backward
+    g: torch.Tensor  # [M, |S|]: x Wg[S]^T, kept for the backward
     u: torch.Tensor  # [M, |S|]: x Wu[S]^T, kept for the backward
 
 
 def hot_forward(y_sparse: torch.Tensor, x: torch.Tensor, panels: HotPanels) -> HotForward:
     """S's dense FFN on x [M, D] (the compute dtype), its output added to the sparse part's y by the
     down GEMM."""
-    a = torch.relu(x @ panels.wg.T)
+    g = x @ panels.wg.T
     u = x @ panels.wu.T
-    # The L1 term from the unrounded products, as the sparse kernels take it (a bf16 h would put
-    # S's share 4-8e-5 off theirs on a GPU); h for the down GEMM in the compute dtype.
-    h_acc = a.to(acc_dtype(x.dtype)) * u.to(acc_dtype(x.dtype))
-    h = h_acc.to(x.dtype)
-    l1 = h_acc.abs().sum() / x.shape[0]
-    # One pass of the counts kernel on a GPU: as torch ops (`(a > 0).sum(0)`) Inductor made the
-    # column sum a reduction of ~0.3 ms a layer at |S| = 1408 in a 1b step, ~4.4 ms a step.
-    nnz_per_token, fire_counts = activation_counts(a)
-    return HotForward(torch.addmm(y_sparse, h, panels.wd.T), l1, nnz_per_token, fire_counts, a, u)
+    # h, the L1 rows and the counts in one pass over g and u (one Triton kernel on a GPU: as torch
+    # ops Inductor made the counts' column sum ~0.3 ms a layer at |S| = 1408 and the L1 sum ~0.1 ms,
+    # ~6 ms of a 1b step). The L1 from the unrounded products, as the sparse kernels sum theirs (a
+    # bf16 h put S's share 4-8e-5 off theirs on a GPU).
+    h, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(g, u, l1_of_products=True)
+    l1 = l1_rows.sum() / x.shape[0]
+    return HotForward(torch.addmm(y_sparse, h, panels.wd.T), l1, nnz_per_token, fire_counts, g, u)
 
 
 def hot_backward(
@@ -111,12 +108,14 @@ def hot_backward(
     grad_x: torch.Tensor,
     x: torch.Tensor,
     panels: HotPanels,
-    a: torch.Tensor,
+    g: torch.Tensor,
     u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """S's share of the backward of <grad_y, y> + grad_l1 * l1: (grad_x plus S's share, dWg[S],
     dWu[S], dWd[:, S]), in the compute dtype (the dense FFN's roundings: dh, dg and du rounded to it
-    before their GEMMs). grad_x: the sparse part's gradient of x, added to by the GEMMs."""
+    before their GEMMs). grad_x: the sparse part's gradient of x, added to by the GEMMs; g and u: the
+    forward's (`HotForward`)."""
+    a = torch.relu(g)
     h = a * u
     # d(l1)/dh = sign(h) / M; dg = dh * u where a > 0, du = dh * a (zero where a = 0).
     dh = (grad_y @ panels.wd).float() + grad_l1.float() * torch.sign(h).float() / x.shape[0]

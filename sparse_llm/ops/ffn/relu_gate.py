@@ -9,7 +9,9 @@ writes h and sums every statistic: rows in registers (a fixed order: determinist
 integer atomics (exact in any order). Elsewhere the same computation in PyTorch.
 
 h is rounded as PyTorch's bf16 product (fp32, one rounding); the backward recomputes it from the
-saved g and u rather than keeping it.
+saved g and u rather than keeping it. The L1 rows sum |h| as rounded (the dense FFN's), or with
+`l1_of_products` the unrounded fp32 products, as the sparse op's kernels sum theirs (the hot units'
+share of the sparse op's L1, ops/ffn/hot_units.py).
 """
 
 from __future__ import annotations
@@ -27,13 +29,21 @@ COLUMNS_PER_STEP = 256
 
 
 def relu_gate_stats_reference(
-    g: torch.Tensor, u: torch.Tensor
+    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, l1 per row (fp32), active units per row (int64), fire count per unit (int64))."""
+    """(h, l1 per row (`l1_dtype`), active units per row (int64), fire count per unit (int64))."""
     a = torch.relu(g)
     h = a * u
     active = g > 0
-    return h, h.abs().sum(-1, dtype=torch.float32), active.sum(-1), active.sum(0)
+    dtype = l1_dtype(g.dtype, l1_of_products)
+    summed = a.to(dtype) * u.to(dtype) if l1_of_products else h
+    return h, summed.abs().sum(-1, dtype=dtype), active.sum(-1), active.sum(0)
+
+
+def l1_dtype(dtype: torch.dtype, l1_of_products: bool) -> torch.dtype:
+    """The L1 rows' dtype: float32, or float64 for float64 operands summed as products (the
+    sparse op's L1 is exact to its operands' precision there)."""
+    return torch.float64 if l1_of_products and dtype == torch.float64 else torch.float32
 
 
 if triton is not None:
@@ -50,6 +60,7 @@ if triton is not None:
         hidden: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        L1_OF_PRODUCTS: tl.constexpr,
     ):  # hidden a constant: one compilation per model width, a loop of known length
         row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = row < rows
@@ -63,10 +74,11 @@ if triton is not None:
             g = tl.load(g_ptr + offset, mask=ok, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + offset, mask=ok, other=0.0).to(tl.float32)
             # relu keeps a NaN gate's NaN, as torch.relu does: a diverging run shows in h.
-            h = (tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL) * u).to(h_ptr.dtype.element_ty)
+            product = tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL) * u
+            h = product.to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + offset, h, mask=ok)
             active = (g > 0.0).to(tl.int32)
-            l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
+            l1 += tl.sum(tl.abs(product if L1_OF_PRODUCTS else h.to(tl.float32)), axis=1)
             nnz += tl.sum(active, axis=1)
             tl.atomic_add(fire_ptr + col, tl.sum(active, axis=0), mask=col_ok)
         tl.store(l1_ptr + row, l1, mask=row_ok)
@@ -75,12 +87,18 @@ if triton is not None:
 
 def kernel_applies(g: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether the Triton kernel takes (g, u) (checked operands: one [M, H] shape and dtype): on a
-    CUDA device, both contiguous."""
-    return triton is not None and g.is_cuda and g.is_contiguous() and u.is_contiguous()
+    CUDA device, both contiguous, narrower than float64 (whose sums it would round to float32)."""
+    return (
+        triton is not None
+        and g.is_cuda
+        and g.dtype != torch.float64
+        and g.is_contiguous()
+        and u.is_contiguous()
+    )
 
 
 def relu_gate_stats_kernel(
-    g: torch.Tensor, u: torch.Tensor
+    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel (any device Triton runs on, e.g. its CPU interpreter in a test)."""
     rows, hidden = g.shape
@@ -90,7 +108,17 @@ def relu_gate_stats_kernel(
     fire = torch.zeros(hidden, device=g.device, dtype=torch.int32)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
     _relu_gate_stats_kernel[grid](
-        g, u, h, l1, nnz, fire, rows, hidden, BLOCK_M=ROWS_PER_PROGRAM, BLOCK_H=COLUMNS_PER_STEP
+        g,
+        u,
+        h,
+        l1,
+        nnz,
+        fire,
+        rows,
+        hidden,
+        BLOCK_M=ROWS_PER_PROGRAM,
+        BLOCK_H=COLUMNS_PER_STEP,
+        L1_OF_PRODUCTS=l1_of_products,
     )
     return h, l1, nnz, fire.to(torch.int64)
 
@@ -105,31 +133,32 @@ def _check_operands(g: torch.Tensor, u: torch.Tensor) -> None:
 
 @torch.library.custom_op("sparse_llm::relu_gate_stats", mutates_args=())
 def relu_gate_stats(
-    g: torch.Tensor, u: torch.Tensor
+    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the gate's pre-activation g and the up projection u ([M, H], one dtype):
-    (h = relu(g) * u, l1 per row = sum |h| in fp32, active units per row, fire count per unit);
-    differentiable in g and u through h and l1."""
+    (h = relu(g) * u, l1 per row = sum |h| in fp32 (of the unrounded products with
+    `l1_of_products`), active units per row, fire count per unit); differentiable in g and u
+    through h and l1."""
     _check_operands(g, u)
     if kernel_applies(g, u):
-        return relu_gate_stats_kernel(g, u)
-    return relu_gate_stats_reference(g, u)
+        return relu_gate_stats_kernel(g, u, l1_of_products)
+    return relu_gate_stats_reference(g, u, l1_of_products)
 
 
 @relu_gate_stats.register_fake
-def _(g, u):
+def _(g, u, l1_of_products=False):
     _check_operands(g, u)
     rows, hidden = g.shape
     return (
         torch.empty_like(g),
-        g.new_empty(rows, dtype=torch.float32),
+        g.new_empty(rows, dtype=l1_dtype(g.dtype, l1_of_products)),
         g.new_empty(rows, dtype=torch.int64),
         g.new_empty(hidden, dtype=torch.int64),
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    g, u = inputs
+    g, u, _l1_of_products = inputs
     ctx.save_for_backward(g, u)
     ctx.mark_non_differentiable(output[2], output[3])
 
@@ -140,7 +169,7 @@ def _backward(ctx, grad_h, grad_l1, _grad_nnz, _grad_fire):
     grad = torch.zeros_like(g) if grad_h is None else grad_h
     if grad_l1 is not None:  # d sum|h| / dh = sign(h), h recomputed as the forward rounded it
         grad = grad + (grad_l1[:, None] * torch.sign(a * u)).to(grad.dtype)
-    return torch.where(g > 0, grad * u, 0), grad * a
+    return torch.where(g > 0, grad * u, 0), grad * a, None
 
 
 relu_gate_stats.register_autograd(_backward, setup_context=_setup_context)

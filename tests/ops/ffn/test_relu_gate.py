@@ -33,6 +33,22 @@ def test_values_and_statistics_are_those_of_the_plain_ops():
     assert nnz[0] == 0 and nnz[1] == 39 and fire[3] == 0
 
 
+def test_l1_of_products_sums_the_unrounded_products():
+    """The sparse op's L1 (the hot units' share of it): |relu(g) u| before h's rounding, in float32
+    for bf16 operands and float64 for float64 ones; h and the counts as without it."""
+    g, u = _inputs(9, 40, torch.bfloat16)
+    h, l1, nnz, fire = relu_gate_stats(g, u, l1_of_products=True)
+    plain = relu_gate_stats(g, u)
+    assert torch.equal(h, plain[0]) and torch.equal(nnz, plain[2]) and torch.equal(fire, plain[3])
+    assert l1.dtype == torch.float32
+    assert torch.equal(l1, (torch.relu(g).float() * u.float()).abs().sum(-1))
+    assert not torch.equal(l1, plain[1])  # bf16 rounding of h moves the rows' sums
+    g64, u64 = (t.double() for t in (g, u))
+    l1_64 = relu_gate_stats(g64, u64, l1_of_products=True)[1]
+    assert l1_64.dtype == torch.float64
+    assert torch.equal(l1_64, (torch.relu(g64) * u64).abs().sum(-1))
+
+
 def test_gradients_are_those_of_the_plain_ops():
     """Through h and through the per-row L1 (fp32, as the loss sums it)."""
     g, u = (t.double().requires_grad_() for t in _inputs(6, 24, torch.float32))
@@ -58,16 +74,20 @@ def test_operands_of_other_shapes_or_dtypes_are_refused():
 def test_op_registration():
     g, u = _inputs(5, 16, torch.float32)
     torch.library.opcheck(relu_gate_stats, (g.requires_grad_(), u.requires_grad_()))
+    torch.library.opcheck(relu_gate_stats, (g, u, True))
+    torch.library.opcheck(relu_gate_stats, (g.double(), u.double(), True))
 
 
 @needs_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize(("rows", "hidden"), [(37, 200), (16384, 5632)])
-def test_the_triton_kernel_equals_the_reference(rows, hidden):
-    """bf16 on the GPU: h and the counts exactly the reference's, the L1 rows within fp32 summation
-    order; the gradients of a loss through h and the L1 rows within bf16 rounding."""
+@pytest.mark.parametrize(("rows", "hidden"), [(37, 200), (16384, 5632), (16384, 1408)])
+@pytest.mark.parametrize("l1_of_products", [False, True])
+def test_the_triton_kernel_equals_the_reference(rows, hidden, l1_of_products):
+    """bf16 on the GPU: h and the counts exactly the reference's, the L1 rows (of h, or of the
+    unrounded products) within fp32 summation order; the gradients of a loss through h and the L1
+    rows within bf16 rounding."""
     g, u = _inputs(rows, hidden, torch.bfloat16, "cuda", seed=rows)
-    got, want = relu_gate_stats(g, u), relu_gate_stats_reference(g, u)
+    got, want = relu_gate_stats(g, u, l1_of_products), relu_gate_stats_reference(g, u, l1_of_products)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-3)
 
@@ -76,7 +96,7 @@ def test_the_triton_kernel_equals_the_reference(rows, hidden):
     grads = []
     for fn in (relu_gate_stats, relu_gate_stats_reference):
         g1, u1 = g.clone().requires_grad_(), u.clone().requires_grad_()
-        h, l1, _, _ = fn(g1, u1)
+        h, l1, _, _ = fn(g1, u1, l1_of_products)
         ((h.float() * w.float()).sum() + (l1 * c).sum()).backward()
         grads.append((g1.grad, u1.grad))
     for got_grad, want_grad in zip(*grads, strict=True):
