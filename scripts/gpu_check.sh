@@ -18,7 +18,8 @@
 #   ffn_train     python -m benchmarks.ffn --train (forward+backward with L1), with $TRAIN_BENCH_ARGS
 # The whole run, the figure of record (python -m benchmarks.whole_run: the trainer from
 # initialisation to L0 30, 800 steps), then what fits in the rest of the call:
-#   whole_run     one run per $IMPL (dense | auto, default auto; several: one run each) with SEED
+#   whole_run     one run per $IMPL (dense | auto | hot, default auto; several: one run each; hot: auto with
+#                 the hot units, model.ffn_hot_share=$HOT_SHARE (default 0.01), named ..._hot) with SEED
 #                 (train.seed, default 0), PRESET (default 1b), GPUS (processes, one GPU each; over 1:
 #                 FSDP2, default 1); SIDE_BY_SIDE=1 runs the one-GPU IMPLs at the same time, one per GPU.
 #                 An impl named again runs again, named whole_run_<impl>..._run<N>; with dense twice (e.g.
@@ -181,11 +182,14 @@ whole_run() {
   for impl in ${IMPL:-auto}; do
     runs[$impl]=$((${runs[$impl]:-0} + 1))
     tag=$([ "${runs[$impl]}" = 1 ] || echo "run${runs[$impl]}")
+    local impl_arg=$impl
+    if [ "$impl" = hot ]; then impl_arg=auto tag=hot$tag; fi
     step "whole run: $impl${tag:+ ($tag)}, preset $preset, $gpus GPU(s), seed $seed"
-    name=whole_run_$impl$suffix${tag:+_$tag}
+    name=whole_run_$impl_arg$suffix${tag:+_$tag}
     names+=("$name")
-    run=($PY -m benchmarks.whole_run --impl "$impl" --seed "$seed" --preset "$preset" --gpus "$gpus"
+    run=($PY -m benchmarks.whole_run --impl "$impl_arg" --seed "$seed" --preset "$preset" --gpus "$gpus"
       --out-dir "$OUT" --run-dir "/tmp/$name" ${tag:+--tag "$tag"})
+    [ "$impl" != hot ] || run+=(--override "model.ffn_hot_share=${HOT_SHARE:-0.01}")
     local callbacks="" override
     [ -z "${PROFILE_STEPS:-}" ] || callbacks="{_target_:benchmarks.step_profile.StepProfile,\
 first:${PROFILE_STEPS%%:*},last:${PROFILE_STEPS##*:},out:$OUT/profile_$name}"
@@ -212,7 +216,9 @@ first:${OBJECT_STEPS%%:*},last:${OBJECT_STEPS##*:},out:$OUT/objects_$name}"
       [ "$impl" = dense ] && continue
       step "A/B beside A/A: dense against $impl, dense against dense"
       n=run_aa_$impl$suffix
-      $PY -m benchmarks.whole_run --join "$OUT/whole_run_dense$suffix.json" "$OUT/whole_run_$impl$suffix.json" \
+      local b=whole_run_$impl$suffix
+      [ "$impl" != hot ] || b=whole_run_auto${suffix}_hot
+      $PY -m benchmarks.whole_run --join "$OUT/whole_run_dense$suffix.json" "$OUT/$b.json" \
         --aa "$OUT/whole_run_dense${suffix}_run2.json" --json "$OUT/$n.json" --md "$OUT/$n.md" >"$OUT/$n.log" 2>&1 \
         || rc=1
       grep "^A/A" "$OUT/$n.md"
