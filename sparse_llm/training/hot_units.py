@@ -20,7 +20,7 @@ from sparse_llm.model import SparseLlamaForCausalLM
 from sparse_llm.ops.ffn.hot_units import choose_hot_units
 
 DEFAULT_REFRESH_STEPS = 50
-# At most this share of H a layer: S's relu(g) and u over [tokens, |S|] are kept for the backward, so
+# At most this share of H a layer: S's g and u over [tokens, |S|] are kept for the backward, so
 # a layer that just left the dense fallback (L0 100-170, where thousands of units fire on 1% of the
 # tokens) would otherwise keep nearly a dense FFN's activations. A quarter of H costs little speed:
 # the prototype's best S was 320-1,792 units of 5632 (benchmarks/results/column_hybrid_1b_h200*.md).
