@@ -7,9 +7,9 @@ trained model's layers.
 The FFN op alone (`ffn_forward_train` on the layer's bf16 weights) is what `layer_ffn.py` and
 `column_hybrid.py` time; a training step runs the block op (`ffn_block_train`: norm, FFN and residual
 add under bf16 autocast over fp32 master weights, on the capacity path with the layer's capacities).
-column_hybrid.py measured the block op at 91.9 ms GPU busy over a run's 18 layers where the op alone
-took 52.3 (benchmarks/results/column_hybrid_1b_h200_run3.md): this script says which kernels make
-the difference. Per layer, each variant's forward+backward (with the L1 term) is timed as
+column_hybrid.py measured the block op, eager, at 91.9 ms GPU busy over a run's 18 layers where the
+op alone took 52.3 (benchmarks/results/column_hybrid_1b_h200_run3.md): this script says which
+kernels make the difference, eager or compiled. Per layer, each variant's forward+backward (with the L1 term) is timed as
 `layer_ffn.timed` times it, its kernels' microseconds kept; variants:
 
     op            ffn_forward_train, bf16 weights (the FFN input as x)
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.column_hybrid import block_call, dense_block, hot_units
+from benchmarks.column_hybrid import block_builder, block_call, block_graph_room, dense_block, hot_units
 from benchmarks.ffn import train_ours
 from benchmarks.layer_ffn import timed
 from benchmarks.row_density import model_inputs, model_parser, parse_model_args, training_impl
-from sparse_llm.model.compiling import compile_region, compiled_graphs
+from sparse_llm.model.compiling import compiled_graphs
 from sparse_llm.ops.ffn.training import TrainCapacities
 
 VARIANTS = ("op", "block", "block_cap", "block_cap_hot", "dense_block")
@@ -68,9 +68,7 @@ def time_layer(
     """Each variant's timing (`layer_ffn.timed`, with kernels on a GPU) on one layer whose active
     units are `active` ([M, H])."""
     kernels = x.is_cuda
-
-    def built(fn: Callable) -> Callable:
-        return compile_region(fn) if args.compile else fn
+    built = block_builder(args.compile)
 
     op_sets = [
         tuple(t.detach().clone().requires_grad_(True) for t in (x, *weights)) for _ in range(args.sets)
@@ -168,9 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     breaks_before, graphs_before = graph_breaks(), compiled_graphs()
     layers = args.layers if args.layers is not None else list(range(len(inputs)))
     rows = []
-    # Every layer's variants share their code objects, and S's length differs between layers: room
-    # for their graphs, so that none falls back to eager at dynamo's default limit of 8.
-    with torch._dynamo.config.patch(recompile_limit=64):
+    with block_graph_room():
         for layer in layers:
             x, mlp = inputs[layer], model.model.layers[layer].mlp
             active = common.gate_active(x, mlp)

@@ -251,6 +251,19 @@ def block_call(impl: str, hot: torch.Tensor | None, capacities: torch.Tensor | N
     return call
 
 
+def block_builder(compiled: bool) -> Callable[[Callable], Callable]:
+    """How the benchmarks build a `block_call`: compiled as the trainer compiles a layer
+    (`compile_region`; a plain torch.compile breaks the graph at the sparse op), or as it is."""
+    return compile_region if compiled else (lambda fn: fn)
+
+
+def block_graph_room():
+    """Room for the built blocks' graphs: every layer's and share's `block_call` shares one code
+    object and S's length differs between them, so at dynamo's default limit of 8 some would fall
+    back to eager."""
+    return torch._dynamo.config.patch(recompile_limit=64)
+
+
 def dense_block(x, norm_weight, wg, wu, wd):
     """The dense block as the model runs it: x + FFN(rms_norm(x)), under bf16 autocast on a GPU."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.is_cuda):
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dense_part = torch.compile(hot_dense, dynamic=True) if compiled else hot_dense
     fns = {
         "impl": impl,
-        "built_block": compile_region if compiled else (lambda fn: fn),
+        "built_block": block_builder(compiled),
         "dense_block": torch.compile(dense_block, dynamic=False) if compiled else dense_block,
         "dense": torch.compile(dense_train, dynamic=False) if compiled else dense_train,
         "ours": ours,
@@ -382,8 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     }
     mlps = [layer.mlp for layer in model.model.layers]
     rows = []
-    # The built blocks of every layer and share share their code objects: room for their graphs.
-    with torch._dynamo.config.patch(recompile_limit=64):
+    with block_graph_room():
         for x, mlp in zip(inputs, mlps, strict=True):
             active = common.gate_active(x, mlp)
             row = layer_rows(active.sum(-1, keepdim=False)[None].cpu(), args.heavy_threshold)[0]
