@@ -142,21 +142,22 @@ class _FFNBlock(torch.autograd.Function):
             normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()
-        # With hot units: the sparse op's backward on Wg with S's rows zeroed as its forward had it
-        # (a record it rebuilds is then the forward's; its gradient rows of S come out zero), then
-        # S's dense backward, which writes those rows.
+        # With hot units: the sparse op's backward on Wg as it is, told which rows its forward had
+        # zeroed (no [H, D] copy: it reads them only to rebuild a record; its gradient rows of S
+        # come out zero), then S's dense backward, which writes those rows.
         hot = hot_saved[0] if hot_saved else None
         grad_normed, grad_wg, grad_wu, grad_wd = train_backward(
             ctx.impl,
             grad_y,
             grad_l1,
             normed,
-            wg if hot is None else wg.index_fill(0, hot, 0),
+            wg,
             wu,
             wd,
             TrainRecord(*record),
             capacities,
             ctx.heavy_threshold,
+            zeroed_units=hot,
         )
         if hot is not None:
             grad_normed, grad_hot_wg, grad_hot_wu, grad_hot_wd = hot_backward(

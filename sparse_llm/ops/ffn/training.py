@@ -343,11 +343,13 @@ def ffn_train_bwd_cuda_cap(
     host_sizes: torch.Tensor,
     capacities: torch.Tensor,
     heavy_threshold: int,
+    zeroed_units: torch.Tensor | None,
 ) -> TrainBackwardOutput:
     """The CUDA backward of a capacity forward: waits for the forward's sizes on the host (written
     long before in steady state), cuts each record to its size, or rebuilds the records exactly where
     a heavy size was over its capacity (a host read then; rare), sets the layer's capacities for the
-    next step from these sizes, then runs the CUDA backward.
+    next step from these sizes, then runs the CUDA backward. `zeroed_units`: the units whose Wg rows
+    the forward ran with zeroed (train_backward), zeroed again for a rebuild.
 
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
@@ -365,8 +367,9 @@ def ffn_train_bwd_cuda_cap(
             heavy_a[:heavy_entries],
             heavy_u[:heavy_entries],
         )
-    else:  # the exact path's records, from x and Wg again
-        exact = extension().ffn_train_forward(x, *_in_dtype_of(x, wg, wu, wd), None, heavy_threshold)
+    else:  # the exact path's records, from x and Wg (as the forward had it) again
+        forward_wg = wg if zeroed_units is None else wg.index_fill(0, zeroed_units, 0)
+        exact = extension().ffn_train_forward(x, *_in_dtype_of(x, forward_wg, wu, wd), None, heavy_threshold)
         record = (exact[2], *exact[6:])
     TrainCapacities.update(capacities, sizes)
     dx, *weight_grads = extension().ffn_train_backward(
@@ -516,15 +519,22 @@ def train_backward(
     record: TrainRecord,
     capacities: torch.Tensor | None = None,
     heavy_threshold: int = DEFAULT_HEAVY_THRESHOLD,
+    zeroed_units: torch.Tensor | None = None,
 ) -> TrainBackwardOutput:
     """The backward op of `impl`: (dx, dWg, dWu, dWd) from grad_y, grad_l1, x, the weights (in x's
     dtype or wider: their gradients come back in their dtypes) and the forward's record; a capacity
-    path's record with the capacities and the heavy threshold its forward had."""
+    path's record with the capacities and the heavy threshold its forward had.
+
+    `zeroed_units` (int64 unit indices): units whose Wg rows the forward ran with zeroed (the hot
+    units'), passed with Wg as it is, not a zeroed copy. Those units hold no entry of the record and
+    a zero pre-activation gradient on every heavy row, so the backward never reads their rows, and
+    their gradient rows come out zero; only the capacity path's rebuild of an overflowed record
+    runs the forward again, which zeroes them as the forward had them."""
     if record.host_sizes is not None:
         if capacities is None:
             raise ValueError("a capacity path's record needs the capacities its forward read")
         return ffn_train_bwd_cuda_cap(
-            grad_y, grad_l1, x, wg, wu, wd, *record.tensors(), capacities, heavy_threshold
+            grad_y, grad_l1, x, wg, wu, wd, *record.tensors(), capacities, heavy_threshold, zeroed_units
         )
     op = ffn_train_bwd_cuda if impl == "cuda" else ffn_train_bwd_ref
     return op(grad_y, grad_l1, x, wg, wu, wd, *record.tensors())
