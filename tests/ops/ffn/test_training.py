@@ -360,7 +360,22 @@ def test_capacity_ops_trace_under_fake_tensors():
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
         assert host_sizes.device.type == "cpu" and host_sizes.shape == (HOST_SIZE_FIELDS,)
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda_cap(
-            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes, capacities, 64, None
+            y,
+            l1,
+            x,
+            wg,
+            wu,
+            wd,
+            nnz,
+            cols,
+            a_vals,
+            u_vals,
+            heavy,
+            *heavy_record,
+            host_sizes,
+            capacities,
+            64,
+            None,
         )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
 
