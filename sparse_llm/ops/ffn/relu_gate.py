@@ -57,11 +57,12 @@ if triton is not None:
         nnz_ptr,
         fire_ptr,
         rows,
-        hidden: tl.constexpr,
+        hidden,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
         L1_OF_PRODUCTS: tl.constexpr,
-    ):  # hidden a constant: one compilation per model width, a loop of known length
+    ):  # hidden at run time: the hot units' width changes at each refresh and differs by layer (as a
+        # constant it compiled the kernel again each time: ~1 s a refresh in a 1b run)
         row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = row < rows
         l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
