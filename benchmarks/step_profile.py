@@ -17,6 +17,11 @@ without it. Kineto leaves CUPTI's callbacks installed after a profile unless TEA
 which slowed every later step of a host-bound run by 12% (`benchmarks.profiler_teardown`), so the
 callback sets it where the environment does not. Profile steps between logging steps (e.g. 701-703 in a whole run, which logs every 20 steps): a logging
 step reads its scalars on the host, which drains the launch queue for the next step's start.
+The profile's own start does the same (it synchronizes, so that its wall clock starts with an idle
+GPU): the first profiled step's forward runs as fast as the host launches it, and on a one-GPU 1b run
+that is most of the idle time reported (gaps of 0.6-0.9 ms at each layer's start in that forward, the
+next kernel launched 10-30 us before it ran; in the later steps the host leads by 20-50 ms). Read the
+host lead's table by window: idle in its first windows only is this start, not the run's.
 """
 
 from __future__ import annotations

@@ -27,11 +27,13 @@
 #                 its A/A pair (same seed and data): $OUT/run_aa_<impl>.md.
 #                 MEMORY_RANGES (e.g. "2:3 30:33"): first a 40-step run of MEMORY_IMPL (default auto)
 #                 writing the blocks alive at the peak of each step range (benchmarks.memory_peak).
-#                 PROFILE_STEPS (e.g. 700:702): every run profiles those steps on every rank
+#                 PROFILE_STEPS (e.g. 385:387): every run profiles those steps on every rank
 #                 (benchmarks.step_profile: compute, exposed communication, idle) into
-#                 $OUT/profile_<run>; it slows them, and on a run bound by its host every step after them
-#                 (12% on 4 GPUs: profile the run's last steps, e.g. 783:785), so such runs' tokens/s are
-#                 not figures of record.
+#                 $OUT/profile_<run>; it slows them (their log window at ~40% of its speed: inside the
+#                 steady phase, 3-4% off its tokens/s). On one GPU profile just before the steady phase
+#                 (385:387 of 800 steps, the last 400 steady) and the run's figures stand; on a run bound
+#                 by its host every step after them slows too (12% on 4 GPUs: profile the run's last
+#                 steps, e.g. 783:785), so such runs' tokens/s are not figures of record.
 #                 OBJECT_STEPS (e.g. 100:380): the Python objects the run made between those steps, by
 #                 type (benchmarks.object_growth) into $OUT/objects_<run>. RUN_OVERRIDES: Hydra
 #                 overrides for every run (e.g. "train.fsdp_prefetch=2"). LAUNCH_ARGS: accelerate launch

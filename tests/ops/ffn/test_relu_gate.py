@@ -132,3 +132,20 @@ def test_a_nan_gate_gives_a_nan_product_as_torch_relu_does():
     h = relu_gate_stats(g, u)[0]
     assert torch.isnan(h[2, 5]) and torch.isnan(relu_gate_stats_reference(g, u)[0][2, 5])
     assert torch.isfinite(h[3:]).all()
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_the_kernel_compiles_once_for_every_width():
+    """The hot units' width changes at each refresh and differs by layer: a kernel compiled per width
+    cost ~1 s a refresh in a 1b run (benchmarks/results/run_1b_hot_ab_h200.md). Widths that are
+    multiples of 64 (as S's are) share one compilation. Counted in Triton's per-device kernel cache
+    (`JITFunction.device_caches`, Triton 3.2 and later)."""
+    from sparse_llm.ops.ffn import relu_gate
+
+    compiled = relu_gate._relu_gate_stats_kernel.device_caches[torch.cuda.current_device()][0]
+    relu_gate_stats(*_inputs(256, 64, torch.bfloat16, "cuda"), True)
+    before = len(compiled)
+    for hidden in (128, 192, 640, 1408):
+        relu_gate_stats(*_inputs(256, hidden, torch.bfloat16, "cuda"), True)
+    assert len(compiled) == before
