@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from sparse_llm.ops.ffn.relu_gate import relu_gate_stats
+from sparse_llm.ops.matmul_accumulate import matmul_accumulate_
 
 # |S| is rounded up to this: a bf16 GEMM with a size off a multiple of 8 falls off cuBLAS's fast
 # kernels (2-5x slower at |S| = 2678 than at 2144 on an H200, benchmarks/column_hybrid.py); 64
@@ -89,8 +90,8 @@ class HotForward(NamedTuple):
 
 
 def hot_forward(y_sparse: torch.Tensor, x: torch.Tensor, panels: HotPanels) -> HotForward:
-    """S's dense FFN on x [M, D] (the compute dtype), its output added to the sparse part's y by the
-    down GEMM."""
+    """S's dense FFN on x [M, D] (the compute dtype), its output added to the sparse part's y (in
+    place: the caller's y_sparse is the returned y) by the down GEMM."""
     g = x @ panels.wg.T
     u = x @ panels.wu.T
     # h, the L1 rows and the counts in one pass over g and u (one Triton kernel on a GPU: as torch
@@ -99,7 +100,10 @@ def hot_forward(y_sparse: torch.Tensor, x: torch.Tensor, panels: HotPanels) -> H
     # bf16 h put S's share 4-8e-5 off theirs on a GPU).
     h, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(g, u, l1_of_products=True)
     l1 = l1_rows.sum() / x.shape[0]
-    return HotForward(torch.addmm(y_sparse, h, panels.wd.T), l1, nnz_per_token, fire_counts, g, u)
+    # In place (y_sparse is the sparse op's fresh output): compiled, torch.addmm copied y first,
+    # an [M, D] device copy a layer.
+    matmul_accumulate_(y_sparse, h, panels.wd.T)
+    return HotForward(y_sparse, l1, nnz_per_token, fire_counts, g, u)
 
 
 def hot_backward(
@@ -113,13 +117,14 @@ def hot_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """S's share of the backward of <grad_y, y> + grad_l1 * l1: (grad_x plus S's share, dWg[S],
     dWu[S], dWd[:, S]), in the compute dtype (the dense FFN's roundings: dh, dg and du rounded to it
-    before their GEMMs). grad_x: the sparse part's gradient of x, added to by the GEMMs; g and u: the
-    forward's (`HotForward`)."""
+    before their GEMMs). grad_x: the sparse part's gradient of x, added to in place by the GEMMs (the
+    returned grad_x is it); g and u: the forward's (`HotForward`)."""
     a = torch.relu(g)
     h = a * u
     # d(l1)/dh = sign(h) / M; dg = dh * u where a > 0, du = dh * a (zero where a = 0).
     dh = (grad_y @ panels.wd).float() + grad_l1.float() * torch.sign(h).float() / x.shape[0]
     dg = torch.where(a > 0, dh * u.float(), 0.0).to(x.dtype)
     du = (dh * a.float()).to(x.dtype)
-    grad_x = torch.addmm(torch.addmm(grad_x, dg, panels.wg), du, panels.wu)
+    matmul_accumulate_(grad_x, dg, panels.wg)
+    matmul_accumulate_(grad_x, du, panels.wu)
     return grad_x, dg.T @ x, du.T @ x, grad_y.T @ h
