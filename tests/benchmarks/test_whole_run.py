@@ -248,3 +248,22 @@ def test_a_multi_gpu_run_records_whether_fsdp2_keeps_its_parameters_for_the_back
         main(["--join", files[0], str(tmp_path / "one.json")])
     with pytest.raises(SystemExit, match="differs from its dense run in gpus"):  # the A/A run too
         main(["--join", *files, "--aa", str(tmp_path / "one.json")])
+
+
+def test_each_run_compiles_from_empty_caches_of_its_own(tmp_path, monkeypatch):
+    """The trainer's Inductor and Triton caches are a fresh directory a run, gone after it: a run
+    never compiles from the graphs of the run before it on the machine."""
+    seen = []
+
+    def record(command, check, env):
+        cache_dirs = (Path(env["TORCHINDUCTOR_CACHE_DIR"]), Path(env["TRITON_CACHE_DIR"]))
+        seen.append((cache_dirs, [d.parent.is_dir() and not any(d.parent.iterdir()) for d in cache_dirs]))
+        raise RuntimeError("stop after the launch")
+
+    monkeypatch.setattr(whole_run, "subprocess", SimpleNamespace(run=record))
+    for name in ("a", "b"):
+        with pytest.raises(RuntimeError, match="stop after the launch"):
+            main(["--tiny", "--impl", "dense", "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / name)])
+    (first, first_empty), (second, _) = seen
+    assert first_empty == [True, True] and first[0].parent == first[1].parent
+    assert first[0].parent != second[0].parent and not first[0].parent.exists()
