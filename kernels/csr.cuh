@@ -65,8 +65,9 @@ cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidd
 // Training forward after the pack, light rows: u_vals[e] = bf16(x[r] . wu[cols[e]]) for every entry
 // e of row r, then y[r] = sum_e a_e * u_e * wd_t[cols[e]] (fp32 accumulation). x, y: [M, D]; wu,
 // wd_t: [H, D] (wd_t is down_proj.weight transposed); D % 8 == 0, D <= kMaxTrainDim.
-// Each CTA also writes l1_partial[b] = its sum of |float(a_e) * float(u_e)| (u_e as stored), for
-// b < csr_updown_blocks(M); launch_csr_l1_finish then sets *l1 = scale * their sum (fixed order).
+// Each CTA also writes l1_partial[b] = its sum of |bf16(a_e u_e)| (u_e as stored; h rounded as the
+// dense path's bf16 h is), for b < csr_updown_blocks(M); launch_csr_l1_finish then sets *l1 =
+// scale * their sum (fixed order).
 cudaError_t launch_csr_updown(const __nv_bfloat16* x, const __nv_bfloat16* wu, const __nv_bfloat16* wd_t,
                               const int64_t* row_ptr, const int32_t* cols, const __nv_bfloat16* a_vals,
                               const uint8_t* heavy, int64_t rows, int dim, __nv_bfloat16* u_vals,
@@ -142,13 +143,14 @@ cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat1
 
 // The capacity path's heavy rows (kernels/heavy_capacity.cu), the count on the device:
 // h[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < min(*count, n), zero up to n, and
-// partial[b] = CTA b's sum of |relu(g) * u| (blocks CTAs); g: [M, H], u, h: [n, H].
+// partial[b] = CTA b's sum of |h| (h as stored; blocks CTAs); g: [M, H], u, h: [n, H].
 cudaError_t launch_gate_mul_rows_l1(const __nv_bfloat16* g, const int64_t* list, const int64_t* count, int64_t n,
                                     int hidden, const __nv_bfloat16* u, __nv_bfloat16* h, float* partial,
                                     int blocks, cudaStream_t stream);
 // The rows list[first .. *count) that the GEMMs did not take: y[row] = sum over the row's active
 // units of bf16(relu(g) * bf16(x . wu[unit])) * wd_t[unit] (fp32, rounded once), straight from g;
-// partial[b] = CTA b's sum of |relu(g) * u| (blocks CTAs, each writing its slot even with no row).
+// partial[b] = CTA b's sum of |h| (h as the dense path rounds it; blocks CTAs, each writing its slot
+// even with no row).
 cudaError_t launch_heavy_overflow_updown(const __nv_bfloat16* x, const __nv_bfloat16* g, const __nv_bfloat16* wu,
                                          const __nv_bfloat16* wd_t, const int64_t* list, const int64_t* count,
                                          int64_t first, int dim, int hidden, __nv_bfloat16* y, float* partial,

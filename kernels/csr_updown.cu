@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kCsrRowThreads)
     if (lane == 0) {
       const __nv_bfloat16 u_bf16 = __float2bfloat16(u);
       u_vals[e] = u_bf16;
-      l1 += fabsf(__bfloat162float(a_vals[e]) * __bfloat162float(u_bf16));  // h as the backward sees it
+      l1 += fabsf(bf16_rounded(__bfloat162float(a_vals[e]) * __bfloat162float(u_bf16)));  // the h y is made of
     }
   }
   if (lane == 0) warp_l1[warp] = l1;

@@ -20,7 +20,7 @@ constexpr int kUnitChunk = 256;
 __device__ __forceinline__ int64_t rows_below(const int64_t* count, int64_t n) { return *count < n ? *count : n; }
 
 // h[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < min(*count, n), zero up to n; each CTA adds
-// sum |relu(g) * u| (u as stored, the product unrounded) over its elements to partial[blockIdx.x].
+// sum |h| (h as stored) over its elements to partial[blockIdx.x].
 __global__ void __launch_bounds__(kThreads)
     gate_mul_rows_l1_kernel(const __nv_bfloat16* __restrict__ g, const int64_t* __restrict__ list,
                             const int64_t* __restrict__ count, int64_t n, int hidden,
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
       hf[k] = fmaxf(gf[k], 0.0f) * uf[k];
-      l1 += fabsf(hf[k]);
+      l1 += fabsf(bf16_rounded(hf[k]));
     }
     *hp = float_to_bf16x8(hf);
   }
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
 // active units of g's row in ascending order, kUnitChunk at a time: a warp per unit computes
 // u = bf16(x . wu[unit]) and h = bf16(relu(g) * u) (the dense path's roundings), then each thread
 // adds sum_k h_k * wd_t[unit_k, d] for its own columns d (fp32, units in order) and y[row] is
-// rounded once. partial[blockIdx.x] = the CTA's sum of |relu(g) * u|. Dynamic shared memory: x's row
+// rounded once. partial[blockIdx.x] = the CTA's sum of |h|. Dynamic shared memory: x's row
 // (bf16) and y's accumulator (float), D elements each.
 __global__ void __launch_bounds__(kThreads)
     heavy_overflow_updown_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ g,
@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(kThreads)
             __float2bfloat16(warp_dot_row<2>(xs, wu + static_cast<int64_t>(unit) * dim, dim, lane)));
         const float a = __bfloat162float(grow[unit]);
         if (lane == 0) {
-          hs[k] = __bfloat162float(__float2bfloat16(a * u));
-          l1 += fabsf(a * u);
+          hs[k] = bf16_rounded(a * u);
+          l1 += fabsf(hs[k]);
         }
       }
       __syncthreads();

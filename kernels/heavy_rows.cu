@@ -105,11 +105,11 @@ __global__ void __launch_bounds__(kSumThreads)
       bf16x8_to_float(ar[k], af);
       bf16x8_to_float(ur[k], uf);
 #pragma unroll
-      for (int c = 0; c < kChunk; ++c) sum += fabsf(af[c] * uf[c]);
+      for (int c = 0; c < kChunk; ++c) sum += fabsf(bf16_rounded(af[c] * uf[c]));
     }
   }
   for (int64_t i = vecs * kChunk + threadIdx.x; i < n; i += kSumThreads)
-    sum += fabsf(__bfloat162float(a[i]) * __bfloat162float(u[i]));
+    sum += fabsf(bf16_rounded(__bfloat162float(a[i]) * __bfloat162float(u[i])));
   sum = cta_ordered_sum<kSumThreads>(sum, sums);
   if (threadIdx.x == 0) *acc += sum * scale;
 }

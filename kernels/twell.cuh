@@ -74,8 +74,8 @@ cudaError_t launch_gather_rows_padded(const void* src, const int64_t* list, cons
 cudaError_t launch_scatter_rows(const void* src, const int64_t* list, const int64_t* count, int64_t n,
                                 int64_t row_bytes, void* dst, cudaStream_t stream);
 
-// *acc += scale * sum_i |float(a[i]) * float(u[i])| over n entries, summed in a fixed order
-// (deterministic); acc: one float on the device; a and u 16-byte aligned.
+// *acc += scale * sum_i |bf16(a[i] u[i])| (h as the dense path rounds it) over n entries, summed in a
+// fixed order (deterministic); acc: one float on the device; a and u 16-byte aligned.
 cudaError_t launch_add_abs_product_sum(const __nv_bfloat16* a, const __nv_bfloat16* u, int64_t n, float scale,
                                        float* acc, cudaStream_t stream);
 

@@ -9,6 +9,9 @@ namespace sparse_llm {
 constexpr int kChunk = 8;  // bf16 per 16-byte access
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// v as a bf16 tensor holds it: the L1 term sums |h| with h rounded so, as the dense path's bf16 h is.
+__device__ __forceinline__ float bf16_rounded(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&out)[kChunk]) {
   const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll

@@ -96,9 +96,8 @@ def hot_forward(y_sparse: torch.Tensor, x: torch.Tensor, panels: HotPanels) -> H
     u = x @ panels.wu.T
     # h, the L1 rows and the counts in one pass over g and u (one Triton kernel on a GPU: as torch
     # ops Inductor made the counts' column sum ~0.3 ms a layer at |S| = 1408 and the L1 sum ~0.1 ms,
-    # ~6 ms of a 1b step). The L1 from the unrounded products, as the sparse kernels sum theirs (a
-    # bf16 h put S's share 4-8e-5 off theirs on a GPU).
-    h, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(g, u, l1_of_products=True)
+    # ~6 ms of a 1b step). The L1 of h as rounded, as the sparse kernels sum theirs.
+    h, l1_rows, nnz_per_token, fire_counts = relu_gate_stats(g, u)
     l1 = l1_rows.sum() / x.shape[0]
     # In place (y_sparse is the sparse op's fresh output): compiled, torch.addmm copied y first,
     # an [M, D] device copy a layer.

@@ -9,9 +9,9 @@ writes h and sums every statistic: rows in registers (a fixed order: determinist
 integer atomics (exact in any order). Elsewhere the same computation in PyTorch.
 
 h is rounded as PyTorch's bf16 product (fp32, one rounding); the backward recomputes it from the
-saved g and u rather than keeping it. The L1 rows sum |h| as rounded (the dense FFN's), or with
-`l1_of_products` the unrounded fp32 products, as the sparse op's kernels sum theirs (the hot units'
-share of the sparse op's L1, ops/ffn/hot_units.py).
+saved g and u rather than keeping it. The L1 rows sum |h| as rounded, as the dense FFN's bf16 h is
+and as the sparse op's kernels sum theirs (the hot units' share of the sparse op's L1 comes from
+here, ops/ffn/hot_units.py): in float32, or float64 for float64 operands.
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ COLUMNS_PER_STEP = 256
 
 
 def relu_gate_stats_reference(
-    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
+    g: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, l1 per row (`l1_dtype`), active units per row (int64), fire count per unit (int64))."""
-    a = torch.relu(g)
-    h = a * u
+    h = torch.relu(g) * u
     active = g > 0
-    dtype = l1_dtype(g.dtype, l1_of_products)
-    summed = a.to(dtype) * u.to(dtype) if l1_of_products else h
-    return h, summed.abs().sum(-1, dtype=dtype), active.sum(-1), active.sum(0)
+    return h, h.abs().sum(-1, dtype=l1_dtype(g.dtype)), active.sum(-1), active.sum(0)
 
 
-def l1_dtype(dtype: torch.dtype, l1_of_products: bool) -> torch.dtype:
-    """The L1 rows' dtype: float32, or float64 for float64 operands summed as products (the
-    sparse op's L1 is exact to its operands' precision there)."""
-    return torch.float64 if l1_of_products and dtype == torch.float64 else torch.float32
+def l1_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The L1 rows' dtype: float32, or float64 for float64 operands (the sparse op sums its L1 in
+    its operands' precision there)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 if triton is not None:
@@ -60,7 +57,6 @@ if triton is not None:
         hidden,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
-        L1_OF_PRODUCTS: tl.constexpr,
     ):  # hidden at run time: the hot units' width changes at each refresh and differs by layer (as a
         # constant it compiled the kernel again each time: ~1 s a refresh in a 1b run)
         row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,7 +75,7 @@ if triton is not None:
             h = product.to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + offset, h, mask=ok)
             active = (g > 0.0).to(tl.int32)
-            l1 += tl.sum(tl.abs(product if L1_OF_PRODUCTS else h.to(tl.float32)), axis=1)
+            l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
             nnz += tl.sum(active, axis=1)
             tl.atomic_add(fire_ptr + col, tl.sum(active, axis=0), mask=col_ok)
         tl.store(l1_ptr + row, l1, mask=row_ok)
@@ -99,7 +95,7 @@ def kernel_applies(g: torch.Tensor, u: torch.Tensor) -> bool:
 
 
 def relu_gate_stats_kernel(
-    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
+    g: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel (any device Triton runs on, e.g. its CPU interpreter in a test)."""
     rows, hidden = g.shape
@@ -119,7 +115,6 @@ def relu_gate_stats_kernel(
         hidden,
         BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_H=COLUMNS_PER_STEP,
-        L1_OF_PRODUCTS=l1_of_products,
     )
     return h, l1, nnz, fire.to(torch.int64)
 
@@ -134,32 +129,31 @@ def _check_operands(g: torch.Tensor, u: torch.Tensor) -> None:
 
 @torch.library.custom_op("sparse_llm::relu_gate_stats", mutates_args=())
 def relu_gate_stats(
-    g: torch.Tensor, u: torch.Tensor, l1_of_products: bool = False
+    g: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the gate's pre-activation g and the up projection u ([M, H], one dtype):
-    (h = relu(g) * u, l1 per row = sum |h| in fp32 (of the unrounded products with
-    `l1_of_products`), active units per row, fire count per unit); differentiable in g and u
-    through h and l1."""
+    (h = relu(g) * u, l1 per row = sum |h| (`l1_dtype`), active units per row, fire count per
+    unit); differentiable in g and u through h and l1."""
     _check_operands(g, u)
     if kernel_applies(g, u):
-        return relu_gate_stats_kernel(g, u, l1_of_products)
-    return relu_gate_stats_reference(g, u, l1_of_products)
+        return relu_gate_stats_kernel(g, u)
+    return relu_gate_stats_reference(g, u)
 
 
 @relu_gate_stats.register_fake
-def _(g, u, l1_of_products=False):
+def _(g, u):
     _check_operands(g, u)
     rows, hidden = g.shape
     return (
         torch.empty_like(g),
-        g.new_empty(rows, dtype=l1_dtype(g.dtype, l1_of_products)),
+        g.new_empty(rows, dtype=l1_dtype(g.dtype)),
         g.new_empty(rows, dtype=torch.int64),
         g.new_empty(hidden, dtype=torch.int64),
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    g, u, _l1_of_products = inputs
+    g, u = inputs
     ctx.save_for_backward(g, u)
     ctx.mark_non_differentiable(output[2], output[3])
 
@@ -170,7 +164,7 @@ def _backward(ctx, grad_h, grad_l1, _grad_nnz, _grad_fire):
     grad = torch.zeros_like(g) if grad_h is None else grad_h
     if grad_l1 is not None:  # d sum|h| / dh = sign(h), h recomputed as the forward rounded it
         grad = grad + (grad_l1[:, None] * torch.sign(a * u)).to(grad.dtype)
-    return torch.where(g > 0, grad * u, 0), grad * a, None
+    return torch.where(g > 0, grad * u, 0), grad * a
 
 
 relu_gate_stats.register_autograd(_backward, setup_context=_setup_context)
