@@ -15,13 +15,17 @@ writes `<out>/step_profile_rank<r>_steps_<first>_<last>.txt` and `.json` (the sp
 `trace_rank<r>_steps_<first>_<last>.json.gz`. Profiling slows the steps it covers; time runs
 without it. Kineto leaves CUPTI's callbacks installed after a profile unless TEARDOWN_CUPTI=1,
 which slowed every later step of a host-bound run by 12% (`benchmarks.profiler_teardown`), so the
-callback sets it where the environment does not. Profile steps between logging steps (e.g. 701-703 in a whole run, which logs every 20 steps): a logging
-step reads its scalars on the host, which drains the launch queue for the next step's start.
-The profile's own start does the same (it synchronizes, so that its wall clock starts with an idle
-GPU): the first profiled step's forward runs as fast as the host launches it, and on a one-GPU 1b run
-that is most of the idle time reported (gaps of 0.6-0.9 ms at each layer's start in that forward, the
-next kernel launched 10-30 us before it ran; in the later steps the host leads by 20-50 ms). Read the
-host lead's table by window: idle in its first windows only is this start, not the run's.
+callback sets it where the environment does not. Profile steps between logging steps (e.g. 385-387
+in an 800-step whole run, which logs every 20 steps: before its steady phase, the last 400 steps, so
+that the profile's slow window is not in its figures): a logging step reads its scalars on the host,
+which drains the launch queue for the next step's start.
+The profile's start does not synchronize: until 2026-12-02 it did (for a wall clock that started
+with an idle GPU), and the first profiled step's forward then ran as fast as the host launched it,
+most of the idle time such a profile reported on a one-GPU 1b run (gaps of 0.6-0.9 ms at each
+layer's start in that forward, the next kernel launched 10-30 us before it ran; in the later steps
+the host led by 20-50 ms). The step's wall clock is timed on the device instead: CUDA events recorded
+when the profile starts and ends, i.e. from the GPU's start of step `first` to its end of step
+`last` (the host's clock where there is no GPU).
 """
 
 from __future__ import annotations
@@ -44,23 +48,30 @@ class StepProfile(StepRangeCallback):
         self.trace = trace
         self._profiler: profile | None = None
         self._started_at = 0.0
+        self._start_event: torch.cuda.Event | None = None
 
     def start(self, trainer: Any) -> None:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-            torch.cuda.synchronize()
         os.environ.setdefault("TEARDOWN_CUPTI", "1")  # read by Kineto when the profile stops
         self._profiler = profile(activities=activities)
         self._profiler.start()
         self._started_at = time.perf_counter()
+        if torch.cuda.is_available():  # where the GPU starts step `first`: after its queued work
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
 
     def finish(self, trainer: Any) -> None:
         if self._profiler is None:  # resumed past `first`: nothing was recorded
             return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall_ms = 1000 * (time.perf_counter() - self._started_at)
+        if self._start_event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            wall_ms = self._start_event.elapsed_time(end)
+        else:
+            wall_ms = 1000 * (time.perf_counter() - self._started_at)
         self._profiler.stop()
         events = self._profiler.events()
         steps = self.last - self.first + 1
@@ -90,8 +101,8 @@ class StepProfile(StepRangeCallback):
         rows = "\n".join(f"| {key} | {value:.2f} |" for key, value in split.items() if key.endswith("_ms"))
         text = (
             f"Rank {trainer.rank} of {trainer.world_size}, steps {self.first}-{self.last}, "
-            f"layers falling back to dense: {split['dense_layers']}. Per step (host wall clock, then "
-            "the GPU's time from its first to its last event, split):\n\n| | ms |\n|---|---|\n"
+            f"layers falling back to dense: {split['dense_layers']}. Per step (wall clock on the device, "
+            "then the GPU's time from its first to its last event, split):\n\n| | ms |\n|---|---|\n"
             f"{rows}\n{lead_text}{common.gpu_idle_table(events)}{common.device_kernel_table(events, calls=steps)}"
         )
         (self.out / f"step_profile_{name}.txt").write_text(text)
