@@ -359,23 +359,9 @@ def test_capacity_ops_trace_under_fake_tensors():
         assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape == (6 * 24,)
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
         assert host_sizes.device.type == "cpu" and host_sizes.shape == (HOST_SIZE_FIELDS,)
+        record = (nnz, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes)
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda_cap(
-            y,
-            l1,
-            x,
-            wg,
-            wu,
-            wd,
-            nnz,
-            cols,
-            a_vals,
-            u_vals,
-            heavy,
-            *heavy_record,
-            host_sizes,
-            capacities,
-            64,
-            None,
+            y, l1, x, wg, wu, wd, *record, capacities, 64, None
         )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
 
