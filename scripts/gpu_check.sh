@@ -137,6 +137,10 @@ in_tree() {  # side (before | after), command...: the command run in that side's
   shift
   (cd "$dir" && SPARSE_LLM_CACHE=$dir/build/extensions "$@")
 }
+# A run directory of this script's own under /tmp, emptied first: a warm machine keeps /tmp between
+# calls, and the trainer (rightly) refuses to start a fresh run in a directory that holds one.
+scratch_run_dir() { rm -rf "$1" && echo "$1"; }
+
 ab() {
   [ -d "${BEFORE:-}" ] || { echo "ab: BEFORE must name a directory with the other commit's tree"; return 2; }
   local rc=0 side i
@@ -154,7 +158,7 @@ ab() {
   for side in before after; do
     step "ab: whole run, auto, ${AB_STEPS:-200} steps, $side"
     in_tree $side $PY -m benchmarks.whole_run --impl auto --steps "${AB_STEPS:-200}" --steady-steps 100 \
-      --out-dir "$OUT/ab_${side}_whole_run" --run-dir "/tmp/ab_$side" >"$OUT/ab_${side}_whole_run.log" 2>&1 || rc=1
+      --out-dir "$OUT/ab_${side}_whole_run" --run-dir "$(scratch_run_dir "/tmp/ab_$side")" >"$OUT/ab_${side}_whole_run.log" 2>&1 || rc=1
     tail -n 1 "$OUT/ab_${side}_whole_run.log" | cut -c1-400
   done
   return $rc
@@ -177,7 +181,7 @@ whole_run() {
       entries="$entries${entries:+,}{_target_:benchmarks.memory_peak.MemoryPeak,first:${r%%:*},last:${r##*:},out:$OUT}"
     done
     $PY -m benchmarks.whole_run --impl "${MEMORY_IMPL:-auto}" --seed "$seed" --out-dir /tmp/memory_run --steps 40 \
-      --steady-steps 20 --run-dir /tmp/memory_run/run --override "callbacks=[$entries]" >"$OUT/memory_run.log" 2>&1 \
+      --steady-steps 20 --run-dir "$(scratch_run_dir /tmp/memory_run/run)" --override "callbacks=[$entries]" >"$OUT/memory_run.log" 2>&1 \
       || rc=1
     head -n 3 "$OUT"/memory_peak_steps_*.txt
   fi
@@ -190,7 +194,7 @@ whole_run() {
     name=whole_run_$impl_arg$suffix${tag:+_$tag}
     names+=("$name")
     run=($PY -m benchmarks.whole_run --impl "$impl_arg" --seed "$seed" --preset "$preset" --gpus "$gpus"
-      --out-dir "$OUT" --run-dir "/tmp/$name" ${tag:+--tag "$tag"})
+      --out-dir "$OUT" --run-dir "$(scratch_run_dir "/tmp/$name")" ${tag:+--tag "$tag"})
     [ "$impl" != hot ] || run+=(--override "model.ffn_hot_share=${HOT_SHARE:-0.01}")
     local callbacks="" override
     [ -z "${PROFILE_STEPS:-}" ] || callbacks="{_target_:benchmarks.step_profile.StepProfile,\
