@@ -271,6 +271,23 @@ def gpu_block_inputs(pattern: str, m: int, d: int, h: int, seed: int):
     return [x.float(), norm_weight, wg.float(), wu.float(), wd.float()]
 
 
+def assert_pattern_holds(inputs, pattern: str) -> None:
+    """The inputs have their pattern before any op runs: on `empty` no unit fires in the dense bf16
+    block (a gate bias of -50 against dot products of standard deviation ~1)."""
+    if pattern == "empty":
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            assert dense(*inputs)[2].sum().item() == 0
+
+
+def assert_inputs_intact(inputs, pattern: str, m: int, d: int, h: int, seed: int) -> None:
+    """After every run, the inputs are still the ones their pattern makes: an op writing past its
+    own outputs shows here, named, rather than as another test's wrong reference (once, on an H200,
+    the float64 reference of `empty` at zero capacity had a norm-weight gradient, where nothing can
+    fire)."""
+    for i, (now, made) in enumerate(zip(inputs, gpu_block_inputs(pattern, m, d, h, seed), strict=True)):
+        assert torch.equal(now, made), f"input {i} changed"
+
+
 def rounding_level_gates(inputs) -> torch.Tensor:
     """[M, H]: where the gate g = rms_norm(x) Wg^T (bf16 operands) is within the float32 dot
     product's worst-case accumulation error of 0, K * 2^-24 * (|x| |Wg|^T): there two GEMMs that sum
@@ -336,7 +353,10 @@ def check_block_contract(inputs, hot_units=None):
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(("m", "d", "h"), [(1, 8, 8), (13, 24, 40), (1003, 256, 1000), (2051, 2048, 5632)])
 def test_cuda_block_matches_fp64(pattern, m, d, h):
-    check_block_contract(gpu_block_inputs(pattern, m, d, h, seed=m + d + h))
+    inputs = gpu_block_inputs(pattern, m, d, h, seed=m + d + h)
+    assert_pattern_holds(inputs, pattern)
+    check_block_contract(inputs)
+    assert_inputs_intact(inputs, pattern, m, d, h, seed=m + d + h)
 
 
 @pytest.mark.gpu
@@ -437,7 +457,8 @@ def capacity_block(capacities: torch.Tensor, hot_units: torch.Tensor | None = No
 def check_capacity_contract(inputs, capacities: torch.Tensor, hot_units: torch.Tensor | None = None) -> None:
     """The capacity path's outputs and gradients within the contract against float64 (2x the dense
     bf16 block's error plus the floors), its counts those of the dense bf16 block."""
-    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    gen = torch.Generator(device="cuda").manual_seed(inputs[0].shape[0])
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64, generator=gen)
     got = outputs_and_grads(capacity_block(capacities, hot_units), inputs, r, autocast_device="cuda")
     dense_bf16 = outputs_and_grads(dense, inputs, r, autocast_device="cuda")
     want = outputs_and_grads(dense, [t.double() for t in inputs], r)
@@ -489,7 +510,9 @@ def test_capacity_block_matches_fp64_at_any_capacity(pattern, m, d, h, start):
     elif start == "roomy":
         r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
         outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    assert_pattern_holds(inputs, pattern)
     check_capacity_contract(inputs, capacities)
+    assert_inputs_intact(inputs, pattern, m, d, h, seed=m + d + h)
 
 
 @pytest.mark.gpu
