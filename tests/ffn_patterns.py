@@ -48,9 +48,17 @@ def gpu_weights(d: int, h: int, seed: int):
     return wg.bfloat16(), wu.bfloat16(), wd.bfloat16()
 
 
+# x is drawn from a stream of its own. Drawn with the weights' seed, x's row r was Wg's row r scaled
+# (the same random numbers first), so unit r's gate on row r sat ~sqrt(D) above its bias (45 at
+# D = 2048, against the -50 of `empty`): there two units fired at 2051 x 2048 x 5632 (H200,
+# 2026-12-02), gates just over 0 after a cancellation of ~50, with the two active units as all the
+# norm weight's gradient.
+X_SEED_OFFSET = 1 << 32
+
+
 def gpu_pattern(name: str, m: int, d: int, h: int, seed: int):
     """(x, wg, wu, wd) whose gate g = x Wg^T has the named pattern; x[:, 0] = 1 drives it via Wg[:, 0]."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + X_SEED_OFFSET)
     wg, wu, wd = gpu_weights(d, h, seed)
     x = torch.randn(m, d, generator=gen, device="cuda")
     x[:, 0] = 1.0

@@ -281,9 +281,7 @@ def assert_pattern_holds(inputs, pattern: str) -> None:
 
 def assert_inputs_intact(inputs, pattern: str, m: int, d: int, h: int, seed: int) -> None:
     """After every run, the inputs are still the ones their pattern makes: an op writing past its
-    own outputs shows here, named, rather than as another test's wrong reference (once, on an H200,
-    the float64 reference of `empty` at zero capacity had a norm-weight gradient, where nothing can
-    fire)."""
+    own outputs shows here, named, rather than as a wrong reference."""
     for i, (now, made) in enumerate(zip(inputs, gpu_block_inputs(pattern, m, d, h, seed), strict=True)):
         assert torch.equal(now, made), f"input {i} changed"
 
