@@ -14,6 +14,7 @@ of other presets or GPU counts may be mixed in: each row names its own.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass
@@ -181,11 +182,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("files", nargs="+", type=Path, help="joined whole-run JSONs (whole_run --join)")
     parser.add_argument("--plot", type=Path, default=None, help="write the ratios as a strip plot here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     missing = [str(p) for p in args.files if not p.is_file()]
     if missing:
         raise SystemExit(f"no such file: {', '.join(missing)}")

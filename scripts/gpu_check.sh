@@ -41,6 +41,9 @@
 #                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
+#   early         the first EARLY_STEPS (default 60; 20 more than a multiple of 20) steps of one run per $IMPL (default auto) logged every
+#                 step, then benchmarks.step_times on its metrics: each step's seconds, the slow ones by cause
+#                 (a graph compiled, a record overflowed); early_steps_<impl>.md / .json / _metrics.jsonl
 # Two GPUs of one host (docs/multi_gpu.md), stopped by $DEADLINE; results in $OUT/multi_results.tar.gz:
 #   ddp_match     100M, same global batch: 1 GPU against 2-GPU DDP, plus the 1-GPU run at micro-batch 4
 #                 (the noise floor); per-step losses compared. MATCH_STEPS, MATCH_FP32=1 (an fp32 pair too)
@@ -283,10 +286,25 @@ target_reinit() { recipe_run target_reinit sparsity=target sparsity.l1_coeff="$L
 
 source scripts/gpu_multi.sh  # ddp_match, fsdp_resume, scaling, cuda_ffn
 
+early() {
+  local rc=0 impl run_dir
+  for impl in ${IMPL:-auto}; do
+    [ "$impl" = dense ] || wait_build || return 1
+    step "early steps: $impl, ${EARLY_STEPS:-60} steps logged every step"
+    run_dir=$(scratch_run_dir "/tmp/early_$impl")
+    $PY -m benchmarks.whole_run --impl "$impl" --steps "${EARLY_STEPS:-60}" --steady-steps 20 \
+      --override train.log_every=1 --out-dir "$OUT/early_$impl" --run-dir "$run_dir" >"$OUT/early_$impl.log" 2>&1 || rc=1
+    cp "$run_dir/metrics.jsonl" "$OUT/early_steps_${impl}_metrics.jsonl" || { rc=1; continue; }
+    $PY -m benchmarks.step_times "$OUT/early_steps_${impl}_metrics.jsonl" --md "$OUT/early_steps_$impl.md" \
+      --json "$OUT/early_steps_$impl.json" | head -n 12 || rc=1
+  done
+  return $rc
+}
+
 # ---- main ---------------------------------------------------------------------------------------
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(tests memcheck ffn ffn_train)
-KERNEL_PARTS=" tests memcheck racecheck ffn ffn_train whole_run cuda_ffn ab "
+KERNEL_PARTS=" tests memcheck racecheck ffn ffn_train whole_run early cuda_ffn ab "
 MULTI_PARTS=" ddp_match fsdp_resume scaling cuda_ffn "
 build=0
 for part in "${PARTS[@]}"; do
