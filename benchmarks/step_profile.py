@@ -25,7 +25,10 @@ most of the idle time such a profile reported on a one-GPU 1b run (gaps of 0.6-0
 layer's start in that forward, the next kernel launched 10-30 us before it ran; in the later steps
 the host led by 20-50 ms). The step's wall clock is timed on the device instead: CUDA events recorded
 when the profile starts and ends, i.e. from the GPU's start of step `first` to its end of step
-`last` (the host's clock where there is no GPU).
+`last` (the host's clock where there is no GPU). Without that synchronize the first profiled
+forward still ran at the host's pace (H200, 6b1c41a: a median lead of 0.47 ms over the profile's
+first 40 ms, 28-47 ms after 80 ms): the profiler's own start drains the queue, so read a step's idle
+from the host-lead table's later windows, or profile one step more and discount the first.
 """
 
 from __future__ import annotations
