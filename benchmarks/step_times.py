@@ -62,18 +62,18 @@ def cause(row: dict[str, Any], previous: dict[str, Any] | None) -> str:
 def report(rows: list[dict[str, Any]], slow: float) -> dict[str, Any]:
     """The median step (first excluded), the slow steps with their causes, and their excess by cause."""
     median = statistics.median(r["seconds"] for r in rows[1:]) if len(rows) > 1 else rows[0]["seconds"]
+    causes = [cause(rows[0], None)] + [cause(row, previous) for previous, row in pairwise(rows)]
     slow_steps, excess = [], {}
-    for i, row in enumerate(rows):
+    for i, (row, why) in enumerate(zip(rows, causes, strict=True)):
         if i == 0 or row["seconds"] > slow * median:
-            why = cause(row, rows[i - 1] if i else None)
             slow_steps.append({**row, "cause": why})
             excess[why] = excess.get(why, 0.0) + row["seconds"] - median
     # Every step whose records overflowed, slow or not (those that also compiled aside): what the
     # rebuilds cost in all.
     overflowed = [
         row["seconds"] - median
-        for previous, row in pairwise(rows)
-        if cause(row, previous) == "record overflowed (rebuilt)"
+        for row, why in zip(rows, causes, strict=True)
+        if why == "record overflowed (rebuilt)"
     ]
     return {
         "median_step_s": median,

@@ -41,9 +41,10 @@
 #                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
-#   early         the first EARLY_STEPS (default 60; 20 more than a multiple of 20) steps of one run per $IMPL (default auto) logged every
-#                 step, then benchmarks.step_times on its metrics: each step's seconds, the slow ones by cause
-#                 (a graph compiled, a record overflowed); early_steps_<impl>.md / .json / _metrics.jsonl
+#   early         the first EARLY_STEPS (default 60; 20 more than a multiple of 20) steps of one run per
+#                 $IMPL (default auto), logged every step, then benchmarks.step_times on its metrics: each
+#                 step's seconds, the slow ones by cause (a graph compiled, a record overflowed);
+#                 early_steps_<impl>.md / .json / _metrics.jsonl
 # Two GPUs of one host (docs/multi_gpu.md), stopped by $DEADLINE; results in $OUT/multi_results.tar.gz:
 #   ddp_match     100M, same global batch: 1 GPU against 2-GPU DDP, plus the 1-GPU run at micro-batch 4
 #                 (the noise floor); per-step losses compared. MATCH_STEPS, MATCH_FP32=1 (an fp32 pair too)
