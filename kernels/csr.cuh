@@ -50,10 +50,11 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 
 // One kind's record, cols and a_vals at row_ptr[r] ... row_ptr[r + 1] (the split's light_ptr or
 // heavy_ptr: the other kind's rows are empty there): the light rows' from the stage of
-// launch_csr_count, the heavy rows' from g.
+// launch_csr_count (each entry added to light_fires[H] where given: int32, zeroed by the caller),
+// the heavy rows' from g.
 cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
                                   int64_t rows, const int64_t* row_ptr, int32_t* cols, __nv_bfloat16* a_vals,
-                                  cudaStream_t stream);
+                                  int32_t* light_fires, cudaStream_t stream);
 // The heavy rows' entries past `capacity` (the record's length) are not written.
 cudaError_t launch_csr_fill_heavy(const __nv_bfloat16* g, int64_t rows, int hidden, const int64_t* row_ptr,
                                   int32_t* cols, __nv_bfloat16* a_vals, cudaStream_t stream,
@@ -95,14 +96,30 @@ cudaError_t launch_heavy_backward_elementwise(int64_t n, int hidden, const float
                                               __nv_bfloat16* dh, __nv_bfloat16* a, __nv_bfloat16* u,
                                               cudaStream_t stream);
 
+// The dense units (kernels/csr_dense_units.cu): units[0, *count) = the units with fire_counts[H]
+// (int32: the light rows' fires) >= min_fires (none where min_fires is 0), ascending; one CTA (units: H int32 of device memory).
+cudaError_t launch_select_dense_units(const int32_t* fire_counts, int hidden, int64_t min_fires, int32_t* units,
+                                      int64_t* count, cudaStream_t stream);
+// a_dense[r, slot[cols[e]]] = a_vals[e], u_dense[...] = u_vals[e] for every entry e of the record
+// (row_ptr [M + 1]) whose unit has a slot (slot [H] int32: -1 for the others); a_dense, u_dense:
+// [M, width] bf16, zeroed by the caller.
+cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, const int32_t* cols,
+                                       const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals, const int32_t* slot,
+                                       int width, __nv_bfloat16* a_dense, __nv_bfloat16* u_dense,
+                                       cudaStream_t stream);
+
 // Backward, per light row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
 // sign(h) = sign(u) since a > 0), dg_e = dh_e * u_e, du_e = dh_e * a_e (fp32, one per entry), and
 // dx[r] = sum_e dg_e * wg[cols[e]] + du_e * wu[cols[e]]. grad_l1: one float on the device.
+// dense_slot (optional, [H] int32, -1 off the dense units): entries on dense units are skipped (their
+// dg and du written 0, nothing added to dx); dx_add (optional, [M, D] bf16): added to each light
+// row's dx before its one rounding (the dense units' share, from GEMMs).
 cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
                                      const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                      const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
-                                     float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream);
+                                     const int32_t* dense_slot, const __nv_bfloat16* dx_add, float* dg, float* du,
+                                     __nv_bfloat16* dx, cudaStream_t stream);
 
 // The column order the per-unit kernel reads, from the light record (row_ptr [M + 1], cols):
 // unit_ptr [H + 1] (int64) each unit's range, csc_entry [total] the record's entries by unit,
@@ -129,17 +146,19 @@ cudaError_t launch_csr_column_order(const int64_t* row_ptr, int64_t rows, const 
 // dwd_t: [H, D], bf16 or float (fp32 accumulation either way; a float gradient is rounded once,
 // where the master weights are). total: the record's entries (unit_ptr[H]); long_scratch: H + 1
 // int32 of device memory (the list of units with many entries, which take more warps each).
+// dense_slot (optional, [H] int32): units with a slot (>= 0) are skipped, their rows untouched.
 cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
                                       const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, int64_t total, bool accumulate, int32_t* long_scratch,
-                                      __nv_bfloat16* dwg, __nv_bfloat16* dwu, __nv_bfloat16* dwd_t,
+                                      int hidden, int dim, int64_t total, bool accumulate, const int32_t* dense_slot,
+                                      int32_t* long_scratch, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                      __nv_bfloat16* dwd_t, cudaStream_t stream);
+cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
+                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
+                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                      int hidden, int dim, int64_t total, bool accumulate, const int32_t* dense_slot,
+                                      int32_t* long_scratch, float* dwg, float* dwu, float* dwd_t,
                                       cudaStream_t stream);
-cudaError_t launch_csr_backward_units(const __nv_bfloat16* x, const __nv_bfloat16* grad_y, const int64_t* unit_ptr,
-                                      const int32_t* csc_rows, const int32_t* csc_entry, const float* dg,
-                                      const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                      int hidden, int dim, int64_t total, bool accumulate, int32_t* long_scratch,
-                                      float* dwg, float* dwu, float* dwd_t, cudaStream_t stream);
 
 // The capacity path's heavy rows (kernels/heavy_capacity.cu), the count on the device:
 // h[i, :] = bf16(relu(g[list[i], :]) * u[i, :]) for i < min(*count, n), zero up to n, and

@@ -67,14 +67,17 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     csr_fill_light_kernel(const int32_t* __restrict__ stage_cols, const __nv_bfloat16* __restrict__ stage_a,
                           int stage_width, int64_t rows, const int64_t* __restrict__ row_ptr,
-                          int32_t* __restrict__ cols, __nv_bfloat16* __restrict__ a_vals) {
+                          int32_t* __restrict__ cols, __nv_bfloat16* __restrict__ a_vals,
+                          int32_t* __restrict__ light_fires) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / 32;
   if (row >= rows) return;
   const int64_t begin = row_ptr[row], n = row_ptr[row + 1] - begin, stage0 = row * stage_width;
   for (int64_t i = lane; i < n; i += 32) {
-    cols[begin + i] = stage_cols[stage0 + i];
+    const int32_t unit = stage_cols[stage0 + i];
+    cols[begin + i] = unit;
     a_vals[begin + i] = stage_a[stage0 + i];
+    if (light_fires != nullptr) atomicAdd(light_fires + unit, 1);  // integers: any order, the same sum
   }
 }
 
@@ -112,10 +115,10 @@ cudaError_t launch_csr_count(const __nv_bfloat16* g, int64_t rows, int hidden, i
 
 cudaError_t launch_csr_fill_light(const int32_t* stage_cols, const __nv_bfloat16* stage_a, int stage_width,
                                   int64_t rows, const int64_t* row_ptr, int32_t* cols, __nv_bfloat16* a_vals,
-                                  cudaStream_t stream) {
+                                  int32_t* light_fires, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   csr_fill_light_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(stage_cols, stage_a, stage_width, rows, row_ptr,
-                                                                   cols, a_vals);
+                                                                   cols, a_vals, light_fires);
   return cudaGetLastError();
 }
 

@@ -59,7 +59,8 @@ struct RowSplit {
   at::Tensor heavy_ptr;    // [M + 1] int64, light rows empty
   at::Tensor heavy_rows;   // forward only: [M] int64, the heavy rows in order, then unspecified
   at::Tensor active_rows;  // forward only: [M] int64, the rows with an active unit in order, then unspecified
-  at::Tensor sizes;        // forward only: [4] int64: light entries, heavy rows, heavy entries, active rows
+  at::Tensor sizes;        // forward only: [5] int64: light entries, heavy rows, heavy entries, active rows, then
+                           // the dense units (written by light_pass)
 };
 
 // The training forward queues the dense path of its first heavy_gemm_rows(M / kEarlyHeavyRowsPer)
@@ -78,7 +79,7 @@ RowSplit split_rows(const at::Tensor& nnz, int64_t threshold, const at::Tensor& 
   if (forward) {
     split.heavy_rows = at::empty({rows}, nnz.options());
     split.active_rows = at::empty({rows}, nnz.options());
-    split.sizes = at::empty({4}, nnz.options());
+    split.sizes = at::empty({5}, nnz.options());
   }
   const auto optional_ptr = [](at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; };
   const sparse_llm::RowSplitView view{reinterpret_cast<uint8_t*>(split.heavy.data_ptr<bool>()),
@@ -136,9 +137,10 @@ at::Tensor rows_of(const at::Tensor& t, const at::Tensor& list) {
 }
 
 void check_forward_args(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                        const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
+                        const std::optional<at::Tensor>& keep, int64_t heavy_threshold, int64_t dense_min_fires) {
   check_weights(x, wg, wu, wd);
   SL_CHECK_ARG(heavy_threshold >= 0, "heavy_threshold must be >= 0");
+  SL_CHECK_ARG(dense_min_fires >= 0, "dense_min_fires must be >= 0 (0: no dense units), got ", dense_min_fires);
   SL_CHECK_ARG(!keep.has_value() || (keep->dim() == 2 && keep->size(0) == x.size(0) && keep->device() == x.device()),
                "keep must be a 2-D tensor with x's rows, on x's device");
 }
@@ -150,7 +152,8 @@ struct LightPass {
   at::Tensor g;           // [M, H] = x Wg^T
   at::Tensor nnz;         // [M] int64
   at::Tensor fire_long;   // [H] int64
-  RowSplit split;         // with the forward's lists and sizes ([4] on the device)
+  RowSplit split;         // with the forward's lists and sizes ([5] on the device)
+  at::Tensor dense_units;  // [H] int32: the units with dense_min_fires light entries or more, then unspecified
   at::Tensor wd_t;        // [H, D]
   at::Tensor y;           // [M, D]: the light rows written
   at::Tensor cols_cap;    // [M * width]: the light record, room for width entries a row (its most)
@@ -160,10 +163,13 @@ struct LightPass {
   int64_t updown_blocks;
 };
 
-// after_split(split) runs right after the split is queued (the exact path queues its host read there).
+// after_split(split) runs right after the split and the dense units are queued (the exact path
+// queues its host read there). dense_min_fires: the light rows' fire count from which a unit is a
+// dense unit of the backward (0: none).
 template <typename AfterSplit>
 LightPass light_pass(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                     int64_t heavy_threshold, int64_t extra_l1_slots, cudaStream_t stream, AfterSplit after_split) {
+                     int64_t heavy_threshold, int64_t dense_min_fires, int64_t extra_l1_slots, cudaStream_t stream,
+                     AfterSplit after_split) {
   const int64_t rows = x.size(0);
   const int dim = static_cast<int>(x.size(1));
   const int hidden = static_cast<int>(wg.size(0));
@@ -181,20 +187,28 @@ LightPass light_pass(const at::Tensor& x, const at::Tensor& wg, const at::Tensor
                                           fire.data_ptr<int32_t>(), stream),
              "csr_count");
   pass.split = split_rows(pass.nnz, heavy_threshold, at::Tensor(), stream);
-  after_split(pass.split);
-  pass.wd_t = sparse_llm_glue::transpose_bf16(wd);
-  pass.y = at::empty_like(x);
-
-  // Light rows, with their L1 share.
+  // The light record, counting each unit's light entries: the dense units are those with many (a
+  // unit's entries on heavy rows go through the heavy rows' GEMMs whatever it is).
   const int64_t capacity = rows * width;
   pass.cols_cap = at::empty({capacity}, x.options().dtype(at::kInt));
   pass.a_cap = at::empty({capacity}, x.options());
   pass.u_cap = at::empty({capacity}, x.options());
   const int64_t* light_ptr = pass.split.light_ptr.data_ptr<int64_t>();
+  at::Tensor light_fires = at::zeros({hidden}, x.options().dtype(at::kInt));
   check_cuda(sparse_llm::launch_csr_fill_light(stage_cols.data_ptr<int32_t>(), bf16_ptr(stage_a), width, rows,
                                                light_ptr, pass.cols_cap.data_ptr<int32_t>(), bf16_mut_ptr(pass.a_cap),
-                                               stream),
+                                               light_fires.data_ptr<int32_t>(), stream),
              "csr_fill_light");
+  pass.dense_units = at::empty({hidden}, x.options().dtype(at::kInt));
+  check_cuda(sparse_llm::launch_select_dense_units(light_fires.data_ptr<int32_t>(), hidden, dense_min_fires,
+                                                   pass.dense_units.data_ptr<int32_t>(),
+                                                   pass.split.sizes.data_ptr<int64_t>() + 4, stream),
+             "select_dense_units");
+  after_split(pass.split);
+  pass.wd_t = sparse_llm_glue::transpose_bf16(wd);
+  pass.y = at::empty_like(x);
+
+  // Light rows, with their L1 share.
   pass.updown_blocks = sparse_llm::csr_updown_blocks(rows);
   pass.l1_partial = at::empty({pass.updown_blocks + extra_l1_slots}, x.options().dtype(at::kFloat));
   check_cuda(sparse_llm::launch_csr_updown(bf16_ptr(x), bf16_ptr(wu), bf16_ptr(pass.wd_t), light_ptr,
@@ -209,10 +223,11 @@ LightPass light_pass(const at::Tensor& x, const at::Tensor& wg, const at::Tensor
 float inverse_rows(int64_t rows) { return static_cast<float>(1.0 / static_cast<double>(std::max<int64_t>(rows, 1))); }
 
 // (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals, heavy_rows,
-// heavy_cols, heavy_a, heavy_u): the outputs of the reference op (active_rows: the rows with an
-// active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows' record
-// (csr.cuh), then the heavy rows' indices and record (they size the backward's GEMMs, so it needs
-// no host read).
+// heavy_cols, heavy_a, heavy_u, dense_units): the outputs of the reference op (active_rows: the rows
+// with an active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows'
+// record (csr.cuh), then the heavy rows' indices and record (they size the backward's GEMMs, so it
+// needs no host read), then the dense units (int32, ascending: those that fired on at least
+// dense_min_fires light rows, 0 for none), whose light entries the backward takes by GEMMs.
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
 // capacity known in advance (threshold entries a row), and the first heavy rows' GEMMs take a fixed
@@ -220,19 +235,19 @@ float inverse_rows(int64_t rows) { return static_cast<float>(1.0 / static_cast<d
 // the read come the outputs of exact size (the records, keep's rows) and the heavy rows past the
 // first ones; the GPU idles through each launch made there, so they are few.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                  const std::optional<at::Tensor>& keep, int64_t heavy_threshold) {
-  check_forward_args(x, wg, wu, wd, keep, heavy_threshold);
+                  const std::optional<at::Tensor>& keep, int64_t heavy_threshold, int64_t dense_min_fires) {
+  check_forward_args(x, wg, wu, wd, keep, heavy_threshold, dense_min_fires);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
   const int hidden = static_cast<int>(wg.size(0));
-  // The one host read: (light entries, heavy rows, heavy entries, active rows). It waits only for
+  // The one host read: (light entries, heavy rows, heavy entries, active rows, dense units). It waits only for
   // the GEMM, the count and the split: everything after them is queued before it and runs while
   // the host reads.
   std::optional<sparse_llm_glue::EarlyHostRead> sizes;
-  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, 0, stream,
+  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, dense_min_fires, 0, stream,
                               [&](const RowSplit& split) { sizes.emplace(split.sizes, stream); });
   const RowSplit& split = pass.split;
   const at::Tensor& g = pass.g;
@@ -296,22 +311,23 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   }
   const at::Tensor kept_rows =
       keep.has_value() ? rows_of(*keep, active_rows) : at::empty({0, x.size(1)}, x.options());
-  return {y, l1, nnz, fire_long, active_rows, kept_rows, cols,
-          a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u};
+  return {y,      l1,         nnz,        fire_long, active_rows, kept_rows, cols,
+          a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u, pass.dense_units.narrow(0, 0, host_sizes[4])};
 }
 
 // CTAs of the capacity path's heavy-row kernels (each writes one L1 partial sum).
 constexpr int kGateL1Blocks = 264;
 constexpr int kOverflowBlocks = 132;
-// The fields of the capacity path's host sizes (pinned int64): the forward's four sizes, then a
+// The fields of the capacity path's host sizes (pinned int64): the forward's five sizes, then a
 // flag the GPU sets to 1 once they are there (the host sets -1 before queuing the copies).
-constexpr int64_t kHostSizeFields = 5;
+constexpr int64_t kHostSizes = 5;
+constexpr int64_t kHostSizeFields = kHostSizes + 1;
 
 // The training forward with no host read (the capacity path): the reference op's outputs, the heavy
 // rows' record at capacities the caller gives on the host, `capacities` = (heavy rows, heavy entries)
-// as a CPU int64 tensor, plus `host_sizes`: a pinned CPU int64 [5] into which the GPU copies the
-// forward's true sizes (light entries, heavy rows, heavy entries, active rows) and then a 1 in the
-// last field. The light record needs no capacity: a light row holds at most `width` entries, so the
+// as a CPU int64 tensor, plus `host_sizes`: a pinned CPU int64 [6] into which the GPU copies the
+// forward's true sizes (light entries, heavy rows, heavy entries, active rows, dense units) and then
+// a 1 in the last field; the dense units come whole ([H], the first of them the list). The light record needs no capacity: a light row holds at most `width` entries, so the
 // whole record fits the M x width buffers the light pass fills, returned as they are (entries past
 // the light size unspecified). y and l1 are exact whatever the capacities (heavy rows past the
 // heavy-row capacity are computed from g by launch_heavy_overflow_updown); the heavy record is
@@ -320,11 +336,11 @@ constexpr int64_t kHostSizeFields = 5;
 // (ops/ffn/training.py rebuilds an overflowed one). active_rows are all rows (their number is not
 // read), kept_rows a copy of keep.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                           const std::optional<at::Tensor>& keep, int64_t heavy_threshold,
+                           const std::optional<at::Tensor>& keep, int64_t heavy_threshold, int64_t dense_min_fires,
                            const at::Tensor& capacities) {
-  check_forward_args(x, wg, wu, wd, keep, heavy_threshold);
+  check_forward_args(x, wg, wu, wd, keep, heavy_threshold, dense_min_fires);
   SL_CHECK_ARG(capacities.device().is_cpu() && capacities.scalar_type() == at::kLong && capacities.numel() == 2 &&
                    capacities.is_contiguous(),
                "capacities must be a contiguous CPU int64 tensor of 2 elements (heavy rows, heavy entries)");
@@ -340,8 +356,8 @@ ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::
   const int64_t heavy_entries_cap = std::clamp<int64_t>(cap[1], 0, heavy_cap * hidden);
 
   const int64_t gate_slot = 0, overflow_slot = kGateL1Blocks;
-  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, kGateL1Blocks + kOverflowBlocks, stream,
-                              [](const RowSplit&) {});
+  LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, dense_min_fires, kGateL1Blocks + kOverflowBlocks,
+                              stream, [](const RowSplit&) {});
   const RowSplit& split = pass.split;
   float* l1_partial = pass.l1_partial.data_ptr<float>();
   const int64_t* heavy_count = split.sizes.data_ptr<int64_t>() + 1;
@@ -403,14 +419,14 @@ ffn_train_forward_capacity(const at::Tensor& x, const at::Tensor& wg, const at::
   at::Tensor host_sizes =
       at::empty({kHostSizeFields}, pass.nnz.options().device(at::kCPU).pinned_memory(true));
   host_sizes.fill_(-1);
-  host_sizes.narrow(0, 0, 4).copy_(split.sizes, /*non_blocking=*/true);
-  host_sizes.narrow(0, 4, 1).copy_(at::ones({1}, pass.nnz.options()), /*non_blocking=*/true);
-  return {pass.y,     l1, pass.nnz, pass.fire_long, active_rows, kept_rows, cols, a_vals, u_vals,
-          heavy_rows, heavy_cols, heavy_a, heavy_u, host_sizes};
+  host_sizes.narrow(0, 0, kHostSizes).copy_(split.sizes, /*non_blocking=*/true);
+  host_sizes.narrow(0, kHostSizes, 1).copy_(at::ones({1}, pass.nnz.options()), /*non_blocking=*/true);
+  return {pass.y,     l1,         pass.nnz, pass.fire_long, active_rows,      kept_rows, cols, a_vals, u_vals,
+          heavy_rows, heavy_cols, heavy_a,  heavy_u,        pass.dense_units, host_sizes};
 }
 
 // Waits until the GPU has written a capacity forward's host sizes (their last field set), then
-// returns the four sizes. In steady state the backward calls this long after the forward's kernels
+// returns the five sizes. In steady state the backward calls this long after the forward's kernels
 // ran, so it returns at once; it never drains the queue.
 std::vector<int64_t> wait_host_sizes(const at::Tensor& host_sizes) {
   SL_CHECK_ARG(host_sizes.device().is_cpu() && host_sizes.scalar_type() == at::kLong &&
@@ -426,17 +442,20 @@ std::vector<int64_t> wait_host_sizes(const at::Tensor& host_sizes) {
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);
-  return {fields[0], fields[1], fields[2], fields[3]};
+  std::vector<int64_t> sizes(kHostSizes);
+  for (int64_t i = 0; i < kHostSizes; ++i) sizes[i] = fields[i];
+  return sizes;
 }
 
 // The weight gradients' share of a record's entries, by the per-unit kernel over the entries in
 // column order (each unit's rows of dWg, dWu and dWd^T accumulated in registers: no atomics,
 // deterministic): written whole, or added to dwg, dwu, dwd_t where `accumulate` (after the heavy
 // rows' GEMMs wrote them). dg, du: float32 at the record's entries.
+// dense_slot: optional ([H] int32), the units it gives a slot are skipped (the dense units').
 void unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr, const at::Tensor& cols,
                        const at::Tensor& dg, const at::Tensor& du, const at::Tensor& a_vals, const at::Tensor& u_vals,
-                       int hidden, bool accumulate, at::Tensor& dwg, at::Tensor& dwu, at::Tensor& dwd_t,
-                       cudaStream_t stream) {
+                       int hidden, bool accumulate, const int32_t* dense_slot, at::Tensor& dwg, at::Tensor& dwu,
+                       at::Tensor& dwd_t, cudaStream_t stream) {
   const int64_t rows = x.size(0), total = cols.size(0);
   const int dim = static_cast<int>(x.size(1));
   // Column order of the entries (stable: rows ascending within a unit) and each unit's range.
@@ -460,12 +479,13 @@ void unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int6
   check_cuda(dwg.scalar_type() == at::kFloat
                  ? sparse_llm::launch_csr_backward_units(
                        bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
-                       dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate,
+                       dense_slot, long_d, dwg.data_ptr<float>(), dwu.data_ptr<float>(), dwd_t.data_ptr<float>(),
+                       stream)
                  : sparse_llm::launch_csr_backward_units(
                        bf16_ptr(x), bf16_ptr(grad_y), unit_ptr_d, csc_rows_d, csc_entry_d, dg.data_ptr<float>(),
-                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate, long_d,
-                       bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+                       du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals), hidden, dim, total, accumulate,
+                       dense_slot, long_d, bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
              "csr_backward_units");
 }
 
@@ -525,16 +545,73 @@ void heavy_rows_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
   }
 }
 
+// The dense units' share of the backward (kernels/csr_dense_units.cu): their light entries
+// scattered into [M, width] blocks (width: their count rounded up to the GEMM granule, the extra
+// columns zero), the rest by GEMMs over all M rows on the heavy rows' recipe: dh, then dg, du and h
+// in place, dx's share and the weight-gradient rows (float32). The per-entry kernels skip these
+// units (slot).
+struct DenseUnitsShare {
+  at::Tensor units;            // [n] int64
+  at::Tensor slot;             // [H] int32: a unit's column in the blocks, -1 off the dense units
+  at::Tensor dx;               // [M, D] bf16: their share of the light rows' dx (zero on heavy rows)
+  at::Tensor dwg, dwu, dwd_t;  // [width, D] float32: their gradient rows in slot order, zero past n
+};
+
+DenseUnitsShare dense_units_backward(const at::Tensor& grad_y, const at::Tensor& x, const int64_t* row_ptr,
+                                     const at::Tensor& cols, const at::Tensor& a_vals, const at::Tensor& u_vals,
+                                     const at::Tensor& dense_units, const at::Tensor& wg_c, const at::Tensor& wu_c,
+                                     const at::Tensor& wd_t, const at::Tensor& l1_grad, cudaStream_t stream) {
+  const int64_t rows = x.size(0), n = dense_units.size(0);
+  const int hidden = static_cast<int>(wg_c.size(0));
+  const int64_t width = sparse_llm_glue::heavy_gemm_rows(n);  // a multiple of 64: cuBLAS's fast shapes
+  DenseUnitsShare share;
+  share.units = dense_units.to(at::kLong);
+  share.slot = at::full({hidden}, -1, cols.options());
+  share.slot.index_copy_(0, share.units, at::arange(n, cols.options()));
+  at::Tensor a = at::zeros({rows, width}, x.options());  // then du
+  at::Tensor u = at::zeros({rows, width}, x.options());  // then h
+  check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), bf16_ptr(a_vals),
+                                                    bf16_ptr(u_vals), share.slot.data_ptr<int32_t>(),
+                                                    static_cast<int>(width), bf16_mut_ptr(a), bf16_mut_ptr(u),
+                                                    stream),
+             "scatter_dense_units");
+  const at::Tensor wd_panel = sparse_llm_glue::gather_rows(wd_t, share.units, n, width);
+  at::Tensor dh = at::mm(grad_y, wd_panel.t());  // then dg
+  check_cuda(sparse_llm::launch_heavy_backward_elementwise(rows, static_cast<int>(width), l1_grad.data_ptr<float>(),
+                                                           rows, bf16_mut_ptr(dh), bf16_mut_ptr(a), bf16_mut_ptr(u),
+                                                           stream),
+             "heavy_backward_elementwise");
+  share.dx = at::mm(dh, sparse_llm_glue::gather_rows(wg_c, share.units, n, width));
+  share.dx.addmm_(a, sparse_llm_glue::gather_rows(wu_c, share.units, n, width));
+  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  share.dwg = at::empty({width, x.size(1)}, f32);
+  share.dwu = at::empty({width, x.size(1)}, f32);
+  share.dwd_t = at::empty({width, x.size(1)}, f32);
+  add_product(share.dwg, dh.t(), x, /*overwrite=*/true);
+  add_product(share.dwu, a.t(), x, /*overwrite=*/true);
+  add_product(share.dwd_t, u.t(), grad_y, /*overwrite=*/true);
+  return share;
+}
+
+// grad[units] = rows[: n] (or += where `accumulate`: the heavy rows' GEMMs wrote the gradient whole),
+// rounded once to grad's dtype.
+void put_unit_rows(at::Tensor& grad, const at::Tensor& units, const at::Tensor& rows, bool accumulate) {
+  at::Tensor share = rows.narrow(0, 0, units.size(0));
+  if (accumulate) share = share + grad.index_select(0, units).to(at::kFloat);
+  grad.index_copy_(0, units, share.to(grad.scalar_type()));
+}
+
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
-// the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'. The
+// the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'; the light
+// rows' entries on dense_units (int32 [n], the forward's) by GEMMs over all rows (above). The
 // weights come in bf16, or in float (the master weights under bf16 autocast): the kernels read
 // bf16 casts of them, and the weight gradients come out in the weights' dtype, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,
     const at::Tensor& wu, const at::Tensor& wd, const at::Tensor& nnz, const at::Tensor& cols,
     const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& heavy_rows, const at::Tensor& heavy_cols,
-    const at::Tensor& heavy_a, const at::Tensor& heavy_u) {
+    const at::Tensor& heavy_a, const at::Tensor& heavy_u, const at::Tensor& dense_units) {
   const at::ScalarType grad_dtype = wg.scalar_type();
   SL_CHECK_ARG(grad_dtype == at::kBFloat16 || grad_dtype == at::kFloat, "weights must be bfloat16 or float32, got ",
                grad_dtype);
@@ -547,6 +624,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   SL_CHECK_ARG(heavy_rows.is_cuda() && heavy_rows.scalar_type() == at::kLong && heavy_rows.dim() == 1 &&
                    heavy_rows.is_contiguous(),
                "heavy_rows must be a contiguous int64 CUDA vector");
+  SL_CHECK_ARG(dense_units.device() == x.device() && dense_units.scalar_type() == at::kInt && dense_units.dim() == 1 &&
+                   dense_units.is_contiguous() && dense_units.size(0) <= wg.size(0),
+               "dense_units must be a contiguous int32 vector of at most H units on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
@@ -563,12 +643,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const at::Tensor wg_c = wg.to(at::kBFloat16), wu_c = wu.to(at::kBFloat16);  // no copy when bf16
   const at::Tensor wd_t = sparse_llm_glue::transpose_as(wd, at::kBFloat16);
   const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
+  const std::optional<DenseUnitsShare> dense =
+      dense_units.size(0) > 0 ? std::optional(dense_units_backward(grad_y, x, row_ptr, cols, a_vals, u_vals,
+                                                                   dense_units, wg_c, wu_c, wd_t, l1_grad, stream))
+                              : std::nullopt;
+  const int32_t* dense_slot = dense ? dense->slot.data_ptr<int32_t>() : nullptr;
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
   check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg_c), bf16_ptr(wu_c), bf16_ptr(wd_t),
                                                   row_ptr, cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                   mask_ptr(split.heavy), l1_grad.data_ptr<float>(), rows, dim,
+                                                  dense_slot, dense ? bf16_ptr(dense->dx) : nullptr,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");
 
@@ -582,7 +668,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   if (n_heavy > 0) heavy_rows_backward(grad_y, x, heavy_rows, split.heavy_ptr, heavy_cols, heavy_a, heavy_u, wg_c, wu_c,
                                        wd_t, l1_grad, dx, dwg, dwu, dwd_t, stream);
   // The light entries' share: added to the heavy rows' GEMMs where there were any.
-  unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0, dwg, dwu, dwd_t, stream);
+  unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0, dense_slot, dwg, dwu,
+                    dwd_t, stream);
+  if (dense) {
+    put_unit_rows(dwg, dense->units, dense->dwg, n_heavy > 0);
+    put_unit_rows(dwu, dense->units, dense->dwu, n_heavy > 0);
+    put_unit_rows(dwd_t, dense->units, dense->dwd_t, n_heavy > 0);
+  }
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 
@@ -649,7 +741,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_weight_grads(const at::Tensor
   at::Tensor dwg = at::empty({hidden, dim}, out), dwu = at::empty({hidden, dim}, out);
   at::Tensor dwd_t = at::empty({hidden, dim}, out);
   unit_weight_grads(x, grad_y, row_ptr.data_ptr<int64_t>(), cols, dg, du, a_vals, u_vals, static_cast<int>(hidden),
-                    /*accumulate=*/false, dwg, dwu, dwd_t, stream);
+                    /*accumulate=*/false, /*dense_slot=*/nullptr, dwg, dwu, dwd_t, stream);
   return {dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 
@@ -658,13 +750,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_weight_grads(const at::Tensor
 void register_train_ops(pybind11::module_& m) {
   m.def("ffn_train_forward", sparse_llm_glue::guarded<&ffn_train_forward>,
         "exact sparse training forward: (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, "
-        "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u); rows with more than heavy_threshold active units take "
-        "the dense path");
+        "u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u, dense_units); rows with more than heavy_threshold active "
+        "units take the dense path, and units that fired on at least dense_min_fires light rows (0: none) the "
+        "backward's GEMMs");
   m.def("ffn_train_forward_capacity", sparse_llm_glue::guarded<&ffn_train_forward_capacity>,
         "the training forward with no host read: the light record whole, the heavy one at the given capacities "
-        "(heavy rows, heavy entries), then host_sizes (pinned) where the GPU writes the true sizes and a ready flag");
+        "(heavy rows, heavy entries), the dense units whole, then host_sizes (pinned) where the GPU writes the true "
+        "sizes and a ready flag");
   m.def("wait_host_sizes", sparse_llm_glue::guarded<&wait_host_sizes>,
-        "the four sizes a capacity forward wrote to host_sizes, once they are there");
+        "the five sizes a capacity forward wrote to host_sizes, once they are there");
   m.def("csr_fill_record", sparse_llm_glue::guarded<&csr_fill_record>,
         "(cols int32, a_vals bf16): the record of every row's active entries of g at the offsets row_ptr, the "
         "first `total`");

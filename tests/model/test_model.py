@@ -536,9 +536,9 @@ def test_capacity_overflows_sum_over_the_layers_on_the_capacity_path():
     assert model.ffn_capacity_overflows() == {}
     first, second = model.model.layers[0].ffn, model.model.layers[1].ffn
     first.train_capacities, second.train_capacities = TrainCapacities.new(), TrainCapacities.new()
-    TrainCapacities.update(first.train_capacities, [100, 1, 100, 10])  # a fresh layer's first step
-    TrainCapacities.update(second.train_capacities, [100, 1, 100, 10])
-    TrainCapacities.update(second.train_capacities, [100, 90, 100, 10])  # heavy rows past the capacity
+    TrainCapacities.update(first.train_capacities, [100, 1, 100, 10, 0])  # a fresh layer's first step
+    TrainCapacities.update(second.train_capacities, [100, 1, 100, 10, 0])
+    TrainCapacities.update(second.train_capacities, [100, 90, 100, 10, 0])  # heavy rows past the capacity
     metrics = model.ffn_capacity_overflows()
     assert metrics["ffn/capacity_overflows"] == 3
     assert "ffn/capacity_overflows/light_entries" not in metrics  # the light record has no capacity

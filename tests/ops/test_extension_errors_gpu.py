@@ -82,10 +82,10 @@ def _pack(ext, threshold=64):
 
 def _backward_args(ext):
     x, wg, wu, wd = _ffn_inputs()
-    out = ext.ffn_train_forward(x, wg, wu, wd, None, 64)
+    out = ext.ffn_train_forward(x, wg, wu, wd, None, 64, 2)
     grad_y = torch.randn_like(x)
     grad_l1 = torch.ones((), device="cuda")
-    nnz, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u = out[2], *out[6:]
+    nnz, cols, a_vals, u_vals, heavy_rows, heavy_cols, heavy_a, heavy_u, dense_units = out[2], *out[6:]
     return [
         grad_y,
         grad_l1,
@@ -101,6 +101,7 @@ def _backward_args(ext):
         heavy_cols,
         heavy_a,
         heavy_u,
+        dense_units,
     ]
 
 
@@ -204,14 +205,20 @@ CASES = {
             *(torch.randn(s, device="cuda", dtype=BF16) for s in [(M, 60), (H, 60), (H, 60), (60, H)]),
             None,
             64,
+            0,
         ),
         "D must be a multiple of 8",
-        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64),
+        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64, 0),
     ),
     "ffn_train_forward negative heavy_threshold": (
-        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, -1),
+        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, -1, 0),
         "heavy_threshold must be >= 0",
-        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64),
+        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64, 0),
+    ),
+    "ffn_train_forward negative dense_min_fires": (
+        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64, -1),
+        "dense_min_fires must be >= 0",
+        lambda ext: ext.ffn_train_forward(*_ffn_inputs(), None, 64, 2),
     ),
     "ffn_train_backward wrong grad_y": (
         lambda ext: ext.ffn_train_backward(

@@ -32,7 +32,9 @@ the op, where torch.compile saves them rather than the whole tensor they come fr
 - `sparse_llm::ffn_train_fwd_cuda` / `ffn_train_bwd_cuda`: the CUDA kernels (kernels/csr.cuh,
   kernels/train_bindings.cpp), bf16 on Hopper. The record (int32 columns) holds the light rows'
   entries only; then come the indices of the heavy rows (those on the dense GEMM path) and their
-  own record, so the backward reads nothing on the host.
+  own record, so the backward reads nothing on the host, then the dense units (int32): the units
+  with at least `dense_unit_min_fires(M)` light entries, which the backward takes by GEMMs over all
+  rows instead of the per-entry kernels (kernels/csr_dense_units.cu).
 
 The records' lengths are data-dependent (the numbers of active entries and of heavy rows),
 declared to the compiler as unbacked sizes, so torch.compile(fullgraph=True) traces either pair
@@ -45,6 +47,7 @@ them inside, where torch.compile cannot see the cast: a caller that saves the ma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -66,11 +69,21 @@ _T = torch.Tensor
 # (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
 # adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
-# The capacity path's host sizes: light entries, heavy rows, heavy entries, active rows, ready flag.
-HOST_SIZE_FIELDS = 5
-CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
-CudaCapacityForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
+# The capacity path's host sizes: light entries, heavy rows, heavy entries, active rows, dense
+# units, ready flag.
+HOST_SIZE_FIELDS = 6
+CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
+CudaCapacityForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
+# A unit that fires on at least this share of a step's light rows is a dense unit of the CUDA backward: its
+# column over all M rows by tensor-core GEMMs costs about what ~1-2% of the rows' entries cost the
+# per-entry kernels (one 4 KB weight, x or grad_y row read per entry and matrix; docs/kernels.md).
+DENSE_UNIT_ROW_SHARE = 1 / 32
+
+
+def dense_unit_min_fires(rows: int) -> int:
+    """The light entries from which a unit is a dense unit of the CUDA backward, for a step of `rows` rows."""
+    return max(1, math.ceil(rows * DENSE_UNIT_ROW_SHARE))
 
 
 class TrainRecord(NamedTuple):
@@ -87,6 +100,9 @@ class TrainRecord(NamedTuple):
     heavy_cols: torch.Tensor | None = None
     heavy_a: torch.Tensor | None = None
     heavy_u: torch.Tensor | None = None
+    # [n_dense] int32: the units whose light entries the backward takes by GEMMs (the capacity
+    # path's: [H], its first n_dense the units, n_dense among the host sizes)
+    dense_units: torch.Tensor | None = None
     # The capacity path's (train_forward with `capacities`): the records sit at their capacities and
     # the GPU writes their true sizes here (pinned CPU int64 [5]); the backward reads them.
     host_sizes: torch.Tensor | None = None
@@ -223,16 +239,19 @@ def ffn_train_fwd_cuda(
     than heavy_threshold active units take the dense path (a speed knob only)."""
     # keep's active rows are taken inside the extension: after its one host read, every step
     # until the next kernel is queued leaves the GPU idle.
-    return extension().ffn_train_forward(x, wg, wu, wd, keep, heavy_threshold)
+    return extension().ffn_train_forward(
+        x, wg, wu, wd, keep, heavy_threshold, dense_unit_min_fires(x.shape[0])
+    )
 
 
 @ffn_train_fwd_cuda.register_fake
 def _(x, wg, wu, wd, keep, heavy_threshold):
-    n_heavy = torch.library.get_ctx().new_dynamic_size()
+    ctx = torch.library.get_ctx()
     return (
         *_fake_forward(x, wg, keep, torch.int32),
-        x.new_empty(n_heavy, dtype=torch.int64),
+        x.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
         *_fake_record(x, torch.int32),
+        x.new_empty(ctx.new_dynamic_size(), dtype=torch.int32),
     )
 
 
@@ -252,6 +271,7 @@ def ffn_train_bwd_cuda(
     heavy_cols: torch.Tensor,
     heavy_a: torch.Tensor,
     heavy_u: torch.Tensor,
+    dense_units: torch.Tensor,
 ) -> TrainBackwardOutput:
     """(dx, dWg, dWu, dWd) by the CUDA backward kernels (L1 gradient fused). The weights may be
     the master weights (wider than x): cast to x's dtype inside the op, and their gradients
@@ -270,6 +290,7 @@ def ffn_train_bwd_cuda(
         heavy_cols,
         heavy_a,
         heavy_u,
+        dense_units,
     )
     return dx, *_as_weights(weight_grads, wg, wu, wd)
 
@@ -299,7 +320,9 @@ def ffn_train_fwd_cuda_cap(
     TrainCapacities tensor), then the pinned host_sizes the GPU writes the true sizes to. y and l1
     are exact whatever the capacities; active_rows are all rows."""
     capacities = TrainCapacities.capacities(capacities)
-    return extension().ffn_train_forward_capacity(x, wg, wu, wd, keep, heavy_threshold, capacities)
+    return extension().ffn_train_forward_capacity(
+        x, wg, wu, wd, keep, heavy_threshold, dense_unit_min_fires(x.shape[0]), capacities
+    )
 
 
 @ffn_train_fwd_cuda_cap.register_fake
@@ -320,6 +343,7 @@ def _(x, wg, wu, wd, keep, heavy_threshold, capacities):
         x.new_empty(light),
         x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64),
         *_fake_record(x, torch.int32),
+        x.new_empty(wg.shape[0], dtype=torch.int32),
         torch.empty(HOST_SIZE_FIELDS, dtype=torch.int64),
     )
 
@@ -340,6 +364,7 @@ def ffn_train_bwd_cuda_cap(
     heavy_cols: torch.Tensor,
     heavy_a: torch.Tensor,
     heavy_u: torch.Tensor,
+    dense_units: torch.Tensor,
     host_sizes: torch.Tensor,
     capacities: torch.Tensor,
     heavy_threshold: int,
@@ -354,7 +379,7 @@ def ffn_train_bwd_cuda_cap(
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
     sizes = extension().wait_host_sizes(host_sizes)
-    light, n_heavy, heavy_entries = sizes[:3]
+    light, n_heavy, heavy_entries, _, n_dense = sizes
     fits = n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()  # the light record is whole
     if fits:
         record = (
@@ -369,11 +394,14 @@ def ffn_train_bwd_cuda_cap(
         )
     else:  # the exact path's records, from x and Wg (as the forward had it) again
         forward_wg = wg if zeroed_units is None else wg.index_fill(0, zeroed_units, 0)
-        exact = extension().ffn_train_forward(x, *_in_dtype_of(x, forward_wg, wu, wd), None, heavy_threshold)
-        record = (exact[2], *exact[6:])
+        # (its records only: the dense units are the capacity forward's, from the same fire counts)
+        exact = extension().ffn_train_forward(
+            x, *_in_dtype_of(x, forward_wg, wu, wd), None, heavy_threshold, 0
+        )
+        record = (exact[2], *exact[6:13])
     TrainCapacities.update(capacities, sizes)
     dx, *weight_grads = extension().ffn_train_backward(
-        grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record
+        grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record, dense_units[:n_dense]
     )
     return dx, *_as_weights(weight_grads, wg, wu, wd)
 
@@ -438,7 +466,7 @@ class TrainCapacities:
 
     @classmethod
     def update(cls, state: torch.Tensor, host_sizes: Sequence[int]) -> None:
-        """Set the next step's capacities from the sizes a step's forward wrote (its four host sizes)."""
+        """Set the next step's capacities from the sizes a step's forward wrote (its host sizes)."""
         # Written through numpy: every forward saves this tensor for its backward, and a torch
         # in-place write would bump the version that a pending backward checks it against.
         if len(host_sizes) < HOST_SIZE_FIELDS - 1:  # the sizes, without the ready flag

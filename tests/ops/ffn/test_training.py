@@ -272,7 +272,7 @@ def test_cuda_ops_trace_under_fake_tensors():
             torch.empty(s, dtype=torch.bfloat16) for s in ((6, 16), (24, 16), (24, 16), (16, 24))
         )
         keep = torch.empty(6, 16)
-        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record = (
+        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record, dense = (
             torch.ops.sparse_llm.ffn_train_fwd_cuda(x, wg, wu, wd, keep, 64)
         )
         assert y.shape == x.shape and l1.dtype == torch.float32 and nnz.shape == (6,) and fire.shape == (24,)
@@ -282,8 +282,9 @@ def test_cuda_ops_trace_under_fake_tensors():
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
         heavy_cols, heavy_a, heavy_u = heavy_record
         assert heavy_cols.dtype == torch.int32 and heavy_a.shape == heavy_cols.shape == heavy_u.shape
+        assert dense.dtype == torch.int32 and dense.dim() == 1
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(
-            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record
+            y, l1, x, wg, wu, wd, nnz, cols, a_vals, u_vals, heavy, *heavy_record, dense
         )
         assert [g.shape for g in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
 
@@ -329,8 +330,9 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
         *(torch.empty(0, dtype=t) for t in (torch.int32, x.dtype, x.dtype)),
     )
     heavy = (torch.empty(0, dtype=torch.int64), *record[1:])
+    dense_units = torch.empty(0, dtype=torch.int32)
     dx, *grads = torch.ops.sparse_llm.ffn_train_bwd_cuda(
-        torch.randn_like(x), torch.tensor(0.5), x, wg, wu, wd, *record, *heavy
+        torch.randn_like(x), torch.tensor(0.5), x, wg, wu, wd, *record, *heavy, dense_units
     )
     assert seen["dtypes"] == (passed_dtype,) * 3
     assert dx.dtype == x.dtype
@@ -340,7 +342,8 @@ def test_cuda_backward_op_passes_float32_master_weights_through(monkeypatch, wei
 def test_capacity_ops_trace_under_fake_tensors():
     """The capacity path's schemas and fakes (what torch.compile sees), checked without a GPU: every
     row kept (M rows, not a count), the light record with room for every row's most (M x
-    min(threshold, H) entries), the heavy one of dynamic length, the host sizes a CPU tensor."""
+    min(threshold, H) entries), the heavy one of dynamic length, the dense units whole ([H]), the host
+    sizes a CPU tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -353,13 +356,16 @@ def test_capacity_ops_trace_under_fake_tensors():
         )
         keep = torch.empty(6, 16)
         outputs = torch.ops.sparse_llm.ffn_train_fwd_cuda_cap(x, wg, wu, wd, keep, 64, capacities)
-        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes = outputs
+        y, l1, nnz, fire, active, kept_rows, cols, a_vals, u_vals, heavy, *heavy_record, dense, host_sizes = (
+            outputs
+        )
         assert y.shape == x.shape and nnz.shape == (6,) and fire.shape == (24,)
         assert active.shape == (6,) and kept_rows.shape == (6, 16)
         assert cols.dtype == torch.int32 and a_vals.shape == cols.shape == u_vals.shape == (6 * 24,)
         assert heavy.dtype == torch.int64 and heavy.dim() == 1
+        assert dense.dtype == torch.int32 and dense.shape == (24,)
         assert host_sizes.device.type == "cpu" and host_sizes.shape == (HOST_SIZE_FIELDS,)
-        record = (nnz, cols, a_vals, u_vals, heavy, *heavy_record, host_sizes)
+        record = (nnz, cols, a_vals, u_vals, heavy, *heavy_record, dense, host_sizes)
         grads = torch.ops.sparse_llm.ffn_train_bwd_cuda_cap(
             y, l1, x, wg, wu, wd, *record, capacities, 64, None
         )
@@ -368,26 +374,26 @@ def test_capacity_ops_trace_under_fake_tensors():
 
 def test_train_capacities_grow_at_once_and_shrink_slowly():
     """A layer's capacities fit the heavy sizes just read (the second and third of the forward's
-    four) with 2x headroom, rounded up to their granules, at once; when the sizes fall they come
+    five) with 2x headroom, rounded up to their granules, at once; when the sizes fall they come
     down 1% a step, never below what the last step needed; steps whose sizes were over a capacity
     are counted, in all and by size."""
     state = TrainCapacities.new()
     capacities = TrainCapacities.capacities
-    TrainCapacities.update(state, [10_000, 100, 20_000, 500])  # a fresh layer: every size overflows
+    TrainCapacities.update(state, [10_000, 100, 20_000, 500, 0])  # a fresh layer: every size overflows
     assert capacities(state).tolist() == [256, 40960] and TrainCapacities.overflows(state) == 1
-    TrainCapacities.update(state, [90_000, 110, 19_000, 500])  # within the headroom: kept
+    TrainCapacities.update(state, [90_000, 110, 19_000, 500, 0])  # within the headroom: kept
     assert capacities(state).tolist() == [256, 40960] and TrainCapacities.overflows(state) == 1
-    TrainCapacities.update(state, [17_000, 300, 30_000, 500])  # the heavy rows over: raised at once
+    TrainCapacities.update(state, [17_000, 300, 30_000, 500, 0])  # the heavy rows over: raised at once
     assert capacities(state).tolist() == [640, 61440] and TrainCapacities.overflows(state) == 2
     assert TrainCapacities.overflows_by_size(state) == {"heavy_rows": 2, "heavy_entries": 1}
     for _ in range(30):  # far too large: 1% lower a step (in whole granules)
-        TrainCapacities.update(state, [100, 1, 100, 500])
+        TrainCapacities.update(state, [100, 1, 100, 500, 0])
     assert capacities(state).tolist() == [512, 49152]
     for _ in range(1000):
-        TrainCapacities.update(state, [100, 1, 100, 500])
+        TrainCapacities.update(state, [100, 1, 100, 500, 0])
     # Down to one granule above what the sizes need, no further.
     assert capacities(state).tolist() == [64, 4096] and TrainCapacities.overflows(state) == 2
-    with pytest.raises(ValueError, match="4 host sizes"):
+    with pytest.raises(ValueError, match="5 host sizes"):
         TrainCapacities.update(state, [100, 1, 100])
 
 
@@ -397,10 +403,10 @@ def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
     state = TrainCapacities.new()
     for step in range(400):
         heavy = 12 if step % 60 == 0 else 0
-        TrainCapacities.update(state, [80_000, heavy, heavy * 300, 16384])
+        TrainCapacities.update(state, [80_000, heavy, heavy * 300, 16384, 0])
         assert TrainCapacities.capacities(state)[0] == 64
     assert TrainCapacities.overflows(state) == 1  # the fresh layer's first step
     for _ in range(64):
-        TrainCapacities.update(state, [80_000, 0, 0, 16384])
+        TrainCapacities.update(state, [80_000, 0, 0, 16384, 0])
     # No heavy rows to compute (their entries' capacity the extension clamps to heavy rows x H).
     assert TrainCapacities.capacities(state)[0] == 0

@@ -27,7 +27,7 @@ from ffn_patterns import (
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks.common import make_workload
-from sparse_llm.ops.ffn.training import ffn_forward_train
+from sparse_llm.ops.ffn.training import dense_unit_min_fires, ffn_forward_train
 
 pytestmark = pytest.mark.gpu
 
@@ -149,11 +149,12 @@ def test_largest_dim_and_empty_batch():
 @pytest.mark.parametrize("heavy_threshold", [0, 16, 1 << 20])
 def test_records_match_reference_record(heavy_threshold):
     """The light and the heavy rows' records hold the reference's entries of those rows (counts,
-    columns, gate values), in CSR order; fire counts and l1 cover both."""
+    columns, gate values), in CSR order; fire counts and l1 cover both; the dense units are the
+    units with many light entries, ascending."""
     w = make_workload(777, 256, 1024, 30, seed=11, device="cuda")
     args = (w.x, w.wg, w.wu, w.wd)
     keep = torch.randn(w.x.shape[0], 5, device="cuda")
-    _, l1, nnz, fire, active, kept, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u = (
+    _, l1, nnz, fire, active, kept, cols, a_vals, u_vals, heavy, heavy_cols, heavy_a, heavy_u, dense = (
         torch.ops.sparse_llm.ffn_train_fwd_cuda(*args, keep, heavy_threshold)
     )
     ref = torch.ops.sparse_llm.ffn_train_fwd_ref(*args, None)
@@ -162,6 +163,11 @@ def test_records_match_reference_record(heavy_threshold):
     assert torch.equal(active, active_ref) and torch.equal(active, (nnz > 0).nonzero().flatten())
     assert torch.equal(kept, keep[active])
     assert torch.equal(heavy, (nnz > heavy_threshold).nonzero().flatten())
+    light_fires = torch.bincount(
+        cols_ref[~torch.repeat_interleave(nnz > heavy_threshold, nnz)].long(), minlength=1024
+    )
+    dense_want = (light_fires >= dense_unit_min_fires(w.x.shape[0])).nonzero().flatten()
+    assert dense.dtype == torch.int32 and torch.equal(dense.long(), dense_want)
     entry_heavy = torch.repeat_interleave(nnz > heavy_threshold, nnz)
     for kind, record in (
         (~entry_heavy, (cols, a_vals, u_vals)),
