@@ -100,26 +100,31 @@ cudaError_t launch_heavy_backward_elementwise(int64_t n, int hidden, const float
 // (int32: the light rows' fires) >= min_fires (none where min_fires is 0), ascending; one CTA (units: H int32 of device memory).
 cudaError_t launch_select_dense_units(const int32_t* fire_counts, int hidden, int64_t min_fires, int32_t* units,
                                       int64_t* count, cudaStream_t stream);
-// a_dense[r, slot[cols[e]]] = a_vals[e], u_dense[...] = u_vals[e] for every entry e of the record
-// (row_ptr [M + 1]) whose unit has a slot (slot [H] int32: -1 for the others); a_dense, u_dense:
-// [M, width] bf16, zeroed by the caller.
-cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, const int32_t* cols,
-                                       const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals, const int32_t* slot,
-                                       int width, __nv_bfloat16* a_dense, __nv_bfloat16* u_dense,
+// slot[units[i]] = i for i < n, -1 for every other of the H units.
+cudaError_t launch_dense_unit_slots(const int32_t* units, int64_t n, int hidden, int32_t* slot, cudaStream_t stream);
+// For every entry e of the light record (row_ptr [M + 1]) whose unit has a slot s (slot [H]: -1 for
+// the others), at row r of block [M, 3 * width] bf16 (zeroed by the caller): dg_e at column s, du_e
+// at width + s and h_e = a_e u_e at 2 * width + s (dg, du: the rows kernel's float32 per entry).
+cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, const int32_t* cols, const float* dg,
+                                       const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
+                                       const int32_t* slot, int width, __nv_bfloat16* block, cudaStream_t stream);
+// grad_*[units[i]] = (or, with accumulate, +=) rows i of gu [2 * width, D] (dWg's rows, then dWu's at
+// width + i) and of d [width, D] (dWd^T's), float32, for i < n; each gradient rounded once.
+cudaError_t launch_put_dense_unit_rows(const int32_t* units, int64_t n, int width, int dim, const float* gu,
+                                       const float* d, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
+                                       __nv_bfloat16* dwd_t, cudaStream_t stream);
+cudaError_t launch_put_dense_unit_rows(const int32_t* units, int64_t n, int width, int dim, const float* gu,
+                                       const float* d, bool accumulate, float* dwg, float* dwu, float* dwd_t,
                                        cudaStream_t stream);
 
 // Backward, per light row: dh_e = grad_y[r] . wd_t[cols[e]] + (*grad_l1 / M) * sign(u_e) (the L1 term:
 // sign(h) = sign(u) since a > 0), dg_e = dh_e * u_e, du_e = dh_e * a_e (fp32, one per entry), and
 // dx[r] = sum_e dg_e * wg[cols[e]] + du_e * wu[cols[e]]. grad_l1: one float on the device.
-// dense_slot (optional, [H] int32, -1 off the dense units): entries on dense units are skipped (their
-// dg and du written 0, nothing added to dx); dx_add (optional, [M, D] bf16): added to each light
-// row's dx before its one rounding (the dense units' share, from GEMMs).
 cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfloat16* wg, const __nv_bfloat16* wu,
                                      const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
                                      const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                      const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
-                                     const int32_t* dense_slot, const __nv_bfloat16* dx_add, float* dg, float* du,
-                                     __nv_bfloat16* dx, cudaStream_t stream);
+                                     float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream);
 
 // The column order the per-unit kernel reads, from the light record (row_ptr [M + 1], cols):
 // unit_ptr [H + 1] (int64) each unit's range, csc_entry [total] the record's entries by unit,

@@ -39,9 +39,7 @@ __global__ void __launch_bounds__(kCsrRowThreads)
                              const int64_t* __restrict__ row_ptr, const int32_t* __restrict__ cols,
                              const __nv_bfloat16* __restrict__ a_vals, const __nv_bfloat16* __restrict__ u_vals,
                              const uint8_t* __restrict__ heavy, const float* __restrict__ grad_l1, int64_t rows,
-                             int dim, const int32_t* __restrict__ dense_slot,
-                             const __nv_bfloat16* __restrict__ dx_add, float* dg, float* du,
-                             __nv_bfloat16* __restrict__ dx) {
+                             int dim, float* dg, float* du, __nv_bfloat16* __restrict__ dx) {
   extern __shared__ uint4 smem[];
   __nv_bfloat16* gys = reinterpret_cast<__nv_bfloat16*>(smem);  // [kCsrRowsPerCta][dim]
   __shared__ int64_t ptr[kCsrRowsPerCta + 1];
@@ -58,10 +56,6 @@ __global__ void __launch_bounds__(kCsrRowThreads)
   for (int64_t e = ptr[0] + warp; e < ptr[n_rows]; e += kCsrRowWarps) {
     const int r = local_row(ptr, n_rows, e);
     if (skip[r]) continue;
-    if (dense_slot != nullptr && dense_slot[cols[e]] >= 0) {  // a dense unit: the GEMMs take it
-      if (lane == 0) dg[e] = du[e] = 0.0f;
-      continue;
-    }
     const float dot = warp_dot_row<kDotLoads>(gys + r * dim, wd_t + static_cast<int64_t>(cols[e]) * dim, dim, lane);
     if (lane == 0) {
       const float a = __bfloat162float(a_vals[e]);
@@ -79,32 +73,22 @@ __global__ void __launch_bounds__(kCsrRowThreads)
     const int64_t begin = ptr[r], end = ptr[r + 1];
     for (int v = threadIdx.x; v < vecs; v += kCsrRowThreads) {
       float acc[kChunk] = {};
-      if (dx_add != nullptr) bf16x8_to_float(reinterpret_cast<const uint4*>(dx_add + (row0 + r) * dim)[v], acc);
       int64_t e = begin;
-      // An entry with dg = du = 0 (a dense unit's, or one that adds nothing) reads no weight row;
-      // the test is the same for every thread of the CTA.
       for (; e + kDxUnroll <= end; e += kDxUnroll) {
         uint4 wgv[kDxUnroll], wuv[kDxUnroll];
-        float cg[kDxUnroll], cu[kDxUnroll];
 #pragma unroll
         for (int k = 0; k < kDxUnroll; ++k) {
-          cg[k] = dg[e + k];
-          cu[k] = du[e + k];
-          if (cg[k] != 0.0f || cu[k] != 0.0f) {
-            const int64_t unit = cols[e + k];
-            wgv[k] = __ldg(reinterpret_cast<const uint4*>(wg + unit * dim) + v);
-            wuv[k] = __ldg(reinterpret_cast<const uint4*>(wu + unit * dim) + v);
-          }
+          const int64_t unit = cols[e + k];
+          wgv[k] = __ldg(reinterpret_cast<const uint4*>(wg + unit * dim) + v);
+          wuv[k] = __ldg(reinterpret_cast<const uint4*>(wu + unit * dim) + v);
         }
 #pragma unroll
         for (int k = 0; k < kDxUnroll; ++k) {
-          if (cg[k] == 0.0f && cu[k] == 0.0f) continue;
-          axpy_bf16x8(cg[k], wgv[k], acc);
-          axpy_bf16x8(cu[k], wuv[k], acc);
+          axpy_bf16x8(dg[e + k], wgv[k], acc);
+          axpy_bf16x8(du[e + k], wuv[k], acc);
         }
       }
       for (; e < end; ++e) {
-        if (dg[e] == 0.0f && du[e] == 0.0f) continue;
         const int64_t unit = cols[e];
         axpy_bf16x8(dg[e], __ldg(reinterpret_cast<const uint4*>(wg + unit * dim) + v), acc);
         axpy_bf16x8(du[e], __ldg(reinterpret_cast<const uint4*>(wu + unit * dim) + v), acc);
@@ -196,7 +180,7 @@ __global__ void __launch_bounds__(kUnitThreads)
                               int32_t* __restrict__ n_long, Grad* __restrict__ dwg, Grad* __restrict__ dwu,
                               Grad* __restrict__ dwd_t) {
   const int64_t unit = blockIdx.x;
-  if (dense_slot != nullptr && dense_slot[unit] >= 0) return;  // a dense unit: the GEMMs write its rows
+  if (dense_slot != nullptr && dense_slot[unit] >= 0) return;  // a dense unit: GEMMs write its rows
   const int v = blockIdx.y * kUnitThreads + threadIdx.x;  // this thread's 8 columns
   const int64_t begin = unit_ptr[unit], end = unit_ptr[unit + 1];
   if (end - begin > kLongUnit) {
@@ -292,8 +276,7 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
                                      const __nv_bfloat16* wd_t, const int64_t* row_ptr, const int32_t* cols,
                                      const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                      const uint8_t* heavy, const float* grad_l1, int64_t rows, int dim,
-                                     const int32_t* dense_slot, const __nv_bfloat16* dx_add, float* dg, float* du,
-                                     __nv_bfloat16* dx, cudaStream_t stream) {
+                                     float* dg, float* du, __nv_bfloat16* dx, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (dim % kChunk != 0 || dim > kMaxTrainDim) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(kCsrRowsPerCta) * dim * sizeof(__nv_bfloat16);
@@ -302,7 +285,7 @@ cudaError_t launch_csr_backward_rows(const __nv_bfloat16* grad_y, const __nv_bfl
   if (err != cudaSuccess) return err;
   const int64_t blocks = csr_row_blocks(rows);
   csr_backward_rows_kernel<<<static_cast<unsigned>(blocks), kCsrRowThreads, smem, stream>>>(
-      grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, heavy, grad_l1, rows, dim, dense_slot, dx_add, dg, du, dx);
+      grad_y, wg, wu, wd_t, row_ptr, cols, a_vals, u_vals, heavy, grad_l1, rows, dim, dg, du, dx);
   return cudaGetLastError();
 }
 

@@ -227,7 +227,7 @@ float inverse_rows(int64_t rows) { return static_cast<float>(1.0 / static_cast<d
 // with an active unit; kept_rows: keep's rows there, or [0, D] without keep) with the light rows'
 // record (csr.cuh), then the heavy rows' indices and record (they size the backward's GEMMs, so it
 // needs no host read), then the dense units (int32, ascending: those that fired on at least
-// dense_min_fires light rows, 0 for none), whose light entries the backward takes by GEMMs.
+// dense_min_fires light rows, 0 for none), whose weight-gradient rows the backward takes by GEMMs.
 //
 // The host reads the record sizes once, without draining the queue: the light rows' record has a
 // capacity known in advance (threshold entries a row), and the first heavy rows' GEMMs take a fixed
@@ -545,66 +545,46 @@ void heavy_rows_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
   }
 }
 
-// The dense units' share of the backward (kernels/csr_dense_units.cu): their light entries
-// scattered into [M, width] blocks (width: their count rounded up to the GEMM granule, the extra
-// columns zero), the rest by GEMMs over all M rows on the heavy rows' recipe: dh, then dg, du and h
-// in place, dx's share and the weight-gradient rows (float32). The per-entry kernels skip these
-// units (slot).
-struct DenseUnitsShare {
-  at::Tensor units;            // [n] int64
-  at::Tensor slot;             // [H] int32: a unit's column in the blocks, -1 off the dense units
-  at::Tensor dx;               // [M, D] bf16: their share of the light rows' dx (zero on heavy rows)
-  at::Tensor dwg, dwu, dwd_t;  // [width, D] float32: their gradient rows in slot order, zero past n
-};
-
-DenseUnitsShare dense_units_backward(const at::Tensor& grad_y, const at::Tensor& x, const int64_t* row_ptr,
-                                     const at::Tensor& cols, const at::Tensor& a_vals, const at::Tensor& u_vals,
-                                     const at::Tensor& dense_units, const at::Tensor& wg_c, const at::Tensor& wu_c,
-                                     const at::Tensor& wd_t, const at::Tensor& l1_grad, cudaStream_t stream) {
-  const int64_t rows = x.size(0), n = dense_units.size(0);
-  const int hidden = static_cast<int>(wg_c.size(0));
+// The dense units' share of the weight gradients (kernels/csr_dense_units.cu): their light entries'
+// dg, du and h scattered into an [M, 3 * width] block (width: their count rounded up to the GEMM
+// granule, the extra columns zero), then two GEMMs over all M rows (dWg's and dWu's rows from x,
+// dWd^T's from grad_y, float32), their rows written into the gradients (added where `accumulate`:
+// the heavy rows' GEMMs wrote them first). The per-unit kernels skip these units (slot).
+void dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr,
+                             const at::Tensor& cols, const at::Tensor& dg, const at::Tensor& du,
+                             const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& units,
+                             const at::Tensor& slot, bool accumulate, at::Tensor& dwg, at::Tensor& dwu,
+                             at::Tensor& dwd_t, cudaStream_t stream) {
+  const int64_t rows = x.size(0), n = units.size(0), dim = x.size(1);
   const int64_t width = sparse_llm_glue::heavy_gemm_rows(n);  // a multiple of 64: cuBLAS's fast shapes
-  DenseUnitsShare share;
-  share.units = dense_units.to(at::kLong);
-  share.slot = at::full({hidden}, -1, cols.options());
-  share.slot.index_copy_(0, share.units, at::arange(n, cols.options()));
-  at::Tensor a = at::zeros({rows, width}, x.options());  // then du
-  at::Tensor u = at::zeros({rows, width}, x.options());  // then h
-  check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), bf16_ptr(a_vals),
-                                                    bf16_ptr(u_vals), share.slot.data_ptr<int32_t>(),
-                                                    static_cast<int>(width), bf16_mut_ptr(a), bf16_mut_ptr(u),
-                                                    stream),
+  at::Tensor block = at::empty({rows, 3 * width}, x.options());
+  check_cuda(cudaMemsetAsync(block.data_ptr(), 0, block.nbytes(), stream), "cudaMemsetAsync");
+  check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), dg.data_ptr<float>(),
+                                                    du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
+                                                    slot.data_ptr<int32_t>(), static_cast<int>(width),
+                                                    bf16_mut_ptr(block), stream),
              "scatter_dense_units");
-  const at::Tensor wd_panel = sparse_llm_glue::gather_rows(wd_t, share.units, n, width);
-  at::Tensor dh = at::mm(grad_y, wd_panel.t());  // then dg
-  check_cuda(sparse_llm::launch_heavy_backward_elementwise(rows, static_cast<int>(width), l1_grad.data_ptr<float>(),
-                                                           rows, bf16_mut_ptr(dh), bf16_mut_ptr(a), bf16_mut_ptr(u),
-                                                           stream),
-             "heavy_backward_elementwise");
-  share.dx = at::mm(dh, sparse_llm_glue::gather_rows(wg_c, share.units, n, width));
-  share.dx.addmm_(a, sparse_llm_glue::gather_rows(wu_c, share.units, n, width));
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-  share.dwg = at::empty({width, x.size(1)}, f32);
-  share.dwu = at::empty({width, x.size(1)}, f32);
-  share.dwd_t = at::empty({width, x.size(1)}, f32);
-  add_product(share.dwg, dh.t(), x, /*overwrite=*/true);
-  add_product(share.dwu, a.t(), x, /*overwrite=*/true);
-  add_product(share.dwd_t, u.t(), grad_y, /*overwrite=*/true);
-  return share;
-}
-
-// grad[units] = rows[: n] (or += where `accumulate`: the heavy rows' GEMMs wrote the gradient whole),
-// rounded once to grad's dtype.
-void put_unit_rows(at::Tensor& grad, const at::Tensor& units, const at::Tensor& rows, bool accumulate) {
-  at::Tensor share = rows.narrow(0, 0, units.size(0));
-  if (accumulate) share = share + grad.index_select(0, units).to(at::kFloat);
-  grad.index_copy_(0, units, share.to(grad.scalar_type()));
+  at::Tensor gu = at::empty({2 * width, dim}, f32), d = at::empty({width, dim}, f32);
+  add_product(gu, block.narrow(1, 0, 2 * width).t(), x, /*overwrite=*/true);
+  add_product(d, block.narrow(1, 2 * width, width).t(), grad_y, /*overwrite=*/true);
+  const int32_t* units_d = units.data_ptr<int32_t>();
+  check_cuda(dwg.scalar_type() == at::kFloat
+                 ? sparse_llm::launch_put_dense_unit_rows(units_d, n, static_cast<int>(width), static_cast<int>(dim),
+                                                          gu.data_ptr<float>(), d.data_ptr<float>(), accumulate,
+                                                          dwg.data_ptr<float>(), dwu.data_ptr<float>(),
+                                                          dwd_t.data_ptr<float>(), stream)
+                 : sparse_llm::launch_put_dense_unit_rows(units_d, n, static_cast<int>(width), static_cast<int>(dim),
+                                                          gu.data_ptr<float>(), d.data_ptr<float>(), accumulate,
+                                                          bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t),
+                                                          stream),
+             "put_dense_unit_rows");
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
-// the gathered rows, to whose weight gradients the per-unit kernel adds the light rows'; the light
-// rows' entries on dense_units (int32 [n], the forward's) by GEMMs over all rows (above). The
+// the gathered rows, to whose weight gradients the per-unit kernel adds the light rows', except on
+// dense_units (int32 [n], the forward's), whose share GEMMs over all rows add (above). The
 // weights come in bf16, or in float (the master weights under bf16 autocast): the kernels read
 // bf16 casts of them, and the weight gradients come out in the weights' dtype, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
@@ -643,18 +623,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   const at::Tensor wg_c = wg.to(at::kBFloat16), wu_c = wu.to(at::kBFloat16);  // no copy when bf16
   const at::Tensor wd_t = sparse_llm_glue::transpose_as(wd, at::kBFloat16);
   const at::Tensor l1_grad = grad_l1.to(at::kFloat).reshape({1}).contiguous();
-  const std::optional<DenseUnitsShare> dense =
-      dense_units.size(0) > 0 ? std::optional(dense_units_backward(grad_y, x, row_ptr, cols, a_vals, u_vals,
-                                                                   dense_units, wg_c, wu_c, wd_t, l1_grad, stream))
-                              : std::nullopt;
-  const int32_t* dense_slot = dense ? dense->slot.data_ptr<int32_t>() : nullptr;
   at::Tensor dg = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor du = at::empty({total}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
   check_cuda(sparse_llm::launch_csr_backward_rows(bf16_ptr(grad_y), bf16_ptr(wg_c), bf16_ptr(wu_c), bf16_ptr(wd_t),
                                                   row_ptr, cols.data_ptr<int32_t>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
                                                   mask_ptr(split.heavy), l1_grad.data_ptr<float>(), rows, dim,
-                                                  dense_slot, dense ? bf16_ptr(dense->dx) : nullptr,
                                                   dg.data_ptr<float>(), du.data_ptr<float>(), bf16_mut_ptr(dx), stream),
              "csr_backward_rows");
 
@@ -667,14 +641,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
   // autocast: ~100 us a layer on an H100, however few the heavy rows).
   if (n_heavy > 0) heavy_rows_backward(grad_y, x, heavy_rows, split.heavy_ptr, heavy_cols, heavy_a, heavy_u, wg_c, wu_c,
                                        wd_t, l1_grad, dx, dwg, dwu, dwd_t, stream);
-  // The light entries' share: added to the heavy rows' GEMMs where there were any.
-  unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0, dense_slot, dwg, dwu,
-                    dwd_t, stream);
-  if (dense) {
-    put_unit_rows(dwg, dense->units, dense->dwg, n_heavy > 0);
-    put_unit_rows(dwu, dense->units, dense->dwu, n_heavy > 0);
-    put_unit_rows(dwd_t, dense->units, dense->dwd_t, n_heavy > 0);
+  // The light entries' share (the dense units' by GEMMs, the others' by the per-unit kernels): added
+  // to the heavy rows' GEMMs where there were any.
+  const int64_t n_dense = dense_units.size(0);
+  at::Tensor slot;
+  if (n_dense > 0) {
+    slot = at::empty({hidden}, cols.options());
+    check_cuda(sparse_llm::launch_dense_unit_slots(dense_units.data_ptr<int32_t>(), n_dense, hidden,
+                                                   slot.data_ptr<int32_t>(), stream),
+               "dense_unit_slots");
+    dense_unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, dense_units, slot, n_heavy > 0, dwg,
+                            dwu, dwd_t, stream);
   }
+  unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0,
+                    n_dense > 0 ? slot.data_ptr<int32_t>() : nullptr, dwg, dwu, dwd_t, stream);
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 

@@ -33,8 +33,8 @@ the op, where torch.compile saves them rather than the whole tensor they come fr
   kernels/train_bindings.cpp), bf16 on Hopper. The record (int32 columns) holds the light rows'
   entries only; then come the indices of the heavy rows (those on the dense GEMM path) and their
   own record, so the backward reads nothing on the host, then the dense units (int32): the units
-  with at least `dense_unit_min_fires(M)` light entries, which the backward takes by GEMMs over all
-  rows instead of the per-entry kernels (kernels/csr_dense_units.cu).
+  with at least `dense_unit_min_fires(M)` light entries, whose weight-gradient rows the backward
+  takes by GEMMs over all rows instead of the per-unit kernels (kernels/csr_dense_units.cu).
 
 The records' lengths are data-dependent (the numbers of active entries and of heavy rows),
 declared to the compiler as unbacked sizes, so torch.compile(fullgraph=True) traces either pair
@@ -75,9 +75,9 @@ HOST_SIZE_FIELDS = 6
 CudaForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 CudaCapacityForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
-# A unit that fires on at least this share of a step's light rows is a dense unit of the CUDA backward: its
-# column over all M rows by tensor-core GEMMs costs about what ~1-2% of the rows' entries cost the
-# per-entry kernels (one 4 KB weight, x or grad_y row read per entry and matrix; docs/kernels.md).
+# A unit with light entries on at least this share of a step's rows is a dense unit of the CUDA
+# backward: its rows of dWg, dWu and dWd by GEMMs over all M rows cost what ~1-2% of the rows' entries
+# cost the per-unit kernels (an x and a grad_y row, 8 KB, read per entry; docs/kernels.md).
 DENSE_UNIT_ROW_SHARE = 1 / 32
 
 
@@ -100,8 +100,8 @@ class TrainRecord(NamedTuple):
     heavy_cols: torch.Tensor | None = None
     heavy_a: torch.Tensor | None = None
     heavy_u: torch.Tensor | None = None
-    # [n_dense] int32: the units whose light entries the backward takes by GEMMs (the capacity
-    # path's: [H], its first n_dense the units, n_dense among the host sizes)
+    # [n_dense] int32: the units whose weight-gradient rows the backward takes by GEMMs (the
+    # capacity path's: [H], its first n_dense the units, n_dense among the host sizes)
     dense_units: torch.Tensor | None = None
     # The capacity path's (train_forward with `capacities`): the records sit at their capacities and
     # the GPU writes their true sizes here (pinned CPU int64 [5]); the backward reads them.
