@@ -38,7 +38,8 @@
 #                 type (benchmarks.object_growth) into $OUT/objects_<run>. RUN_OVERRIDES: Hydra
 #                 overrides for every run (e.g. "train.fsdp_prefetch=2"). LAUNCH_ARGS: accelerate launch
 #                 arguments for every multi-GPU run (e.g. "--fsdp_reshard_after_forward=false").
-#                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), MODEL_STEP=1
+#                 On the last run's final weights: LAYER_FFN=1 (benchmarks.layer_ffn), DENSE_UNITS=1
+#                 (benchmarks.dense_units: the backward's dense-unit threshold swept layer by layer), MODEL_STEP=1
 #                 (benchmarks.model_step: the trainer's step, dense against cuda), PAPER_BATCH=1
 #                 (benchmarks.model_step with 64 micro-batches of 8 a step: the paper's 512 x 2048 tokens).
 #   early         the first EARLY_STEPS (default 60; 20 more than a multiple of 20) steps of one run per
@@ -235,11 +236,16 @@ first:${OBJECT_STEPS%%:*},last:${OBJECT_STEPS##*:},out:$OUT/objects_$name}"
     done
   fi
   local weights=/tmp/$name  # the last run's final weights
-  if [ "${LAYER_FFN:-0}${MODEL_STEP:-0}${PAPER_BATCH:-0}" != 000 ]; then wait_build || return 1; fi
+  if [ "${LAYER_FFN:-0}${DENSE_UNITS:-0}${MODEL_STEP:-0}${PAPER_BATCH:-0}" != 0000 ]; then wait_build || return 1; fi
   if [ "${LAYER_FFN:-0}" = 1 ]; then
     step "layer_ffn on the run's weights"
     $PY -m benchmarks.layer_ffn --model "$weights" --json "$OUT/layer_ffn.json" --md "$OUT/layer_ffn.md" 2>&1 \
       | quiet | tail -n 30 || rc=1
+  fi
+  if [ "${DENSE_UNITS:-0}" = 1 ]; then
+    step "dense_units on the run's weights"
+    $PY -m benchmarks.dense_units --model "$weights" --json "$OUT/dense_units.json" --md "$OUT/dense_units.md" 2>&1 \
+      | quiet | tail -n 25 || rc=1
   fi
   if [ "${MODEL_STEP:-0}" = 1 ]; then
     step "model_step on the run's weights (the trainer's step, dense against cuda)"

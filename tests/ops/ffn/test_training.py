@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm import ops
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.ffn.select import CUDA_TRAIN_MAX_HIDDEN, select_ffn
-from sparse_llm.ops.ffn.training import TrainCapacities, ffn_forward_train
+from sparse_llm.ops.ffn.training import TrainCapacities, dense_unit_min_fires, ffn_forward_train
 
 LAMBDA = 0.7  # weight of l1 in the test loss: exercises the fused L1 gradient
 
@@ -395,6 +395,14 @@ def test_train_capacities_grow_at_once_and_shrink_slowly():
     assert capacities(state).tolist() == [64, 4096] and TrainCapacities.overflows(state) == 2
     with pytest.raises(ValueError, match="5 host sizes"):
         TrainCapacities.update(state, [100, 1, 100])
+
+
+def test_dense_units_start_at_one_32nd_of_the_rows():
+    """A unit is a dense unit of the CUDA backward from light entries on 1/32 of the step's rows
+    (rounded up; at least one entry, so an empty step lists none)."""
+    assert dense_unit_min_fires(16384) == 512
+    assert dense_unit_min_fires(2051) == 65
+    assert dense_unit_min_fires(1) == dense_unit_min_fires(0) == 1
 
 
 def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
