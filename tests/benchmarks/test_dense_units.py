@@ -27,7 +27,10 @@ def test_dense_units_count_the_light_rows_entries_only():
     stats = dense_unit_stats(active, heavy_threshold=4, fires=2)
     light_entries = 3 + 2  # unit 0 on rows 0-2, unit 1 on rows 0-1
     assert stats == {"dense_units": 2, "dense_entry_share": pytest.approx(5 / light_entries)}
-    assert dense_unit_stats(active, heavy_threshold=4, fires=4) == {"dense_units": 0, "dense_entry_share": 0.0}
+    assert dense_unit_stats(active, heavy_threshold=4, fires=4) == {
+        "dense_units": 0,
+        "dense_entry_share": 0.0,
+    }
     assert dense_unit_stats(active, heavy_threshold=4, fires=0)["dense_units"] == 0
 
 
