@@ -109,7 +109,9 @@ cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, con
                                        const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
                                        const int32_t* slot, int width, __nv_bfloat16* block, cudaStream_t stream);
 // grad_*[units[i]] = (or, with accumulate, +=) rows i of gu [2 * width, D] (dWg's rows, then dWu's at
-// width + i) and of d [width, D] (dWd^T's), float32, for i < n; each gradient rounded once.
+// width + i) and of d [width, D] (dWd^T's), float32, for i < n: a float32 gradient rounded once, a bf16
+// one as the per-unit kernels round theirs (the heavy rows' bf16 share, then the sum). `units`: the
+// forward's list (distinct, each < H; not checked).
 cudaError_t launch_put_dense_unit_rows(const int32_t* units, int64_t n, int width, int dim, const float* gu,
                                        const float* d, bool accumulate, __nv_bfloat16* dwg, __nv_bfloat16* dwu,
                                        __nv_bfloat16* dwd_t, cudaStream_t stream);

@@ -1,6 +1,7 @@
 // The split of the rows into light and heavy, with everything the training kernels index by it:
 // the heavy mask, both kinds' row offsets and, for the forward, the ordered
-// lists of the heavy and of the active rows and the four sizes the host reads.
+// lists of the heavy and of the active rows and the first four sizes the host reads
+// (the fifth, the dense units, is written by launch_select_dense_units).
 //
 // Two launches over tiles of kTileRows rows: the first sums each tile, the second scans each tile
 // from the sums of the tiles before it and writes the outputs. Written with ATen it was a dozen

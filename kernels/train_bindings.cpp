@@ -243,9 +243,9 @@ ffn_train_forward(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& w
   const cudaStream_t stream = current_stream();
   const int64_t rows = x.size(0);
   const int hidden = static_cast<int>(wg.size(0));
-  // The one host read: (light entries, heavy rows, heavy entries, active rows, dense units). It waits only for
-  // the GEMM, the count and the split: everything after them is queued before it and runs while
-  // the host reads.
+  // The one host read: (light entries, heavy rows, heavy entries, active rows, dense units). It
+  // waits only for the GEMM, the count, the split, the light record's fill and the dense units'
+  // list: everything after them is queued before it and runs while the host reads.
   std::optional<sparse_llm_glue::EarlyHostRead> sizes;
   LightPass pass = light_pass(x, wg, wu, wd, heavy_threshold, dense_min_fires, 0, stream,
                               [&](const RowSplit& split) { sizes.emplace(split.sizes, stream); });
@@ -584,8 +584,9 @@ void dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, cons
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
 // per-row kernel (dh, dg, du, dx) and the per-unit kernel (weight gradients); heavy rows: GEMMs on
 // the gathered rows, to whose weight gradients the per-unit kernel adds the light rows', except on
-// dense_units (int32 [n], the forward's), whose share GEMMs over all rows add (above). The
-// weights come in bf16, or in float (the master weights under bf16 autocast): the kernels read
+// dense_units (int32 [n], the forward's list: distinct units, not checked), whose share GEMMs over
+// all rows add (above): every row of x must be finite, rows without entries too (zero there times a
+// NaN is NaN). The weights come in bf16, or in float (the master weights under bf16 autocast): the kernels read
 // bf16 casts of them, and the weight gradients come out in the weights' dtype, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
     const at::Tensor& grad_y, const at::Tensor& grad_l1, const at::Tensor& x, const at::Tensor& wg,

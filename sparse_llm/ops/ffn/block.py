@@ -130,15 +130,13 @@ class _FFNBlock(torch.autograd.Function):
             grad_out = xhat_active.new_zeros((ctx.rows, xhat_active.shape[1]))
         if grad_l1 is None:
             grad_l1 = xhat_active.new_zeros((), dtype=acc_dtype(dtype))
-        # The norm's output where the FFN reads it (rows with an active unit). The CUDA kernels
-        # never read the other rows, so they are left unwritten there (a [M, D] fill a layer less);
-        # the reference's dense matmuls read them, so they are zero there.
+        # The norm's output where the FFN reads it (rows with an active unit), zero on the other
+        # rows: the reference's dense matmuls and the CUDA backward's dense-unit GEMMs run over every
+        # row (a zero coefficient times an unwritten NaN would still be NaN).
         if ctx.all_rows:
             normed = (norm_weight * xhat_active).to(dtype)
         else:
-            shape = (ctx.rows, xhat_active.shape[1])
-            make = xhat_active.new_empty if ctx.impl == "cuda" else xhat_active.new_zeros
-            normed = make(shape, dtype=dtype)
+            normed = xhat_active.new_zeros((ctx.rows, xhat_active.shape[1]), dtype=dtype)
             normed.index_copy_(0, active_rows, (norm_weight * xhat_active).to(dtype))
         # The residual add casts y's gradient to y's dtype, as autograd would.
         grad_y = grad_out.to(dtype).contiguous()

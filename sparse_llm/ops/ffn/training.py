@@ -67,7 +67,8 @@ from sparse_llm.ops.precision import autocast_dtype
 _T = torch.Tensor
 # The forward ops' outputs, flat as torch.library returns them (named: TrainForward):
 # (y, l1, nnz_per_token, fire_counts, active_rows, kept_rows, cols, a_vals, u_vals); the CUDA pair
-# adds heavy_rows and the heavy rows' record (heavy_cols, heavy_a, heavy_u).
+# adds heavy_rows, the heavy rows' record (heavy_cols, heavy_a, heavy_u) and dense_units, and its
+# capacity path host_sizes last.
 RefForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
 # The capacity path's host sizes: light entries, heavy rows, heavy entries, active rows, dense
 # units, ready flag.
@@ -104,7 +105,7 @@ class TrainRecord(NamedTuple):
     # capacity path's: [H], its first n_dense the units, n_dense among the host sizes)
     dense_units: torch.Tensor | None = None
     # The capacity path's (train_forward with `capacities`): the records sit at their capacities and
-    # the GPU writes their true sizes here (pinned CPU int64 [5]); the backward reads them.
+    # the GPU writes their true sizes here (pinned CPU int64 [6]); the backward reads them.
     host_sizes: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -317,8 +318,9 @@ def ffn_train_fwd_cuda_cap(
     ffn_train_forward_capacity): its outputs with the light record whole (M x min(heavy_threshold,
     H) entries, the true size first, the rest unset: 8 bytes an entry, so a threshold near H keeps
     an M x H record) and the heavy one at the capacities on the host (`capacities`, a
-    TrainCapacities tensor), then the pinned host_sizes the GPU writes the true sizes to. y and l1
-    are exact whatever the capacities; active_rows are all rows."""
+    TrainCapacities tensor), the dense units whole ([H], the first of them listed), then the pinned
+    host_sizes the GPU writes the true sizes to. y and l1 are exact whatever the capacities;
+    active_rows are all rows."""
     capacities = TrainCapacities.capacities(capacities)
     return extension().ffn_train_forward_capacity(
         x, wg, wu, wd, keep, heavy_threshold, dense_unit_min_fires(x.shape[0]), capacities
@@ -441,7 +443,7 @@ class TrainCapacities:
     OVERFLOWS = 2 * SIZES  # steps that overflowed any capacity, then each capacity's count
     FIELDS = OVERFLOWS + 1 + SIZES
     # Where the capacities' sizes sit among the forward's host sizes (light entries, heavy rows,
-    # heavy entries, active rows).
+    # heavy entries, active rows, dense units).
     FROM_HOST_SIZES = slice(1, 3)
 
     @classmethod

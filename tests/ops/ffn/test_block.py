@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from sparse_llm.ops import KernelsUnavailable
 from sparse_llm.ops.ffn.block import ffn_block_train
 from sparse_llm.ops.ffn.hot_units import choose_hot_units
-from sparse_llm.ops.ffn.training import TrainCapacities, ffn_forward_train
+from sparse_llm.ops.ffn.training import TrainCapacities, dense_unit_min_fires, ffn_forward_train
 from sparse_llm.ops.precision import autocast_dtype
 from sparse_llm.ops.rms_norm import rms_norm, rms_norm_backward
 
@@ -359,11 +359,16 @@ def test_cuda_block_matches_fp64(pattern, m, d, h):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_cuda_block_backward_never_reads_rows_without_an_active_unit(monkeypatch):
-    """The backward leaves the norm output unwritten on rows without an active unit (the kernels
-    never read them): with NaN there, every output and gradient is finite and the same as with the
-    allocator's memory."""
+def test_cuda_block_backward_is_finite_on_rows_without_an_active_unit(monkeypatch):
+    """Rows without an active unit (`mixed_rows`' empty rows) beside a unit that fires on every
+    sparse row, a dense unit of the backward, whose GEMMs run over every row of the norm output: with
+    NaN in every fresh `new_empty` tensor, every output and gradient is finite and the same as with
+    the allocator's memory (the norm output is zero on those rows, not unwritten)."""
     inputs = gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=5)
+    inputs[2][7, 0] = 50.0  # unit 7 fires wherever x[:, 0] = 1: every sparse row
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fire = dense(*inputs)[3]
+    assert fire[7].item() >= dense_unit_min_fires(1003)
     r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
     clean = outputs_and_grads(block("cuda"), inputs, r, autocast_device="cuda")
     new_empty = torch.Tensor.new_empty
