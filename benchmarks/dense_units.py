@@ -16,7 +16,6 @@ each share's sum over the layers, and the sum with the fastest share in each lay
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from benchmarks import common
 from benchmarks.layer_ffn import GRAD_L1, rotating
 from benchmarks.row_density import model_inputs, model_parser, parse_model_args
-from sparse_llm.ops.ffn.training import DENSE_UNIT_ROW_SHARE
+from sparse_llm.ops.ffn.training import DENSE_UNIT_ROW_SHARE, dense_unit_min_fires
 
 DEFAULT_SHARES = (0.0, 1 / 64, DENSE_UNIT_ROW_SHARE, 1 / 16, 1 / 8)
 
@@ -46,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def min_fires(rows: int, share: float) -> int:
     """The extension's dense_min_fires for a row share: light entries on ceil(share x rows) rows, 0 for none."""
-    return 0 if share == 0 else max(1, math.ceil(rows * share))
+    return 0 if share == 0 else dense_unit_min_fires(rows, share)
 
 
 def dense_unit_stats(active: torch.Tensor, heavy_threshold: int, fires: int) -> dict[str, float]:
@@ -147,14 +146,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for layer, (x, block) in enumerate(zip(inputs, model.model.layers, strict=True)):
         active = common.gate_active(x, block.mlp)
         weights = common.ffn_weights(block.mlp, x.dtype)
+        l0 = active.sum(-1).float().mean().item()
         for share in args.shares:
             fires = min_fires(x.shape[0], share)
-            row = {
-                "layer": layer,
-                "l0": active.sum(-1).float().mean().item(),
-                "share": share,
-                "min_fires": fires,
-            }
+            row = {"layer": layer, "l0": l0, "share": share, "min_fires": fires}
             row |= dense_unit_stats(active, args.heavy_threshold, fires)
             if device.type == "cuda":
                 row |= time_share(x, weights, fires, args)

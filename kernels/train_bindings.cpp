@@ -549,14 +549,19 @@ void heavy_rows_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
 // dg, du and h scattered into an [M, 3 * width] block (width: their count rounded up to the GEMM
 // granule, the extra columns zero), then two GEMMs over all M rows (dWg's and dWu's rows from x,
 // dWd^T's from grad_y, float32), their rows written into the gradients (added where `accumulate`:
-// the heavy rows' GEMMs wrote them first). The per-unit kernels skip these units (slot).
-void dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr,
-                             const at::Tensor& cols, const at::Tensor& dg, const at::Tensor& du,
-                             const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& units,
-                             const at::Tensor& slot, bool accumulate, at::Tensor& dwg, at::Tensor& dwu,
-                             at::Tensor& dwd_t, cudaStream_t stream) {
+// the heavy rows' GEMMs wrote them first). Returns the units' slots ([H] int32, -1 off them), by
+// which the per-unit kernels skip them.
+at::Tensor dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr,
+                                   const at::Tensor& cols, const at::Tensor& dg, const at::Tensor& du,
+                                   const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& units,
+                                   int hidden, bool accumulate, at::Tensor& dwg, at::Tensor& dwu, at::Tensor& dwd_t,
+                                   cudaStream_t stream) {
   const int64_t rows = x.size(0), n = units.size(0), dim = x.size(1);
   const int64_t width = sparse_llm_glue::heavy_gemm_rows(n);  // a multiple of 64: cuBLAS's fast shapes
+  at::Tensor slot = at::empty({hidden}, cols.options());
+  check_cuda(sparse_llm::launch_dense_unit_slots(units.data_ptr<int32_t>(), n, hidden, slot.data_ptr<int32_t>(),
+                                                 stream),
+             "dense_unit_slots");
   at::Tensor block = at::empty({rows, 3 * width}, x.options());
   check_cuda(cudaMemsetAsync(block.data_ptr(), 0, block.nbytes(), stream), "cudaMemsetAsync");
   check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), dg.data_ptr<float>(),
@@ -579,6 +584,7 @@ void dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, cons
                                                           bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t),
                                                           stream),
              "put_dense_unit_rows");
+  return slot;
 }
 
 // (dx, dWg, dWu, dWd) of <grad_y, y> + grad_l1 * l1, from the forward's records. Light rows: the
@@ -644,18 +650,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_train_backward(
                                        wd_t, l1_grad, dx, dwg, dwu, dwd_t, stream);
   // The light entries' share (the dense units' by GEMMs, the others' by the per-unit kernels): added
   // to the heavy rows' GEMMs where there were any.
-  const int64_t n_dense = dense_units.size(0);
-  at::Tensor slot;
-  if (n_dense > 0) {
-    slot = at::empty({hidden}, cols.options());
-    check_cuda(sparse_llm::launch_dense_unit_slots(dense_units.data_ptr<int32_t>(), n_dense, hidden,
-                                                   slot.data_ptr<int32_t>(), stream),
-               "dense_unit_slots");
-    dense_unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, dense_units, slot, n_heavy > 0, dwg,
-                            dwu, dwd_t, stream);
-  }
+  const at::Tensor slot = dense_units.size(0) > 0
+                              ? dense_unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, dense_units,
+                                                        hidden, n_heavy > 0, dwg, dwu, dwd_t, stream)
+                              : at::Tensor();
   unit_weight_grads(x, grad_y, row_ptr, cols, dg, du, a_vals, u_vals, hidden, n_heavy > 0,
-                    n_dense > 0 ? slot.data_ptr<int32_t>() : nullptr, dwg, dwu, dwd_t, stream);
+                    slot.defined() ? slot.data_ptr<int32_t>() : nullptr, dwg, dwu, dwd_t, stream);
   return {dx, dwg, dwu, sparse_llm_glue::transpose_as(dwd_t, grad_dtype)};
 }
 

@@ -82,9 +82,10 @@ TrainBackwardOutput = tuple[_T, _T, _T, _T]
 DENSE_UNIT_ROW_SHARE = 1 / 32
 
 
-def dense_unit_min_fires(rows: int) -> int:
-    """The light entries from which a unit is a dense unit of the CUDA backward, for a step of `rows` rows."""
-    return max(1, math.ceil(rows * DENSE_UNIT_ROW_SHARE))
+def dense_unit_min_fires(rows: int, share: float = DENSE_UNIT_ROW_SHARE) -> int:
+    """The light entries from which a unit is a dense unit of the CUDA backward, for a step of `rows`
+    rows: those on `share` of them, rounded up, at least one."""
+    return max(1, math.ceil(rows * share))
 
 
 class TrainRecord(NamedTuple):
