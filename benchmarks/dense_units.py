@@ -2,7 +2,7 @@
 share of a step's rows a unit's light entries should make it a dense unit (its weight-gradient rows
 by GEMMs over all rows; `ops.ffn.training.DENSE_UNIT_ROW_SHARE`, docs/kernels.md part 7), measured.
 
-    python -m benchmarks.dense_units --model runs/sparse_1b [--shares 0 0.015625 0.03125 0.0625 0.125]
+    python -m benchmarks.dense_units --model runs/sparse_1b [--shares 0 0.00390625 0.0078125 0.015625 0.03125]
     python -m benchmarks.dense_units --tiny      # CPU, seconds: the statistics alone, no timing
 
 The layers' FFN inputs come as in `layer_ffn.py` (one forward over held-out text, or `--inputs`).
@@ -26,7 +26,7 @@ from benchmarks.layer_ffn import GRAD_L1, rotating
 from benchmarks.row_density import model_inputs, model_parser, parse_model_args
 from sparse_llm.ops.ffn.training import DENSE_UNIT_ROW_SHARE, dense_unit_min_fires
 
-DEFAULT_SHARES = (0.0, 1 / 64, DENSE_UNIT_ROW_SHARE, 1 / 16, 1 / 8)
+DEFAULT_SHARES = (0.0, 1 / 256, 1 / 128, DENSE_UNIT_ROW_SHARE, 1 / 32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

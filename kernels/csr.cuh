@@ -102,12 +102,14 @@ cudaError_t launch_select_dense_units(const int32_t* fire_counts, int hidden, in
                                       int64_t* count, cudaStream_t stream);
 // slot[units[i]] = i for i < n, -1 for every other of the H units.
 cudaError_t launch_dense_unit_slots(const int32_t* units, int64_t n, int hidden, int32_t* slot, cudaStream_t stream);
-// For every entry e of the light record (row_ptr [M + 1]) whose unit has a slot s (slot [H]: -1 for
-// the others), at row r of block [M, 3 * width] bf16 (zeroed by the caller): dg_e at column s, du_e
-// at width + s and h_e = a_e u_e at 2 * width + s (dg, du: the rows kernel's float32 per entry).
+// For every entry e of the light record (row_ptr [M + 1]) whose unit has a slot in the chunk
+// [first, first + count) (slot [H]: -1 off the dense units), s = its slot - first, at row r of block
+// [M, 3 * width] bf16 (count <= width; zeroed by the caller): dg_e at column s, du_e at width + s and
+// h_e = a_e u_e at 2 * width + s (dg, du: the rows kernel's float32 per entry).
 cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, const int32_t* cols, const float* dg,
                                        const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                       const int32_t* slot, int width, __nv_bfloat16* block, cudaStream_t stream);
+                                       const int32_t* slot, int64_t first, int64_t count, int width,
+                                       __nv_bfloat16* block, cudaStream_t stream);
 // grad_*[units[i]] = (or, with accumulate, +=) rows i of gu [2 * width, D] (dWg's rows, then dWu's at
 // width + i) and of d [width, D] (dWd^T's), float32, for i < n: a float32 gradient rounded once, a bf16
 // one as the per-unit kernels round theirs (the heavy rows' bf16 share, then the sum). `units`: the

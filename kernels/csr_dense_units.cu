@@ -48,19 +48,20 @@ __global__ void dense_unit_slots_kernel(const int32_t* __restrict__ units, int64
   if (i < n) slot[units[i]] = static_cast<int32_t>(i);
 }
 
-// A warp a row: its light entries on dense units written into the row of the block.
+// A warp a row: its light entries on the chunk's dense units written into the row of the block.
 __global__ void __launch_bounds__(kThreads)
     scatter_dense_units_kernel(const int64_t* __restrict__ row_ptr, int64_t rows, const int32_t* __restrict__ cols,
                                const float* __restrict__ dg, const float* __restrict__ du,
                                const __nv_bfloat16* __restrict__ a_vals, const __nv_bfloat16* __restrict__ u_vals,
-                               const int32_t* __restrict__ slot, int width, __nv_bfloat16* __restrict__ block) {
+                               const int32_t* __restrict__ slot, int64_t first, int64_t count, int width,
+                               __nv_bfloat16* __restrict__ block) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
   __nv_bfloat16* out = block + row * 3 * static_cast<int64_t>(width);
   for (int64_t e = row_ptr[row] + lane; e < row_ptr[row + 1]; e += 32) {
-    const int s = slot[cols[e]];
-    if (s < 0) continue;
+    const int64_t s = slot[cols[e]] - first;  // off the dense units: -1 - first < 0
+    if (s < 0 || s >= count) continue;
     out[s] = __float2bfloat16(dg[e]);
     out[width + s] = __float2bfloat16(du[e]);
     out[2 * width + s] = __float2bfloat16(__bfloat162float(a_vals[e]) * __bfloat162float(u_vals[e]));
@@ -116,11 +117,13 @@ cudaError_t launch_dense_unit_slots(const int32_t* units, int64_t n, int hidden,
 
 cudaError_t launch_scatter_dense_units(const int64_t* row_ptr, int64_t rows, const int32_t* cols, const float* dg,
                                        const float* du, const __nv_bfloat16* a_vals, const __nv_bfloat16* u_vals,
-                                       const int32_t* slot, int width, __nv_bfloat16* block, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
+                                       const int32_t* slot, int64_t first, int64_t count, int width,
+                                       __nv_bfloat16* block, cudaStream_t stream) {
+  if (rows == 0 || count == 0) return cudaSuccess;
+  if (count > width) return cudaErrorInvalidValue;
   const unsigned blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
   scatter_dense_units_kernel<<<blocks, kThreads, 0, stream>>>(row_ptr, rows, cols, dg, du, a_vals, u_vals, slot,
-                                                             width, block);
+                                                             first, count, width, block);
   return cudaGetLastError();
 }
 

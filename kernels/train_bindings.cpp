@@ -545,45 +545,52 @@ void heavy_rows_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
   }
 }
 
-// The dense units' share of the weight gradients (kernels/csr_dense_units.cu): their light entries'
-// dg, du and h scattered into an [M, 3 * width] block (width: their count rounded up to the GEMM
-// granule, the extra columns zero), then two GEMMs over all M rows (dWg's and dWu's rows from x,
-// dWd^T's from grad_y, float32), their rows written into the gradients (added where `accumulate`:
-// the heavy rows' GEMMs wrote them first). Returns the units' slots ([H] int32, -1 off them), by
-// which the per-unit kernels skip them.
+// The dense units go through the GEMMs this many at a time: their block stays [M, 3 x 1024] bf16
+// (100 MB at M = 16384) however many there are (up to 64 / DENSE_UNIT_ROW_SHARE: 4096 at 1/64).
+constexpr int64_t kDenseUnitChunk = 1024;
+
+// The dense units' share of the weight gradients (kernels/csr_dense_units.cu), kDenseUnitChunk units
+// at a time: their light entries' dg, du and h scattered into an [M, 3 * width] block (width: the
+// chunk's count rounded up to the GEMM granule, the extra columns zero), then two GEMMs over all M
+// rows (dWg's and dWu's rows from x, dWd^T's from grad_y, float32), their rows written into the
+// gradients (added where `accumulate`: the heavy rows' GEMMs wrote them first). Returns the units'
+// slots ([H] int32, -1 off them), by which the per-unit kernels skip them.
 at::Tensor dense_unit_weight_grads(const at::Tensor& x, const at::Tensor& grad_y, const int64_t* row_ptr,
                                    const at::Tensor& cols, const at::Tensor& dg, const at::Tensor& du,
                                    const at::Tensor& a_vals, const at::Tensor& u_vals, const at::Tensor& units,
                                    int hidden, bool accumulate, at::Tensor& dwg, at::Tensor& dwu, at::Tensor& dwd_t,
                                    cudaStream_t stream) {
   const int64_t rows = x.size(0), n = units.size(0), dim = x.size(1);
-  const int64_t width = sparse_llm_glue::heavy_gemm_rows(n);  // a multiple of 64: cuBLAS's fast shapes
   at::Tensor slot = at::empty({hidden}, cols.options());
   check_cuda(sparse_llm::launch_dense_unit_slots(units.data_ptr<int32_t>(), n, hidden, slot.data_ptr<int32_t>(),
                                                  stream),
              "dense_unit_slots");
-  at::Tensor block = at::empty({rows, 3 * width}, x.options());
-  check_cuda(cudaMemsetAsync(block.data_ptr(), 0, block.nbytes(), stream), "cudaMemsetAsync");
-  check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), dg.data_ptr<float>(),
-                                                    du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
-                                                    slot.data_ptr<int32_t>(), static_cast<int>(width),
-                                                    bf16_mut_ptr(block), stream),
-             "scatter_dense_units");
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-  at::Tensor gu = at::empty({2 * width, dim}, f32), d = at::empty({width, dim}, f32);
-  add_product(gu, block.narrow(1, 0, 2 * width).t(), x, /*overwrite=*/true);
-  add_product(d, block.narrow(1, 2 * width, width).t(), grad_y, /*overwrite=*/true);
-  const int32_t* units_d = units.data_ptr<int32_t>();
-  check_cuda(dwg.scalar_type() == at::kFloat
-                 ? sparse_llm::launch_put_dense_unit_rows(units_d, n, static_cast<int>(width), static_cast<int>(dim),
-                                                          gu.data_ptr<float>(), d.data_ptr<float>(), accumulate,
-                                                          dwg.data_ptr<float>(), dwu.data_ptr<float>(),
-                                                          dwd_t.data_ptr<float>(), stream)
-                 : sparse_llm::launch_put_dense_unit_rows(units_d, n, static_cast<int>(width), static_cast<int>(dim),
-                                                          gu.data_ptr<float>(), d.data_ptr<float>(), accumulate,
-                                                          bf16_mut_ptr(dwg), bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t),
-                                                          stream),
-             "put_dense_unit_rows");
+  for (int64_t first = 0; first < n; first += kDenseUnitChunk) {
+    const int64_t count = std::min(kDenseUnitChunk, n - first);
+    const int64_t width = sparse_llm_glue::heavy_gemm_rows(count);  // a multiple of 64: cuBLAS's fast shapes
+    at::Tensor block = at::empty({rows, 3 * width}, x.options());
+    check_cuda(cudaMemsetAsync(block.data_ptr(), 0, block.nbytes(), stream), "cudaMemsetAsync");
+    check_cuda(sparse_llm::launch_scatter_dense_units(row_ptr, rows, cols.data_ptr<int32_t>(), dg.data_ptr<float>(),
+                                                      du.data_ptr<float>(), bf16_ptr(a_vals), bf16_ptr(u_vals),
+                                                      slot.data_ptr<int32_t>(), first, count, static_cast<int>(width),
+                                                      bf16_mut_ptr(block), stream),
+               "scatter_dense_units");
+    at::Tensor gu = at::empty({2 * width, dim}, f32), d = at::empty({width, dim}, f32);
+    add_product(gu, block.narrow(1, 0, 2 * width).t(), x, /*overwrite=*/true);
+    add_product(d, block.narrow(1, 2 * width, width).t(), grad_y, /*overwrite=*/true);
+    const int32_t* units_d = units.data_ptr<int32_t>() + first;
+    check_cuda(dwg.scalar_type() == at::kFloat
+                   ? sparse_llm::launch_put_dense_unit_rows(units_d, count, static_cast<int>(width),
+                                                            static_cast<int>(dim), gu.data_ptr<float>(),
+                                                            d.data_ptr<float>(), accumulate, dwg.data_ptr<float>(),
+                                                            dwu.data_ptr<float>(), dwd_t.data_ptr<float>(), stream)
+                   : sparse_llm::launch_put_dense_unit_rows(units_d, count, static_cast<int>(width),
+                                                            static_cast<int>(dim), gu.data_ptr<float>(),
+                                                            d.data_ptr<float>(), accumulate, bf16_mut_ptr(dwg),
+                                                            bf16_mut_ptr(dwu), bf16_mut_ptr(dwd_t), stream),
+               "put_dense_unit_rows");
+  }
   return slot;
 }
 

@@ -78,8 +78,9 @@ CudaCapacityForwardOutput = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T
 TrainBackwardOutput = tuple[_T, _T, _T, _T]
 # A unit with light entries on at least this share of a step's rows is a dense unit of the CUDA
 # backward: its rows of dWg, dWu and dWd by GEMMs over all M rows cost what ~1-2% of the rows' entries
-# cost the per-unit kernels (an x and a grad_y row, 8 KB, read per entry; docs/kernels.md).
-DENSE_UNIT_ROW_SHARE = 1 / 32
+# cost the per-unit kernels (an x and a grad_y row, 8 KB, read per entry). Swept on a 1b run's layers
+# (benchmarks/dense_units.py, H200): 1/64 the fastest of 1/64-1/8 in every layer (docs/kernels.md).
+DENSE_UNIT_ROW_SHARE = 1 / 64
 
 
 def dense_unit_min_fires(rows: int, share: float = DENSE_UNIT_ROW_SHARE) -> int:
@@ -425,17 +426,22 @@ class TrainCapacities:
     The backward sets them from the sizes it read: an envelope rises at once to what the step
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
-    layer whose heavy rows come and go keeps room for them. Room is cheap (the heavy GEMMs are a few
-    dozen rows) and an overflow is not (the overflow kernel in the forward, an exact rebuild of the
-    records with a host read in the backward), so the headroom is wide and the decay slow: a handful
-    of heavy rows that comes back every 64 steps (one granule, its envelope down by one a step)
-    finds room each time. A fresh tensor is zero: the first step with heavy rows overflows (its
+    layer whose heavy rows come and go keeps room for them. An overflow is costly (the overflow
+    kernel in the forward, an exact rebuild of the records with a host read in the backward: ~70 ms
+    on a 1b step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that
+    comes back every 64 steps (one granule, its envelope down by one a step) finds room each time.
+    Room for heavy entries costs memory only; room for heavy rows costs compute, since the forward's
+    two heavy-row GEMMs run at the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy
+    rows of a 1b step's 16384, where 2x room doubled those GEMMs (~2 ms a step over the layers).
+    So past 1024 rows the room above the size is 1024 rows or a quarter of the size, the more of
+    the two (HEAVY_ROWS_ROOM_CAP). A fresh tensor is zero: the first step with heavy rows overflows (its
     backward reads the sizes once, exactly). A "step" here is one backward of the layer, a
     micro-batch where a step accumulates several; the state is not checkpointed (a resumed run
     starts from zero)."""
 
     SIZE_NAMES = ("heavy_rows", "heavy_entries")
     HEADROOM = (2.0, 2.0)
+    HEAVY_ROWS_ROOM_CAP = 1024  # rows above the size at most, or a quarter of the size if more
     # Integer decay: an envelope of one heavy-row granule (64) reaches zero in 64 steps without
     # heavy rows, so a layer that never has them stops launching their GEMMs.
     DECAY_PERCENT = 99
@@ -468,6 +474,14 @@ class TrainCapacities:
         return dict(zip(cls.SIZE_NAMES, counts, strict=True))
 
     @classmethod
+    def need(cls, i: int, size: int) -> int:
+        """What size i (SIZE_NAMES) needs with its headroom, before rounding to the granule."""
+        room = int(size * cls.HEADROOM[i]) - size
+        if cls.SIZE_NAMES[i] == "heavy_rows":
+            room = min(room, max(cls.HEAVY_ROWS_ROOM_CAP, size // 4))
+        return size + room
+
+    @classmethod
     def update(cls, state: torch.Tensor, host_sizes: Sequence[int]) -> None:
         """Set the next step's capacities from the sizes a step's forward wrote (its host sizes)."""
         # Written through numpy: every forward saves this tensor for its backward, and a torch
@@ -479,8 +493,8 @@ class TrainCapacities:
         over = [size > int(values[i]) for i, size in enumerate(sizes)]
         values[cls.OVERFLOWS] += any(over)
         values[cls.OVERFLOWS + 1 :] += over
-        for i, (size, headroom, granule) in enumerate(zip(sizes, cls.HEADROOM, cls.GRANULES, strict=True)):
-            need = -(-int(size * headroom) // granule) * granule
+        for i, (size, granule) in enumerate(zip(sizes, cls.GRANULES, strict=True)):
+            need = -(-cls.need(i, size) // granule) * granule
             envelope = max(need, int(values[cls.SIZES + i]) * cls.DECAY_PERCENT // 100)
             values[cls.SIZES + i] = envelope
             values[i] = -(-envelope // granule) * granule

@@ -397,11 +397,23 @@ def test_train_capacities_grow_at_once_and_shrink_slowly():
         TrainCapacities.update(state, [100, 1, 100])
 
 
-def test_dense_units_start_at_one_32nd_of_the_rows():
-    """A unit is a dense unit of the CUDA backward from light entries on 1/32 of the step's rows
+def test_heavy_rows_room_is_capped_where_the_gemms_pay_for_it():
+    """Heavy rows get 2x room up to 1024 rows above the size, then 1024 rows or a quarter of the
+    size, the more (their forward GEMMs run at the capacity); heavy entries keep 2x (memory only)."""
+    need = TrainCapacities.need
+    assert [need(0, n) for n in (0, 12, 1000, 1024)] == [0, 24, 2000, 2048]
+    assert [need(0, n) for n in (2000, 4096, 7742)] == [3024, 5120, 9677]
+    assert need(1, 2_000_000) == 4_000_000
+    state = TrainCapacities.new()
+    TrainCapacities.update(state, [80_000, 7742, 1_000_000, 16384, 0])
+    assert TrainCapacities.capacities(state).tolist() == [9728, 2_002_944]
+
+
+def test_dense_units_start_at_one_64th_of_the_rows():
+    """A unit is a dense unit of the CUDA backward from light entries on 1/64 of the step's rows
     (rounded up; at least one entry, so an empty step lists none)."""
-    assert dense_unit_min_fires(16384) == 512
-    assert dense_unit_min_fires(2051) == 65
+    assert dense_unit_min_fires(16384) == 256
+    assert dense_unit_min_fires(2051) == 33
     assert dense_unit_min_fires(1) == dense_unit_min_fires(0) == 1
 
 

@@ -179,6 +179,21 @@ def test_records_match_reference_record(heavy_threshold):
     torch.testing.assert_close(l1, l1_ref.float(), rtol=1e-2, atol=0)
 
 
+DENSE_UNIT_CHUNK = 1024  # kDenseUnitChunk in kernels/train_bindings.cpp
+
+
+@needs_hopper
+@pytest.mark.parametrize(("nnz", "heavy_threshold"), [(120, 1 << 20), (200, 250)])
+def test_dense_units_past_one_chunk_match_fp64(nnz, heavy_threshold):
+    """More dense units than the backward's GEMMs take at once (kDenseUnitChunk): 1300-2200 of 4096
+    units, in two or three chunks, each chunk's weight-gradient rows written (no heavy rows) or
+    added to the heavy rows' GEMMs' (some rows heavy): exact by the contract as one chunk is."""
+    w = make_workload(4096, 256, 4096, nnz, seed=21, device="cuda")
+    dense_units = torch.ops.sparse_llm.ffn_train_fwd_cuda(w.x, w.wg, w.wu, w.wd, None, heavy_threshold)[-1]
+    assert dense_units.numel() > DENSE_UNIT_CHUNK
+    check_contract([w.x, w.wg, w.wu, w.wd], heavy_threshold)
+
+
 @needs_hopper
 def test_backward_is_deterministic():
     w = make_workload(2048, 512, 1536, 40, seed=5, device="cuda")
