@@ -483,17 +483,23 @@ def check_capacity_contract(inputs, capacities: torch.Tensor, hot_units: torch.T
 
 
 def counting_rebuilds(monkeypatch) -> list[int]:
-    """Counts the capacity backward's rebuilds of an overflowed record (the exact forward's calls)."""
+    """Counts the capacity backward's rebuilds of an overflowed heavy record; fails a test that
+    calls the exact path's forward (its host read drains the launch queue) on the capacity path."""
     from sparse_llm.ops._extension import extension
+    from sparse_llm.ops.ffn import training
 
-    ext, calls = extension(), []
-    exact = ext.ffn_train_forward
+    calls = []
+    rebuild = training.rebuild_heavy_record
 
     def counted(*args):
         calls.append(1)
-        return exact(*args)
+        return rebuild(*args)
 
-    monkeypatch.setattr(ext, "ffn_train_forward", counted)
+    def refused(*args):
+        raise AssertionError("the capacity path called the exact path's forward (a host read)")
+
+    monkeypatch.setattr(training, "rebuild_heavy_record", counted)
+    monkeypatch.setattr(extension(), "ffn_train_forward", refused)
     return calls
 
 
