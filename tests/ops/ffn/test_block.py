@@ -526,6 +526,28 @@ def test_capacity_block_matches_fp64_at_any_capacity(pattern, m, d, h, start):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_an_overflowed_capacity_step_never_waits_on_the_gpu(monkeypatch):
+    """A step whose heavy sizes overflow its capacities rebuilds the heavy record without reading
+    anything on the host: after a warm-up step, the overflowing step's forward and backward run
+    under set_sync_debug_mode("error") (a synchronising CUDA call raises) and rebuild once."""
+    rebuilds = counting_rebuilds(monkeypatch)
+    inputs = gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=3)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    capacities = TrainCapacities.new()
+    outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")  # warm-up
+    TrainCapacities.capacities(capacities)[:] = torch.tensor([1, 16])  # far below the step's sizes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(rebuilds) == 2 and TrainCapacities.overflows(capacities) == 2
+    assert all(torch.isfinite(t).all() for t in got if t.is_floating_point())
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_capacity_path_sets_capacities_then_rebuilds_only_when_the_pattern_grows(monkeypatch):
     """The first step rebuilds (no capacities yet) and sets capacities that fit; a step like it
     rebuilds nothing; a step whose rows turn dense overflows, rebuilds, is still exact, and raises
