@@ -420,11 +420,12 @@ def rebuild_heavy_record(
     2026-12-02, reads its sizes and drained the queue at every overflow. (Its light record, y and
     statistics are the first forward's again, unused; no dense units are listed.)"""
     fitting = torch.tensor([n_heavy, heavy_entries], dtype=torch.int64)
-    out = extension().ffn_train_forward_capacity(
-        x, *_in_dtype_of(x, wg, wu, wd), None, heavy_threshold, 0, fitting
-    )
-    heavy_rows, heavy_cols, heavy_a, heavy_u = out[9:13]
-    return heavy_rows, heavy_cols, heavy_a, heavy_u
+    record = _named(
+        extension().ffn_train_forward_capacity(
+            x, *_in_dtype_of(x, wg, wu, wd), None, heavy_threshold, 0, fitting
+        )
+    ).record
+    return record.heavy_rows, record.heavy_cols, record.heavy_a, record.heavy_u
 
 
 @ffn_train_bwd_cuda_cap.register_fake
@@ -443,22 +444,21 @@ class TrainCapacities:
     The backward sets them from the sizes it read: an envelope rises at once to what the step
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
-    layer whose heavy rows come and go keeps room for them. An overflow is costly (the overflow
-    kernel in the forward, an exact rebuild of the records with a host read in the backward: ~70 ms
-    on a 1b step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that
-    comes back every 64 steps (one granule, its envelope down by one a step) finds room each time.
-    Room for heavy entries costs memory only; room for heavy rows costs compute, since the forward's
-    two heavy-row GEMMs run at the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy
-    rows of a 1b step's 16384, where 2x room doubled those GEMMs (~2 ms a step over the layers).
-    So past 1024 rows the room above the size is 1024 rows or a quarter of the size, the more of
-    the two (HEAVY_ROWS_ROOM_CAP). A fresh tensor is zero: the first step with heavy rows overflows (its
+    layer whose heavy rows come and go keeps room for them. An overflow costs the overflow kernel
+    in the forward and a second forward in the backward (rebuild_heavy_record), so the headroom is
+    wide (2x) and the decay slow: a handful of heavy rows that comes back every 64 steps (one
+    granule, its envelope down by one a step) finds room each time. Room for heavy entries costs
+    memory only; room for heavy rows costs compute, since the forward's two heavy-row GEMMs run at
+    the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy rows of a 1b step's 16384,
+    where 2x room doubled those GEMMs. So a size's room is capped where ROOM_CAP says: past it the
+    room above the size is ROOM_CAP or a quarter of the size, the more of the two. A fresh tensor is zero: the first step with heavy rows overflows (its
     backward reads the sizes once, exactly). A "step" here is one backward of the layer, a
     micro-batch where a step accumulates several; the state is not checkpointed (a resumed run
     starts from zero)."""
 
     SIZE_NAMES = ("heavy_rows", "heavy_entries")
     HEADROOM = (2.0, 2.0)
-    HEAVY_ROWS_ROOM_CAP = 1024  # rows above the size at most, or a quarter of the size if more
+    ROOM_CAP = (1024, None)  # room above the size at most, or a quarter of the size if more; None: 2x
     # Integer decay: an envelope of one heavy-row granule (64) reaches zero in 64 steps without
     # heavy rows, so a layer that never has them stops launching their GEMMs.
     DECAY_PERCENT = 99
@@ -494,9 +494,8 @@ class TrainCapacities:
     def need(cls, i: int, size: int) -> int:
         """What size i (SIZE_NAMES) needs with its headroom, before rounding to the granule."""
         room = int(size * cls.HEADROOM[i]) - size
-        if cls.SIZE_NAMES[i] == "heavy_rows":
-            room = min(room, max(cls.HEAVY_ROWS_ROOM_CAP, size // 4))
-        return size + room
+        cap = cls.ROOM_CAP[i]
+        return size + (room if cap is None else min(room, max(cap, size // 4)))
 
     @classmethod
     def update(cls, state: torch.Tensor, host_sizes: Sequence[int]) -> None:
