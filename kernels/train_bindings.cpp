@@ -433,10 +433,15 @@ std::vector<int64_t> wait_host_sizes(const at::Tensor& host_sizes) {
                    host_sizes.numel() == kHostSizeFields && host_sizes.is_contiguous(),
                "host_sizes must be a capacity forward's pinned int64 sizes");
   const volatile int64_t* fields = host_sizes.data_ptr<int64_t>();
+  const cudaStream_t stream = current_stream();
   const auto start = std::chrono::steady_clock::now();
   for (int64_t spins = 0; fields[kHostSizeFields - 1] != 1; ++spins) {
     if (spins % 1024 == 1023) {
       std::this_thread::yield();
+      // A kernel that failed before the copies leaves the flag unset for good: its error, not a hang.
+      // (A stream query waits for nothing.)
+      const cudaError_t status = cudaStreamQuery(stream);
+      if (status != cudaSuccess && status != cudaErrorNotReady) check_cuda(status, "the training forward");
       SL_CHECK_ARG(std::chrono::steady_clock::now() - start < std::chrono::seconds(600),
                    "the training forward's sizes never reached the host (a failed kernel before them?)");
     }

@@ -375,11 +375,17 @@ def ffn_train_bwd_cuda_cap(
     zeroed_units: torch.Tensor | None,
 ) -> TrainBackwardOutput:
     """The CUDA backward of a capacity forward: waits for the forward's sizes on the host (written
-    long before in steady state), cuts each record to its size, or rebuilds the heavy record exactly
-    where a heavy size was over its capacity (rebuild_heavy_record: no host read either), sets the
+    long before in steady state), cuts each record to its size, or rebuilds the records exactly where
+    a heavy size was over its capacity (the exact path's forward: a host read then), sets the
     layer's capacities for the next step from these sizes, then runs the CUDA backward.
     `zeroed_units`: the units whose Wg rows the forward ran with zeroed (train_backward), zeroed
     again for a rebuild.
+
+    A rebuild takes all its records from one forward, never the heavy record of a second forward
+    beside the first's light record and row counts: the block's backward recomputes the op's input
+    from the bf16 normalised rows it kept, which can differ from the forward's input in the last
+    bit (a norm weight other than 1), so a second forward may split the rows differently, and a
+    record mixed from two forwards then reads past its ends (seen on a GPU, 9fd08f4).
 
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
@@ -387,45 +393,28 @@ def ffn_train_bwd_cuda_cap(
     light, n_heavy, heavy_entries, _, n_dense = sizes
     fits = n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()  # the light record is whole
     if fits:
-        heavy = (
+        record = (
+            nnz_per_token,
+            cols[:light],
+            a_vals[:light],
+            u_vals[:light],
             heavy_rows[:n_heavy],
             heavy_cols[:heavy_entries],
             heavy_a[:heavy_entries],
             heavy_u[:heavy_entries],
         )
-    else:
+    else:  # the exact path's records, from x and Wg (as the forward had it) again
         forward_wg = wg if zeroed_units is None else wg.index_fill(0, zeroed_units, 0)
-        heavy = rebuild_heavy_record(x, forward_wg, wu, wd, heavy_threshold, n_heavy, heavy_entries)
-    record = (nnz_per_token, cols[:light], a_vals[:light], u_vals[:light], *heavy)
+        # (its records only: the dense units are the capacity forward's, any set of units is exact)
+        exact = extension().ffn_train_forward(
+            x, *_in_dtype_of(x, forward_wg, wu, wd), None, heavy_threshold, 0
+        )
+        record = (exact[2], *exact[6:13])
     TrainCapacities.update(capacities, sizes)
     dx, *weight_grads = extension().ffn_train_backward(
         grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record, dense_units[:n_dense]
     )
     return dx, *_as_weights(weight_grads, wg, wu, wd)
-
-
-def rebuild_heavy_record(
-    x: torch.Tensor,
-    wg: torch.Tensor,
-    wu: torch.Tensor,
-    wd: torch.Tensor,
-    heavy_threshold: int,
-    n_heavy: int,
-    heavy_entries: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The heavy record (heavy_rows, heavy_cols, heavy_a, heavy_u) of a capacity forward that
-    overflowed, made again from x and Wg as that forward had them: the capacity forward once more,
-    at capacities of exactly the sizes the host has read. It reads nothing on the host, so the
-    launch queue keeps running; the exact path's forward, which rebuilt the records until
-    2026-12-02, reads its sizes and drained the queue at every overflow. (Its light record, y and
-    statistics are the first forward's again, unused; no dense units are listed.)"""
-    fitting = torch.tensor([n_heavy, heavy_entries], dtype=torch.int64)
-    record = _named(
-        extension().ffn_train_forward_capacity(
-            x, *_in_dtype_of(x, wg, wu, wd), None, heavy_threshold, 0, fitting
-        )
-    ).record
-    return record.heavy_rows, record.heavy_cols, record.heavy_a, record.heavy_u
 
 
 @ffn_train_bwd_cuda_cap.register_fake
@@ -445,8 +434,8 @@ class TrainCapacities:
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
     layer whose heavy rows come and go keeps room for them. An overflow costs the overflow kernel
-    in the forward and a second forward in the backward (rebuild_heavy_record), so the headroom is
-    wide (2x) and the decay slow: a handful of heavy rows that comes back every 64 steps (one
+    in the forward and the exact path's forward in the backward, whose host read drains the launch
+    queue (~70 ms on a 1b step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that comes back every 64 steps (one
     granule, its envelope down by one a step) finds room each time. Room for heavy entries costs
     memory only; room for heavy rows costs compute, since the forward's two heavy-row GEMMs run at
     the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy rows of a 1b step's 16384,
