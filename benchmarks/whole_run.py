@@ -249,6 +249,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     "elapsed_s",
                     "tokens_per_s",
                     "l0/mean",
+                    "l1_coeff",  # the controller's lambda beside the L0 it drives
                     "ce",
                     "peak_mem_gib",
                     "ffn_fallback/dense_layers",
@@ -578,17 +579,22 @@ def plot(dense: dict[str, Any], sparse: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_tok, ax_l0) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for run, style in ((dense, "-"), (sparse, "-")):
+    ax_coeff = ax_l0.twinx()  # the controller's lambda beside the L0 it drives (dashed)
+    for run, color in ((dense, "C0"), (sparse, "C1")):
         pts = [p for p in run["series"] if p["step"] > 1]
+        steps = [p["step"] for p in pts]
         label = "dense" if run is dense else run["impl"]
-        ax_tok.plot(
-            [p["step"] for p in pts], [p["tokens_per_s"] for p in pts], style, marker=".", label=label
-        )
-        ax_l0.plot([p["step"] for p in pts], [p["l0/mean"] for p in pts], style, label=label)
+        ax_tok.plot(steps, [p["tokens_per_s"] for p in pts], color=color, marker=".", label=label)
+        ax_l0.plot(steps, [p["l0/mean"] for p in pts], color=color, label=label)
+        coeff = [(s, p["l1_coeff"]) for s, p in zip(steps, pts, strict=True) if p.get("l1_coeff")]
+        if coeff:  # absent from runs written before it was kept
+            ax_coeff.plot(*zip(*coeff, strict=True), color=color, linestyle="--", linewidth=0.8)
     ax_tok.set_ylabel("tokens/s (each logging window)")
     ax_tok.legend()
     ax_l0.set_yscale("log")
     ax_l0.set_ylabel("active units per token (L0)")
+    ax_coeff.set_yscale("log")
+    ax_coeff.set_ylabel("L1 coefficient (dashed)")
     ax_l0.set_xlabel("step")
     fig.suptitle("A whole training run: throughput and sparsity")
     fig.tight_layout()

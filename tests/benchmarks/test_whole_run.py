@@ -76,6 +76,7 @@ def test_two_tiny_runs_and_their_comparison(tmp_path, monkeypatch):
     # The same function on the same data and seed: the same losses up to rounding.
     assert sparse["final_val_loss"] == pytest.approx(dense["final_val_loss"], rel=1e-4)
     assert [p["step"] for p in sparse["series"]] == [1, 4, 8]
+    assert all(p["l1_coeff"] > 0 for p in sparse["series"][1:])  # the controller's lambda kept
     assert sparse["dense_layers_at_end"] == 0 and sparse["series"][-1]["ffn_fallback/dense_layers"] == 0
     assert sparse["heldout_l0"] > 0 and len(sparse["heldout_layer_l0"]) == 4
     out = tmp_path / "run_tiny"
