@@ -375,17 +375,17 @@ def ffn_train_bwd_cuda_cap(
     zeroed_units: torch.Tensor | None,
 ) -> TrainBackwardOutput:
     """The CUDA backward of a capacity forward: waits for the forward's sizes on the host (written
-    long before in steady state), cuts each record to its size, or rebuilds the records exactly where
-    a heavy size was over its capacity (the exact path's forward: a host read then), sets the
-    layer's capacities for the next step from these sizes, then runs the CUDA backward.
+    long before in steady state), cuts each record to its size, or rebuilds the heavy record where a
+    heavy size was over its capacity (rebuild_heavy_record: in the forward's layout, no host read
+    either), sets the layer's capacities for the next step from these sizes, then runs the CUDA backward.
     `zeroed_units`: the units whose Wg rows the forward ran with zeroed (train_backward), zeroed
     again for a rebuild.
 
-    A rebuild takes all its records from one forward, never the heavy record of a second forward
-    beside the first's light record and row counts: the block's backward recomputes the op's input
-    from the bf16 normalised rows it kept, which can differ from the forward's input in the last
-    bit (a norm weight other than 1), so a second forward may split the rows differently, and a
-    record mixed from two forwards then reads past its ends (seen on a GPU, 9fd08f4).
+    The rebuilt record keeps the forward's layout (its rows' counts and split), whatever a second
+    gate GEMM gives: the block's backward recomputes the op's input from the bf16 normalised rows
+    it kept, which can differ from the forward's input in the last bit (a norm weight other than
+    1), and a second forward's own split beside the first's light record read past its ends (seen
+    on a GPU, 9fd08f4).
 
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
@@ -403,18 +403,70 @@ def ffn_train_bwd_cuda_cap(
             heavy_a[:heavy_entries],
             heavy_u[:heavy_entries],
         )
-    else:  # the exact path's records, from x and Wg (as the forward had it) again
+    else:
         forward_wg = wg if zeroed_units is None else wg.index_fill(0, zeroed_units, 0)
-        # (its records only: the dense units are the capacity forward's, any set of units is exact)
-        exact = extension().ffn_train_forward(
-            x, *_in_dtype_of(x, forward_wg, wu, wd), None, heavy_threshold, 0
+        heavy = rebuild_heavy_record(
+            x, *_in_dtype_of(x, forward_wg, wu), nnz_per_token, heavy_threshold, n_heavy, heavy_entries
         )
-        record = (exact[2], *exact[6:13])
+        record = (nnz_per_token, cols[:light], a_vals[:light], u_vals[:light], *heavy)
     TrainCapacities.update(capacities, sizes)
     dx, *weight_grads = extension().ffn_train_backward(
         grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record, dense_units[:n_dense]
     )
     return dx, *_as_weights(weight_grads, wg, wu, wd)
+
+
+REBUILD_CHUNK_ROWS = 1024  # heavy rows a rebuild takes at a time: ~0.2 GB of transients at H = 5632
+
+
+def rebuild_heavy_record(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    nnz_per_token: torch.Tensor,
+    heavy_threshold: int,
+    n_heavy: int,
+    heavy_entries: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The heavy record (heavy_rows, heavy_cols, heavy_a, heavy_u) of a forward whose heavy record
+    overflowed, in that forward's layout, with no host read: the rows with more than
+    `heavy_threshold` entries in its `nnz_per_token`, ascending (`n_heavy` of them, holding
+    `heavy_entries`: its sizes, read on the host already), each row's segment as long as its count
+    there. The values come from a second gate GEMM on x (bf16 weights as the forward had them):
+    each segment holds its row's active units ascending, at most the segment's length, the rest
+    padded with units where a = u = 0 (which add nothing). x need not be the forward's op input bit
+    for bit (the block's backward recomputes it from bf16 rows): where the two gate GEMMs disagree
+    on a unit, its g is at rounding level of zero, so is a, and the record stays inside its layout
+    whatever g is. (A second forward's own split did not: 9fd08f4.)"""
+    device = x.device
+    heavy_rows = torch.nonzero_static(nnz_per_token > heavy_threshold, size=n_heavy).squeeze(1)
+    counts = nnz_per_token.index_select(0, heavy_rows)
+    starts = torch.cumsum(counts, 0) - counts
+    # One slot past the record: where the units a row does not keep are written, then dropped.
+    cols = torch.zeros(heavy_entries + 1, dtype=torch.int32, device=device)
+    heavy_a = x.new_zeros(heavy_entries + 1)
+    heavy_u = x.new_zeros(heavy_entries + 1)
+    units = torch.arange(wg.shape[0], dtype=torch.int32, device=device)
+    for first in range(0, n_heavy, REBUILD_CHUNK_ROWS):
+        rows = slice(first, first + REBUILD_CHUNK_ROWS)
+        x_rows = x.index_select(0, heavy_rows[rows])
+        g = x_rows @ wg.t()
+        active = g > 0
+        # Each unit's place in its row: the active units first (ascending), then the others.
+        rank_active = torch.cumsum(active, 1, dtype=torch.int32) - 1
+        rank_idle = (
+            torch.cumsum(~active, 1, dtype=torch.int32) - 1 + active.sum(1, keepdim=True, dtype=torch.int32)
+        )
+        place = torch.where(active, rank_active, rank_idle)
+        kept = place < counts[rows].unsqueeze(1)
+        # Kept units in column order take the segment's places in order: ascending units a row.
+        rank_kept = torch.cumsum(kept, 1, dtype=torch.int32) - 1
+        dest = torch.where(kept, starts[rows].unsqueeze(1) + rank_kept, heavy_entries).flatten()
+        u = torch.where(active, x_rows @ wu.t(), 0)
+        cols.scatter_(0, dest, units.expand_as(g).flatten())
+        heavy_a.scatter_(0, dest, g.clamp(min=0).flatten())
+        heavy_u.scatter_(0, dest, u.flatten())
+    return heavy_rows, cols[:heavy_entries], heavy_a[:heavy_entries], heavy_u[:heavy_entries]
 
 
 @ffn_train_bwd_cuda_cap.register_fake

@@ -483,17 +483,23 @@ def check_capacity_contract(inputs, capacities: torch.Tensor, hot_units: torch.T
 
 
 def counting_rebuilds(monkeypatch) -> list[int]:
-    """Counts the capacity backward's rebuilds of an overflowed record (the exact forward's calls)."""
+    """Counts the capacity backward's rebuilds of an overflowed heavy record; fails a test that
+    calls the exact path's forward (its host read drains the launch queue) on the capacity path."""
     from sparse_llm.ops._extension import extension
+    from sparse_llm.ops.ffn import training
 
-    ext, calls = extension(), []
-    exact = ext.ffn_train_forward
+    calls = []
+    rebuild = training.rebuild_heavy_record
 
     def counted(*args):
         calls.append(1)
-        return exact(*args)
+        return rebuild(*args)
 
-    monkeypatch.setattr(ext, "ffn_train_forward", counted)
+    def refused(*args):
+        raise AssertionError("the capacity path called the exact path's forward (a host read)")
+
+    monkeypatch.setattr(training, "rebuild_heavy_record", counted)
+    monkeypatch.setattr(extension(), "ffn_train_forward", refused)
     return calls
 
 
@@ -537,6 +543,28 @@ def test_capacity_block_rebuilds_exactly_with_a_norm_weight(m, d, h, monkeypatch
     assert torch.equal(inputs[1], norm_weight)
     made = gpu_block_inputs("mixed_rows", m, d, h, seed=m + d + h)
     assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(inputs, made, strict=True)) if i != 1)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_an_overflowed_capacity_step_never_waits_on_the_gpu(monkeypatch):
+    """A step whose heavy sizes overflow its capacities rebuilds the heavy record without reading
+    anything on the host: after a warm-up step, the overflowing step's forward and backward run
+    under set_sync_debug_mode("error") (a synchronising CUDA call raises) and rebuild once."""
+    rebuilds = counting_rebuilds(monkeypatch)
+    inputs = gpu_block_inputs("mixed_rows", 1003, 256, 1000, seed=3)
+    r = torch.randn(inputs[0].shape, device="cuda", dtype=torch.float64)
+    capacities = TrainCapacities.new()
+    outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")  # warm-up
+    TrainCapacities.capacities(capacities)[:] = torch.tensor([1, 16])  # far below the step's sizes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = outputs_and_grads(capacity_block(capacities), inputs, r, autocast_device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(rebuilds) == 2 and TrainCapacities.overflows(capacities) == 2
+    assert all(torch.isfinite(t).all() for t in got if t.is_floating_point())
 
 
 @pytest.mark.gpu

@@ -430,3 +430,71 @@ def test_a_capacity_keeps_room_for_heavy_rows_that_come_and_go():
         TrainCapacities.update(state, [80_000, 0, 0, 16384, 0])
     # No heavy rows to compute (their entries' capacity the extension clamps to heavy rows x H).
     assert TrainCapacities.capacities(state)[0] == 0
+
+
+# --- the capacity path's rebuild of an overflowed heavy record (ops.ffn.training) -----------------
+
+
+def _integer_layer(m: int, d: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, Wg, Wu of small integers in float32: every product and sum is exact, so two GEMMs that
+    sum in different orders agree on every gate's sign."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(-2, 3, shape, generator=gen).float() for shape in ((m, d), (h, d), (h, d)))
+
+
+def _first_forward_record(x, wg, wu, threshold):
+    """What a forward writes for its heavy rows, from g = x Wg^T: the counts, then the heavy rows
+    ascending with their active units ascending, a = relu(g) and u = x Wu^T there."""
+    g, u = x @ wg.t(), x @ wu.t()
+    nnz = (g > 0).sum(1)
+    rows = torch.nonzero(nnz > threshold).squeeze(1)
+    entries = [(r, c) for r in rows.tolist() for c in torch.nonzero(g[r] > 0).squeeze(1).tolist()]
+    r_idx, c_idx = (torch.tensor(v, dtype=torch.int64) for v in zip(*entries, strict=True))
+    return nnz, rows, c_idx.int(), g[r_idx, c_idx], u[r_idx, c_idx]
+
+
+@pytest.mark.parametrize("chunk_rows", [1024, 3])
+def test_rebuild_heavy_record_on_the_forwards_input_is_its_record(chunk_rows, monkeypatch):
+    from sparse_llm.ops.ffn import training
+
+    monkeypatch.setattr(training, "REBUILD_CHUNK_ROWS", chunk_rows)
+    x, wg, wu = _integer_layer(40, 16, 48, seed=1)
+    threshold = 20
+    nnz, rows, cols, a, u = _first_forward_record(x, wg, wu, threshold)
+    assert 3 < rows.numel() < 40  # heavy and light rows both
+    got = training.rebuild_heavy_record(x, wg, wu, nnz, threshold, rows.numel(), cols.numel())
+    assert torch.equal(got[0], rows) and torch.equal(got[1], cols)
+    assert torch.equal(got[2], a) and torch.equal(got[3], u)
+
+
+@pytest.mark.parametrize("chunk_rows", [1024, 3])
+def test_rebuild_heavy_record_keeps_the_forwards_layout_whatever_the_input(chunk_rows, monkeypatch):
+    """On an input that fires other units (the backward's op input is not always the forward's bit
+    for bit), the record keeps the forward's rows and each row's segment length: each segment holds
+    its row's active units ascending up to its length, padded with units where a = u = 0."""
+    from sparse_llm.ops.ffn import training
+
+    monkeypatch.setattr(training, "REBUILD_CHUNK_ROWS", chunk_rows)
+    x, wg, wu = _integer_layer(40, 16, 48, seed=2)
+    threshold = 20
+    nnz, rows, cols, _, _ = _first_forward_record(x, wg, wu, threshold)
+    other = x + _integer_layer(40, 16, 48, seed=3)[0] * (torch.rand(40, 16) < 0.2)
+    heavy_rows, got_cols, got_a, got_u = training.rebuild_heavy_record(
+        other, wg, wu, nnz, threshold, rows.numel(), cols.numel()
+    )
+    assert torch.equal(heavy_rows, rows) and got_cols.numel() == cols.numel()
+    g, u = other @ wg.t(), other @ wu.t()
+    changed = 0
+    offsets = torch.cumsum(nnz[rows], 0) - nnz[rows]
+    for row, start, count in zip(rows.tolist(), offsets.tolist(), nnz[rows].tolist(), strict=True):
+        seg = got_cols[start : start + count].long()
+        assert torch.all(seg[1:] > seg[:-1]) and seg.min() >= 0 and seg.max() < 48
+        active = torch.nonzero(g[row] > 0).squeeze(1)
+        kept = active[:count]
+        assert torch.equal(seg[torch.isin(seg, active)], kept)  # its active units, ascending, first ones
+        on = torch.isin(seg, active)
+        assert torch.equal(got_a[start : start + count][on], g[row, seg[on]])
+        assert torch.equal(got_u[start : start + count][on], u[row, seg[on]])
+        assert not got_a[start : start + count][~on].any() and not got_u[start : start + count][~on].any()
+        changed += int(active.numel() != count)
+    assert changed > 0  # the other input did move some rows' counts
