@@ -486,9 +486,10 @@ class TrainCapacities:
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
     layer whose heavy rows come and go keeps room for them. An overflow costs the overflow kernel
-    in the forward and the exact path's forward in the backward, whose host read drains the launch
-    queue (~70 ms on a 1b step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that comes back every 64 steps (one
-    granule, its envelope down by one a step) finds room each time. Room for heavy entries costs
+    in the forward (one CTA a heavy row past the capacity) and rebuild_heavy_record in the backward,
+    whose headroom and decay were set when a rebuild drained the launch queue (~20-70 ms on a 1b
+    step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that comes back
+    every 64 steps (one granule, its envelope down by one a step) finds room each time. Room for heavy entries costs
     memory only; room for heavy rows costs compute, since the forward's two heavy-row GEMMs run at
     the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy rows of a 1b step's 16384,
     where 2x room doubled those GEMMs. So a size's room is capped where ROOM_CAP says: past it the
