@@ -381,23 +381,13 @@ def ffn_train_bwd_cuda_cap(
     `zeroed_units`: the units whose Wg rows the forward ran with zeroed (train_backward), zeroed
     again for a rebuild.
 
-    The rebuilt record keeps the forward's layout (its rows' counts and split), whatever a second
-    gate GEMM gives: the block's backward recomputes the op's input from the bf16 normalised rows
-    it kept, which can differ from the forward's input in the last bit (a norm weight other than
-    1), and a second forward's own split beside the first's light record read past its ends (seen
-    on a GPU, 9fd08f4).
-
     `capacities` is updated in place though not declared mutated: it is host state that only the
     forward op reads, at run time, so no graph ever reads a stale copy of it."""
     sizes = extension().wait_host_sizes(host_sizes)
     light, n_heavy, heavy_entries, _, n_dense = sizes
     fits = n_heavy <= heavy_rows.numel() and heavy_entries <= heavy_cols.numel()  # the light record is whole
     if fits:
-        record = (
-            nnz_per_token,
-            cols[:light],
-            a_vals[:light],
-            u_vals[:light],
+        heavy = (
             heavy_rows[:n_heavy],
             heavy_cols[:heavy_entries],
             heavy_a[:heavy_entries],
@@ -408,7 +398,7 @@ def ffn_train_bwd_cuda_cap(
         heavy = rebuild_heavy_record(
             x, *_in_dtype_of(x, forward_wg, wu), nnz_per_token, heavy_threshold, n_heavy, heavy_entries
         )
-        record = (nnz_per_token, cols[:light], a_vals[:light], u_vals[:light], *heavy)
+    record = (nnz_per_token, cols[:light], a_vals[:light], u_vals[:light], *heavy)
     TrainCapacities.update(capacities, sizes)
     dx, *weight_grads = extension().ffn_train_backward(
         grad_y, grad_l1, x, *_cuda_backward_weights(x, wg, wu, wd), *record, dense_units[:n_dense]
@@ -437,7 +427,8 @@ def rebuild_heavy_record(
     padded with units where a = u = 0 (which add nothing). x need not be the forward's op input bit
     for bit (the block's backward recomputes it from bf16 rows): where the two gate GEMMs disagree
     on a unit, its g is at rounding level of zero, so is a, and the record stays inside its layout
-    whatever g is. (A second forward's own split did not: 9fd08f4.)"""
+    whatever g is. (A record mixed from a second forward's own split and the first's light record
+    read past its ends in a 1b run, 9fd08f4.)"""
     device = x.device
     heavy_rows = torch.nonzero_static(nnz_per_token > heavy_threshold, size=n_heavy).squeeze(1)
     counts = nnz_per_token.index_select(0, heavy_rows)
@@ -486,15 +477,15 @@ class TrainCapacities:
     needs and otherwise decays; a capacity is its envelope rounded up to the granule. So a capacity
     comes down slowly from the largest recent need and never below the last step's, and a sparse
     layer whose heavy rows come and go keeps room for them. An overflow costs the overflow kernel
-    in the forward (one CTA a heavy row past the capacity) and rebuild_heavy_record in the backward,
-    whose headroom and decay were set when a rebuild drained the launch queue (~20-70 ms on a 1b
-    step), so the headroom is wide (2x) and the decay slow: a handful of heavy rows that comes back
-    every 64 steps (one granule, its envelope down by one a step) finds room each time. Room for heavy entries costs
-    memory only; room for heavy rows costs compute, since the forward's two heavy-row GEMMs run at
-    the capacity's row count: a layer at L0 50-95 has 3000-7700 heavy rows of a 1b step's 16384,
-    where 2x room doubled those GEMMs. So a size's room is capped where ROOM_CAP says: past it the
-    room above the size is ROOM_CAP or a quarter of the size, the more of the two. A fresh tensor is zero: the first step with heavy rows overflows (its
-    backward reads the sizes once, exactly). A "step" here is one backward of the layer, a
+    in the forward (one CTA a heavy row past the capacity) and rebuild_heavy_record in the backward;
+    the headroom is wide (2x) and the decay slow, as set when a rebuild drained the launch queue
+    (~20-70 ms on a 1b step): a handful of heavy rows that comes back every 64 steps (one granule,
+    its envelope down by one a step) finds room each time. Room for heavy entries costs memory only;
+    room for heavy rows costs compute, since the forward's two heavy-row GEMMs run at the capacity's
+    row count: a layer at L0 50-95 has 3000-7700 heavy rows of a 1b step's 16384, where 2x room
+    doubled those GEMMs. So a size's room is capped where ROOM_CAP says: past it the room above the
+    size is ROOM_CAP or a quarter of the size, the more of the two. A fresh tensor is zero: the first
+    step with heavy rows overflows and rebuilds. A "step" here is one backward of the layer, a
     micro-batch where a step accumulates several; the state is not checkpointed (a resumed run
     starts from zero)."""
 
