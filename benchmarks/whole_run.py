@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -224,7 +225,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     weights = run_dir / EXPORT_DIR if (run_dir / EXPORT_DIR).is_dir() else run_dir
     layer_l0 = heldout_layer_l0(weights, rows=16, seq_len=seq_len)
     summary = summarize(
-        records, args.early_l0, args.steady_steps, int(config["train"]["global_batch_size"]) * seq_len
+        records,
+        args.early_l0,
+        args.steady_steps,
+        int(config["train"]["global_batch_size"]) * seq_len,
+        args.target_l0,
     )
     summary.update(
         impl=args.impl,
@@ -236,6 +241,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         heldout_l0=sum(layer_l0) / len(layer_l0),
         heldout_layer_l0=layer_l0,
         overrides=overrides,
+        sparsity=config["sparsity"],  # resolved: the controller's settings, defaults included
         **(
             dict(launch_args=args.launch_arg, reshard_after_forward=reshard_after_forward(run_dir))
             if args.gpus > 1
@@ -289,8 +295,25 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
+def l0_tracking(records: list[dict[str, Any]], target_l0: float, after_step: int) -> dict[str, float | None]:
+    """How closely a run's logged L0 held its target over the records after `after_step`: their
+    mean, and the RMS of log(L0 / target) (0.1: about 10% off). Each record's `l0/mean` is its
+    log window's, so a dip shorter than a window shows only as a lower mean."""
+    l0s = [float(r["l0/mean"]) for r in records if int(r["step"]) > after_step and r.get("l0/mean")]
+    if not l0s:
+        return {"mean": None, "log_rms": None}
+    return {
+        "mean": statistics.fmean(l0s),
+        "log_rms": math.sqrt(statistics.fmean(math.log(v / target_l0) ** 2 for v in l0s)),
+    }
+
+
 def summarize(
-    records: list[dict[str, Any]], early_l0: float, steady_steps: int, tokens_per_step: int
+    records: list[dict[str, Any]],
+    early_l0: float,
+    steady_steps: int,
+    tokens_per_step: int,
+    target_l0: float,
 ) -> dict[str, Any]:
     """The run's figures from its timed records (step 1, then every log_every steps)."""
     by_step = {int(r["step"]): r for r in records}
@@ -308,6 +331,7 @@ def summarize(
         return (b - a) * tokens_per_step / (by_step[b]["elapsed_s"] - by_step[a]["elapsed_s"])
 
     final = by_step[last]
+    steady_l0 = l0_tracking(records, target_l0, steady_from)
     return {
         "steps": last,
         "wall_s": final["elapsed_s"],
@@ -336,6 +360,9 @@ def summarize(
         "final_val_loss": final.get("val_loss"),
         "final_train_ce": final.get("ce"),
         "train_l0_last": final.get("l0/mean"),
+        "target_l0": target_l0,
+        "steady_l0_mean": steady_l0["mean"],
+        "steady_l0_log_rms": steady_l0["log_rms"],
         # model.ffn_hot_share's units over the layers at the end (None for a run without them)
         "hot_units_at_end": final.get("ffn_hot/units"),
     }
@@ -508,6 +535,15 @@ TABLE_ROWS = (
     ("hot units over the layers at the end (model.ffn_hot_share)", "hot_units_at_end", ".0f", "", "", False),
     ("final held-out loss", "final_val_loss", ".4f", "final_loss_ratio", ".4f", False),
     ("L0 of the final weights, held-out text", "heldout_l0", ".2f", "", "", False),
+    ("L0 in the steady phase, mean of its logged windows", "steady_l0_mean", ".1f", "", "", False),
+    (
+        "L0 off the target in the steady phase, RMS of log(L0 / target)",
+        "steady_l0_log_rms",
+        ".3f",
+        "",
+        "",
+        False,
+    ),
     ("whole process (build, compile, eval, checkpoint), s", "process_s", ".0f", "", "", False),
 )
 

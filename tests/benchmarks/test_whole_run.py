@@ -4,6 +4,7 @@ metrics.jsonl, and the joined comparison."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,7 +40,7 @@ def test_summarize_reads_phases_from_the_timed_records():
             "ffn/capacity_overflows/heavy_rows": 2.0,
         },
     ]
-    got = summarize(records, early_l0=60, steady_steps=8, tokens_per_step=tokens)
+    got = summarize(records, early_l0=60, steady_steps=8, tokens_per_step=tokens, target_l0=40.0)
     assert got["wall_s"] == 17.0 and got["first_step_s"] == 10.0 and got["wall_s_after_first_step"] == 7.0
     assert got["early_end_step"] == 9 and got["early_tokens_per_s"] == pytest.approx(8 * tokens / 6.0)
     assert got["steady_tokens_per_s"] == pytest.approx(8 * tokens / 3.0)
@@ -49,8 +50,13 @@ def test_summarize_reads_phases_from_the_timed_records():
     # and by size.
     assert got["capacity_overflows"] == 20.0 and got["capacity_overflows_steady"] == 2.0
     assert got["capacity_overflows_by"] == {"heavy_rows": 2.0}
+    # L0 against the target over the steady phase's records (steps 9 and 13: 50 and 30 of 40).
+    assert got["target_l0"] == 40.0 and got["steady_l0_mean"] == pytest.approx(40.0)
+    assert got["steady_l0_log_rms"] == pytest.approx(
+        math.sqrt((math.log(1.25) ** 2 + math.log(0.75) ** 2) / 2)
+    )
     with pytest.raises(ValueError, match=r"multiple of train\.log_every"):
-        summarize(records, early_l0=60, steady_steps=7, tokens_per_step=tokens)
+        summarize(records, early_l0=60, steady_steps=7, tokens_per_step=tokens, target_l0=40.0)
 
 
 @pytest.mark.slow
