@@ -224,7 +224,7 @@ class L1ControllerConfig:
 
     # Per step, with e = log((L0 + eps) / target_l0), eps = 1% of the target: the integral part
     # log(I) += gain x e, and lambda = I x exp(p_gain x e) (PI; p_gain 0: lambda = I).
-    gain: float = checked(0.05, gt=0, le=1)
+    gain: float = checked(0.15, gt=0, le=1)
     p_gain: float = checked(1.0, ge=0, le=10)
     coeff_min: float = checked(1e-8, gt=0)  # the coefficient is clamped to [coeff_min, coeff_max]
     coeff_max: float = checked(1.0, gt=0)

@@ -20,22 +20,30 @@ resumed run, computes bit-identical coefficients; the state is JSON (floats roun
 
 Defaults (sparse_llm.config.L1ControllerConfig), measured on the tiny CPU model (H = 64, 2 layers,
 lr 1e-2 or 1e-3, 128 or 512 tokens a step, a 60-step warm-up; targets L0 6 to 20 approached from
-lambda 3e-3, 30x too small, and from 0.1, 10x too large; 400-900 steps):
+lambda 3e-3, 30x too small, and from 0.1, 10x too large; 300-900 steps), the gain also on 1b runs:
 - p_gain 1: the P term damps the loop. Against p_gain 0 it lowered the tracking error (RMS of
   log(L0 / target) over 20-step windows, 6 runs each) in 7 of 8 settings and matched it in one,
   by 10% typically: 0.31 against 0.32 at gain 0.02 and 0.29 against 0.35 at 0.05 (128 tokens a
   step), 0.45 against 0.58 and 0.39 against 0.42 (512 tokens). Its per-step noise does not
   accumulate; the integral carries the level.
-- gain 0.05: the tiny model's L0 drifts during training (at a fixed lambda it falls, then climbs
-  as the model learns), and an integral controller trails a drift by drift / gain. With p_gain 1
-  and 512 tokens a step, the mean L0 of the last 200 of 400 steps, over 6 seeds x 2 directions
-  (one thread), was within 6% of the target at gain 0.1, from 19% below to 2% above it at 0.05,
-  and from 32% below to 11% above at 0.02. A paper-scale model responds to lambda more slowly
-  (lr 1e-3, about a thousand steps to settle), and a gain too high for the loop's delay
-  overshoots; an overshoot towards sparsity kills units that never come back (a ReLU unit that
-  never fires gets no gradient through its gate). 0.05 keeps half the tiny model's best gain as margin: lambda still
-  moves 10x in ~50 steps while L0 is off by a factor e. Not yet measured at paper scale: check
-  `l1_coeff` against `l0/mean` over the first thousand steps of a new recipe.
+- gain 0.15: L0 drifts during training (at a fixed lambda it falls, then climbs as the model
+  learns), and an integral controller trails a drift by drift / gain: in log space, L0 sits at
+  target x exp(drift / gain). On the 1b whole run (benchmarks/whole_run.py: 800 steps, lambda
+  ramped to 1e-3 over 100 steps, target L0 30) the lambda that holds L0 rises ~8x over the last 400
+  steps, 0.005 a step in log; at gain 0.05 L0 sat at 32.8-33.7 there in all seven runs (dense and
+  `auto`, four commits; RMS of log(L0 / 30) 0.124-0.147), as 0.005 / 0.05 = 0.1 predicts (33.2).
+  At 0.15 two runs (one ramping to 3e-4) held 30.9 and 31.2 (RMS 0.079 and 0.081), without an
+  oscillation or a deeper dip after the ramp (benchmarks/results/l0_tracking_1b_h200_8b460dc.md).
+  On the tiny model (byte tokenizer, lr 1e-2, 512 tokens a step, target 8, 300 steps, 6 seeds;
+  the mean L0 of the last 150 steps over the target): from a lambda too small (3e-3) 1.02-1.09 at
+  0.05 and at 0.15 alike, the RMS over the last 200 steps 0.11-0.15 against 0.13-0.19 (a faster
+  integral follows more of a small batch's noise); from one too large (0.1) 0.78-1.08 against
+  1.05-1.16, RMS 0.29-0.53 against 0.16-0.33. (An older tiny setup, 400 steps: within 6% of the
+  target at 0.1, 19% below to 2% above at 0.05, 32% below to 11% above at 0.02.) A gain too high
+  for the loop's delay overshoots, and an overshoot towards sparsity kills units that never come
+  back (a ReLU unit that never fires gets no gradient through its gate); at 0.15 lambda moves 10x
+  in ~15 steps while L0 is off by a factor e. Check `l1_coeff` against `l0/mean` over the first
+  thousand steps of a new recipe (`python -m benchmarks.l0_tracking` on whole runs).
 - The loop is asymmetric: lambda too large silences units, and silent units come back slowly
   (their gates get no gradient), so L0 recovers from below more slowly than it falls from above.
   Start from a lambda that is too small rather than too large, after a warm-up past the first

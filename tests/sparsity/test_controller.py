@@ -93,8 +93,9 @@ def test_integral_holds_still_after_a_reinit_while_the_p_term_acts():
 
 def test_global_coefficient_follows_the_mean_over_layers():
     ctl = controller(p_gain=0.0)
-    ctl.update([2.0, 14.0], step=0)  # mean 8 (+ eps): barely moves
-    assert ctl.coefficient(1) == pytest.approx(1e-3, rel=1e-3)
+    ctl.update([2.0, 14.0], step=0)  # the mean, 8, is the target: only eps moves it
+    error = math.log((8.0 + EPS_FRACTION * 8.0) / 8.0)
+    assert ctl.coefficient(1) == pytest.approx(1e-3 * math.exp(ctl.cfg.controller.gain * error), rel=1e-12)
 
 
 def test_clamps_to_the_bounds():
