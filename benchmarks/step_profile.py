@@ -12,8 +12,11 @@ phase on 2 GPUs:
       --override 'callbacks=[{_target_:benchmarks.step_profile.StepProfile,first:701,last:703,out:/tmp/prof}]'
 
 writes `<out>/step_profile_rank<r>_steps_<first>_<last>.txt` and `.json` (the split) and
-`trace_rank<r>_steps_<first>_<last>.json.gz`. Profiling slows the steps it covers; time runs
-without it. Kineto leaves CUPTI's callbacks installed after a profile unless TEARDOWN_CUPTI=1,
+`trace_rank<r>_steps_<first>_<last>.json.gz` when training ends: the trace's export and analysis
+take seconds (on a 1b `auto` step's ~2,500 kernels a step), which, written at the range's end as
+until 8b460dc, went into the run's own clock: the whole run's log window holding steps 385-387
+took 10.3 s against ~3.1 for its neighbours (dense: 5.9 against ~4.1), ~6 s of `auto`'s wall clock
+more than dense's. Profiling itself still slows the steps it covers; time runs without it. Kineto leaves CUPTI's callbacks installed after a profile unless TEARDOWN_CUPTI=1,
 which slowed every later step of a host-bound run by 12% (`benchmarks.profiler_teardown`), so the
 callback sets it where the environment does not. Profile steps between logging steps (e.g. 385-387
 in an 800-step whole run, which logs every 20 steps: before its steady phase, the last 400 steps, so
@@ -52,6 +55,8 @@ class StepProfile(StepRangeCallback):
         self._profiler: profile | None = None
         self._started_at = 0.0
         self._start_event: torch.cuda.Event | None = None
+        self._wall_ms: float | None = None  # the range's wall clock once it ended
+        self._dense_layers = 0  # layers on the dense fallback at the range's end
 
     def start(self, trainer: Any) -> None:
         activities = [ProfilerActivity.CPU]
@@ -66,16 +71,26 @@ class StepProfile(StepRangeCallback):
             self._start_event.record()
 
     def finish(self, trainer: Any) -> None:
+        """Stop the profile; its report waits for the end of training (on_train_end), so that its
+        seconds of trace export and analysis stay out of the run's own clock."""
         if self._profiler is None:  # resumed past `first`: nothing was recorded
             return
         if self._start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
-            wall_ms = self._start_event.elapsed_time(end)
+            self._wall_ms = self._start_event.elapsed_time(end)
         else:
-            wall_ms = 1000 * (time.perf_counter() - self._started_at)
+            self._wall_ms = 1000 * (time.perf_counter() - self._started_at)
+        self._dense_layers = sum(trainer.model.ffn_dense_fallback())
         self._profiler.stop()
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self._profiler is not None and self._wall_ms is not None:
+            self.report(trainer)
+
+    def report(self, trainer: Any) -> None:
+        """Write the stopped profile's files (the split, its text report, the trace)."""
         events = self._profiler.events()
         steps = self.last - self.first + 1
         name = f"rank{trainer.rank}_steps_{self.first}_{self.last}"
@@ -84,8 +99,8 @@ class StepProfile(StepRangeCallback):
             "rank": trainer.rank,
             "world_size": trainer.world_size,
             "steps": [self.first, self.last],
-            "wall_ms": wall_ms / steps,
-            "dense_layers": sum(trainer.model.ffn_dense_fallback()),
+            "wall_ms": self._wall_ms / steps,
+            "dense_layers": self._dense_layers,
             **common.step_time_split(events, steps),
         }
         lead_text = ""

@@ -31,9 +31,12 @@
 #                 (benchmarks.step_profile: compute, exposed communication, idle) into
 #                 $OUT/profile_<run>; it slows them (their log window at ~40% of its speed: inside the
 #                 steady phase, 3-4% off its tokens/s). On one GPU profile just before the steady phase
-#                 (385:387 of 800 steps, the last 400 steady) and the run's figures stand; on a run bound
-#                 by its host every step after them slows too (12% on 4 GPUs: profile the run's last
-#                 steps, e.g. 783:785), so such runs' tokens/s are not figures of record.
+#                 (385:387 of 800 steps, the last 400 steady) and the steady figures stand, but not quite
+#                 the wall clock: the profiled steps still run slowed (until 8b460dc the report was also
+#                 written inside the run: its window took `auto` 3.4-7.1 s more than its neighbours' pace,
+#                 dense 1.6-2.0 s), so leave PROFILE_STEPS off a pair whose wall clock is the figure. On a
+#                 run bound by its host every step after them slows too (12% on 4 GPUs: profile the
+#                 run's last steps, e.g. 783:785), so such runs' tokens/s are not figures of record.
 #                 OBJECT_STEPS (e.g. 100:380): the Python objects the run made between those steps, by
 #                 type (benchmarks.object_growth) into $OUT/objects_<run>. RUN_OVERRIDES: Hydra
 #                 overrides for every run (e.g. "train.fsdp_prefetch=2"). LAUNCH_ARGS: accelerate launch
